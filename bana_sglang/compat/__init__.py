@@ -1,0 +1,130 @@
+"""The CPU compatibility layer for SGLang 0.5.23: everything in one place.
+
+Real SGLang 0.5.23 runs on a CPU-only machine after the fixes below (each was
+seen to be needed; see ``docs/CPU.md``). The layer is active only when no CUDA
+device is present (or ``BANA_DEVICE=cpu``); on a GPU machine every function
+here returns "nothing to do", so the CUDA path stays stock.
+
+Process-level (environment of every SGLang process, set by the launcher via
+:func:`child_env`, inherited by SGLang's ``spawn``-ed children):
+
+1. ``SGLANG_USE_CPU_ENGINE=1`` (with ``--device cpu``): else ``is_cpu()`` is
+   false and rotary embedding tries to import vllm.
+2. ``pypath/`` first on ``PYTHONPATH``: the ``sgl_kernel`` stand-in (one real
+   kernel, loud errors for the rest) and a ``sitecustomize`` that defines the
+   ``torchvision::nms``/``qnms`` schemas torchvision's import needs.
+3. PD over Mooncake TCP on loopback: ``SGLANG_HOST_IP``, ``MOONCAKE_PROTOCOL=tcp``,
+   ``MC_TCP_BIND_ADDRESS``; ``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0``
+   (a prefix hit otherwise takes a CUDA-stream-only path).
+
+Server arguments (:func:`server_args`): ``--device cpu``, ``--attention-backend
+torch_native``, ``--sampling-backend pytorch``, a bounded ``--max-total-tokens``
+(else the KV pool takes ~15 GB), and on decode ``--disaggregation-decode-
+retraction-backup cpu_tensor`` (else a pinned host pool needs an NVIDIA driver).
+
+In-process (:func:`apply_in_process_fixes`, run by the SGLang plugin in every
+SGLang process): ``MooncakeKVSender.supports_host_tensor_indices = False``,
+else prefill uses pinned memory and ``torch.cuda.Event``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PYPATH_DIR = Path(__file__).resolve().parent / "pypath"
+DEFAULT_MAX_TOTAL_TOKENS = 32768
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_available() -> bool:
+    """True when torch sees a CUDA device. Cached: it never changes in a process."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken torch install is not a GPU
+        logger.debug("torch.cuda probe failed", exc_info=True)
+        return False
+
+
+def cpu_mode() -> bool:
+    """Whether the CPU layer applies: ``BANA_DEVICE`` (cpu|cuda) wins, else no CUDA."""
+    forced = os.environ.get("BANA_DEVICE", "").strip().lower()
+    if forced in ("cpu", "cuda"):
+        return forced == "cpu"
+    if forced:
+        raise ValueError(f"BANA_DEVICE must be 'cpu' or 'cuda', got {forced!r}")
+    return not cuda_available()
+
+
+def child_env(base: Mapping[str, str] | None = None, *, host: str = "127.0.0.1") -> dict[str, str]:
+    """The environment for an SGLang process: ``base`` plus the CPU fixes when on CPU.
+
+    Values the caller already set win (an operator can override any of them),
+    except ``PYTHONPATH``, which gets ``pypath/`` prepended.
+    """
+    env = dict(os.environ if base is None else base)
+    # Mooncake's glog is very chatty and binds the first non-loopback NIC unless told.
+    env.setdefault("MC_LOG_LEVEL", "ERROR")
+    env.setdefault("MC_TCP_BIND_ADDRESS", host)
+    env.setdefault("SGLANG_HOST_IP", host)
+    if not cpu_mode():
+        return env
+    env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    env.setdefault("MOONCAKE_PROTOCOL", "tcp")
+    env.setdefault("SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX", "0")
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(PYPATH_DIR)]
+    env["PYTHONPATH"] = os.pathsep.join([str(PYPATH_DIR), *parts])
+    return env
+
+
+def server_args(role: str, *, user_args: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """SGLang flags the CPU needs for a worker of ``role`` (prefill|decode|null).
+
+    A flag already present in ``user_args`` is not added again, so users can
+    override any default (e.g. ``--max-total-tokens``).
+    """
+    if role not in ("prefill", "decode", "null"):
+        raise ValueError(f"role must be prefill, decode or null, got {role!r}")
+    if not cpu_mode():
+        return []
+    present = {a.split("=", 1)[0] for a in user_args if a.startswith("--")}
+    wanted: list[tuple[str, str]] = [
+        ("--device", "cpu"),
+        ("--attention-backend", "torch_native"),
+        ("--sampling-backend", "pytorch"),
+        ("--max-total-tokens", str(DEFAULT_MAX_TOTAL_TOKENS)),
+    ]
+    if role == "decode":
+        wanted.append(("--disaggregation-decode-retraction-backup", "cpu_tensor"))
+    out: list[str] = []
+    for flag, value in wanted:
+        if flag not in present:
+            out += [flag, value]
+    return out
+
+
+def in_cpu_sglang_process() -> bool:
+    """True inside an SGLang process that the CPU layer configured."""
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and cpu_mode()
+
+
+def apply_in_process_fixes() -> list[str]:
+    """Patch SGLang in this process for CPU PD; returns the names of the fixes applied."""
+    if not in_cpu_sglang_process():
+        return []
+    applied: list[str] = []
+    try:
+        from sglang.srt.disaggregation.mooncake import conn as mooncake_conn
+    except ImportError:  # no Mooncake wheel: PD over Mooncake is unavailable anyway
+        logger.info("mooncake PD backend not importable; skipping its CPU fix", exc_info=True)
+    else:
+        mooncake_conn.MooncakeKVSender.supports_host_tensor_indices = False
+        applied.append("MooncakeKVSender.supports_host_tensor_indices=False")
+    return applied

@@ -1,0 +1,363 @@
+"""``python -m bana_sglang.launch``: one command for a whole PD cluster.
+
+Starts, in order: a ``mooncake_master``; N prefill and M decode SGLang workers
+(real ``sglang.launch_server`` processes with the ``bana_sglang`` plugin
+loaded, PD over the Mooncake transfer engine); and a PD router in front. It
+waits until every part is healthy, prints the OpenAI-compatible endpoint,
+streams every part's log with a ``[name]`` prefix (or into ``--log-dir``), and
+on Ctrl-C/SIGTERM stops everything, leaving no child process or bound port.
+If a part fails to start it says which and why, and stops the rest.
+
+On a machine without CUDA the CPU layer (``bana_sglang.compat``) adds the
+environment and flags SGLang 0.5.23 needs there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import shlex
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bana_sglang import compat
+from bana_sglang.procs import (
+    ManagedProcess,
+    PortAllocator,
+    ProcessStartError,
+    http_ok,
+    stop_all,
+    tcp_open,
+    wait_until,
+)
+
+logger = logging.getLogger("bana_sglang.launch")
+
+READY_MARK = "bana_sglang: cluster ready"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Everything the launcher decides; built once from the command line."""
+
+    model_path: str | None = None  # embedded model name or folder; None: the tiny model
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 30000
+    worker_base_port: int | None = None  # None: scan up from port + 100
+    served_model_name: str | None = None
+    sglang_args: tuple[str, ...] = ()
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    log_dir: Path | None = None
+    startup_timeout: float = 600.0
+    mooncake_master: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("a PD cluster needs at least one prefill and one decode worker")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port {self.port} is not a TCP port")
+        if self.startup_timeout <= 0:
+            raise ValueError("--startup-timeout must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One process of the cluster and how to tell that it is ready."""
+
+    name: str
+    argv: tuple[str, ...]
+    health_url: str | None = None  # HTTP 2xx means ready
+    tcp_port: int | None = None  # else: accepting TCP connections means ready
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterPlan:
+    endpoint: str
+    model_path: str
+    served_model_name: str
+    master: Part | None
+    workers: tuple[Part, ...]
+    router: Part | None
+    env: dict[str, str]
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        return ((self.master,) if self.master else ()) + self.workers + ((self.router,) if self.router else ())
+
+
+def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
+    """Pure planning: ports, command lines and environment; starts nothing."""
+    from bana_sglang import models
+
+    model_path = str(models.resolve(cfg.model_path))
+    served = cfg.served_model_name or Path(model_path).name
+    ports = PortAllocator(cfg.host, cfg.worker_base_port or cfg.port + 100, spacing=2)
+    ports.taken.add(cfg.port)
+    py = sys.executable
+    h = cfg.host
+
+    master = None
+    if cfg.mooncake_master:
+        rpc, metrics = ports.take(), ports.take()
+        master = Part(
+            name="mooncake-master",
+            argv=(
+                str(Path(py).parent / "mooncake_master"),
+                f"-rpc_port={rpc}", f"-rpc_address={h}",
+                f"-metrics_port={metrics}", f"-metrics_host={h}",
+                "-enable_http_metadata_server=false",
+                "-minloglevel=1",  # its INFO lines are a metrics dump every 20 s
+            ),
+            tcp_port=rpc,
+        )
+
+    workers: list[Part] = []
+    prefill_urls: list[tuple[str, int]] = []
+    decode_urls: list[str] = []
+    for role, count, role_args in (("prefill", cfg.num_prefill, cfg.prefill_args),
+                                   ("decode", cfg.num_decode, cfg.decode_args)):
+        for i in range(count):
+            port = ports.take()
+            user = (*cfg.sglang_args, *role_args)
+            argv = [
+                py, "-m", "sglang.launch_server",
+                "--model-path", model_path, "--served-model-name", served,
+                "--host", h, "--port", str(port),
+                "--disaggregation-mode", role,
+                "--disaggregation-transfer-backend", "mooncake",
+            ]
+            url = f"http://{h}:{port}"
+            if role == "prefill":
+                boot = ports.take()
+                argv += ["--disaggregation-bootstrap-port", str(boot)]
+                prefill_urls.append((url, boot))
+            else:
+                decode_urls.append(url)
+            argv += compat.server_args(role, user_args=user) + list(user)
+            workers.append(Part(name=f"{role}-{i}", argv=tuple(argv), health_url=url + "/health"))
+
+    router_argv = [
+        py, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--host", h, "--port", str(cfg.port),
+        "--prometheus-host", h, "--prometheus-port", str(ports.take()),
+    ]
+    for url, boot in prefill_urls:
+        router_argv += ["--prefill", url, str(boot)]
+    for url in decode_urls:
+        router_argv += ["--decode", url]
+    if "--log-level" not in cfg.router_args:
+        router_argv += ["--log-level", "warn"]  # its INFO is a per-step workflow trace
+    router_argv += list(cfg.router_args)
+    endpoint = f"http://{h}:{cfg.port}"
+    router = Part(name="router", argv=tuple(router_argv), health_url=endpoint + "/health")
+    return ClusterPlan(
+        endpoint=endpoint, model_path=model_path, served_model_name=served,
+        master=master, workers=tuple(workers), router=router,
+        env=compat.child_env(host=h),
+    )
+
+
+def plan_single_server(
+    model_path: str | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 31000,
+    sglang_args: tuple[str, ...] = (),
+    name: str = "server",
+) -> ClusterPlan:
+    """A plain, colocated SGLang server (no PD, no router): the reference that
+    PD, cache and migration results are compared with, and a baseline."""
+    from bana_sglang import models
+
+    path = str(models.resolve(model_path))
+    served = Path(path).name
+    argv = (
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", path, "--served-model-name", served,
+        "--host", host, "--port", str(port),
+        *compat.server_args("null", user_args=sglang_args), *sglang_args,
+    )
+    url = f"http://{host}:{port}"
+    return ClusterPlan(
+        endpoint=url, model_path=path, served_model_name=served, master=None,
+        workers=(Part(name=name, argv=argv, health_url=url + "/health"),),
+        router=None, env=compat.child_env(host=host),
+    )
+
+
+class Cluster:
+    """Runs a :class:`ClusterPlan`: start in order, wait for health, stop everything."""
+
+    def __init__(self, plan: ClusterPlan, *, log_dir: Path | None = None, startup_timeout: float = 600.0):
+        self.plan = plan
+        self.log_dir = log_dir
+        self.startup_timeout = startup_timeout
+        self.procs: list[ManagedProcess] = []
+        self.stop_event = threading.Event()
+
+    def _spawn(self, part: Part) -> ManagedProcess:
+        proc = ManagedProcess(part.name, part.argv, self.plan.env, log_dir=self.log_dir)
+        proc.start()
+        self.procs.append(proc)
+        logger.info("started %s (pid %s)", part.name, proc.pid)
+        return proc
+
+    def _wait_ready(self, part: Part, proc: ManagedProcess, deadline: float) -> None:
+        h = self.plan.endpoint.split("//", 1)[1].rsplit(":", 1)[0]
+        if part.health_url:
+            check = lambda: http_ok(part.health_url)  # noqa: E731
+            what = f"healthy answer at {part.health_url}"
+        else:
+            check = lambda: tcp_open(h, part.tcp_port)  # noqa: E731
+            what = f"listening socket on port {part.tcp_port}"
+        wait_until(check, proc=proc, what=what, timeout=max(1.0, deadline - time.monotonic()),
+                   stop=self.stop_event)
+        logger.info("%s is ready", part.name)
+
+    def start(self) -> None:
+        """Start every part; raises :class:`ProcessStartError` (after stopping all) on failure."""
+        deadline = time.monotonic() + self.startup_timeout
+        try:
+            if self.plan.master:
+                self._wait_ready(self.plan.master, self._spawn(self.plan.master), deadline)
+            # Workers start together: their start-up is mostly imports and overlaps well.
+            started = [(part, self._spawn(part)) for part in self.plan.workers]
+            for part, proc in started:
+                self._wait_ready(part, proc, deadline)
+            if self.plan.router:
+                self._wait_ready(self.plan.router, self._spawn(self.plan.router), deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def failed_part(self) -> ManagedProcess | None:
+        """The first part that has exited, if any."""
+        return next((p for p in self.procs if p.poll() is not None), None)
+
+    def stop(self) -> None:
+        """Stop the router first (no new requests), then everything else together. Idempotent."""
+        self.stop_event.set()
+        router = self.plan.router.name if self.plan.router else None
+        front = [p for p in self.procs if p.name == router]
+        rest = [p for p in self.procs if p.name != router]
+        for group in (front, rest):
+            for name, code in stop_all(group).items():
+                logger.info("stopped %s (exit %s)", name, code)
+
+    def __enter__(self) -> Cluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------- CLI
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bana_sglang.launch",
+        description="Start a prefill/decode-disaggregated SGLang cluster (Mooncake master, "
+        "N prefill + M decode workers with the bana_sglang extension, a PD router) and serve "
+        "an OpenAI-compatible endpoint. Ctrl-C or SIGTERM stops everything.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model-path", default=None,
+                   help="HF model folder, or an embedded model name (tiny, small) built on "
+                        "first use; default: the embedded tiny model")
+    p.add_argument("--served-model-name", default=None, help="model name clients use; default: the folder name")
+    p.add_argument("--num-prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--num-decode", type=int, default=1, help="decode workers")
+    p.add_argument("--host", default="127.0.0.1", help="address every part binds to")
+    p.add_argument("--port", type=int, default=30000, help="port of the OpenAI-compatible endpoint")
+    p.add_argument("--worker-base-port", type=int, default=None,
+                   help="first port for workers, bootstrap and Mooncake (default: --port + 100, "
+                        "skipping busy ports)")
+    p.add_argument("--sglang-args", default="",
+                   help="extra SGLang server flags for every worker, as one shell-quoted string, "
+                        "e.g. \"--max-total-tokens 8192 --chunked-prefill-size 1024\"")
+    p.add_argument("--prefill-args", default="", help="extra SGLang flags for prefill workers only")
+    p.add_argument("--decode-args", default="", help="extra SGLang flags for decode workers only")
+    p.add_argument("--router-args", default="",
+                   help="extra sglang_router flags, e.g. \"--policy round_robin\"")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="write each part's log to DIR/NAME.log instead of the prefixed console stream")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the whole cluster to become healthy")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (commands, ports) and exit")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    return LaunchConfig(
+        model_path=args.model_path,
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        host=args.host,
+        port=args.port,
+        worker_base_port=args.worker_base_port,
+        served_model_name=args.served_model_name,
+        sglang_args=tuple(shlex.split(args.sglang_args)),
+        prefill_args=tuple(shlex.split(args.prefill_args)),
+        decode_args=tuple(shlex.split(args.decode_args)),
+        router_args=tuple(shlex.split(args.router_args)),
+        log_dir=args.log_dir,
+        startup_timeout=args.startup_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    plan = plan_cluster(cfg)
+    if args.dry_run:
+        print(f"endpoint: {plan.endpoint}  model: {plan.served_model_name} ({plan.model_path})")
+        print(f"cpu layer: {'on' if compat.cpu_mode() else 'off'}")
+        for part in plan.parts:
+            print(f"{part.name}: {shlex.join(part.argv)}")
+        return 0
+
+    cluster = Cluster(plan, log_dir=cfg.log_dir, startup_timeout=cfg.startup_timeout)
+
+    def on_signal(signum, _frame):
+        logger.info("received %s: shutting down", signal.Signals(signum).name)
+        cluster.stop_event.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    t0 = time.monotonic()
+    try:
+        cluster.start()
+    except ProcessStartError as e:
+        logger.error("cluster failed to start: %s", e)
+        return 1
+    print(f"{READY_MARK}: {plan.endpoint} (OpenAI-compatible; model {plan.served_model_name!r}; "
+          f"{cfg.num_prefill}P{cfg.num_decode}D; up in {time.monotonic() - t0:.0f}s)", flush=True)
+    code = 0
+    while not cluster.stop_event.wait(1.0):
+        dead = cluster.failed_part()
+        if dead is not None:
+            logger.error("%s exited unexpectedly (code %s); stopping the cluster. Last output:\n    %s",
+                         dead.name, dead.poll(), "\n    ".join(dead.tail()[-15:]))
+            code = 1
+            break
+    cluster.stop()
+    logger.info("cluster stopped")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Shared fixtures. Tests run on CPU by default; GPU tests are marked ``gpu``
+and skipped without CUDA; tests that start real SGLang processes are marked
+``slow`` (they still run in CI: real parts, really run)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bana_sglang import models
+from bana_sglang.launch import Cluster, plan_single_server
+from bana_sglang.procs import PortAllocator
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = ROOT.parent / "shared" / "data" / "traces"
+
+# One allocator per test session, above the launcher's default ports.
+_PORTS = PortAllocator("127.0.0.1", 41000 + (os.getpid() % 50) * 200, spacing=3)
+
+
+def free_port() -> int:
+    return _PORTS.take()
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The embedded tiny Llama (built once, cached)."""
+    return models.build("tiny")
+
+
+@contextlib.contextmanager
+def sglang_server(model_path: str | Path | None = None, *, sglang_args: tuple[str, ...] = (),
+                  log_dir: Path | None = None, name: str = "server") -> Iterator[str]:
+    """A real single SGLang server with the extension loaded; yields its base URL."""
+    plan = plan_single_server(str(model_path) if model_path else None, port=free_port(),
+                              sglang_args=sglang_args, name=name)
+    with Cluster(plan, log_dir=log_dir, startup_timeout=300):
+        yield plan.endpoint
+
+
+@pytest.fixture(scope="session")
+def single_server(tiny_model: Path, tmp_path_factory) -> Iterator[str]:
+    """One plain SGLang server on the tiny model, shared by the whole session:
+    the reference for every "same tokens as a plain run" check."""
+    with sglang_server(tiny_model, log_dir=tmp_path_factory.mktemp("single-logs"),
+                       name="single") as url:
+        yield url
