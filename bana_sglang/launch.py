@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import shlex
 import signal
@@ -93,6 +94,25 @@ class ClusterPlan:
         return ((self.master,) if self.master else ()) + self.workers + ((self.router,) if self.router else ())
 
 
+def dtype_args(model_path: str, user_args: tuple[str, ...] | list[str]) -> list[str]:
+    """Keep a float32 checkpoint in float32.
+
+    SGLang's ``--dtype auto`` silently runs float32 checkpoints in float16
+    ("common practice", ``configs/model_config.py``), which breaks the
+    exactness contract (greedy float32 tokens equal HF's) and, on CPU, is slow.
+    A user's own ``--dtype`` always wins.
+    """
+    if any(a == "--dtype" or a.startswith("--dtype=") for a in user_args):
+        return []
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if (cfg.get("torch_dtype") or cfg.get("dtype")) == "float32":
+        return ["--dtype", "float32"]
+    return []
+
+
 def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
     """Pure planning: ports, command lines and environment; starts nothing."""
     from bana_sglang import models
@@ -141,7 +161,7 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
                 prefill_urls.append((url, boot))
             else:
                 decode_urls.append(url)
-            argv += compat.server_args(role, user_args=user) + list(user)
+            argv += compat.server_args(role, user_args=user) + dtype_args(model_path, user) + list(user)
             workers.append(Part(name=f"{role}-{i}", argv=tuple(argv), health_url=url + "/health"))
 
     router_argv = [
@@ -183,7 +203,7 @@ def plan_single_server(
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", path, "--served-model-name", served,
         "--host", host, "--port", str(port),
-        *compat.server_args("null", user_args=sglang_args), *sglang_args,
+        *compat.server_args("null", user_args=sglang_args), *dtype_args(path, sglang_args), *sglang_args,
     )
     url = f"http://{host}:{port}"
     return ClusterPlan(

@@ -46,7 +46,8 @@ class ProcessStartError(RuntimeError):
         self.tail = list(tail)
         text = f"{name}: {reason}"
         if self.tail:
-            text += "\n  last output of " + name + ":\n    " + "\n    ".join(self.tail)
+            lines = [t if len(t) <= 300 else t[:300] + " ..." for t in self.tail]
+            text += "\n  last output of " + name + ":\n    " + "\n    ".join(lines)
         super().__init__(text)
 
 

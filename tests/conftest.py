@@ -52,7 +52,7 @@ def sglang_server(model_path: str | Path | None = None, *, sglang_args: tuple[st
     """A real single SGLang server with the extension loaded; yields its base URL."""
     plan = plan_single_server(str(model_path) if model_path else None, port=free_port(),
                               sglang_args=sglang_args, name=name)
-    with Cluster(plan, log_dir=log_dir, startup_timeout=300):
+    with Cluster(plan, log_dir=log_dir, startup_timeout=900):
         yield plan.endpoint
 
 
@@ -60,6 +60,6 @@ def sglang_server(model_path: str | Path | None = None, *, sglang_args: tuple[st
 def single_server(tiny_model: Path, tmp_path_factory) -> Iterator[str]:
     """One plain SGLang server on the tiny model, shared by the whole session:
     the reference for every "same tokens as a plain run" check."""
-    with sglang_server(tiny_model, log_dir=tmp_path_factory.mktemp("single-logs"),
+    with sglang_server(tiny_model, log_dir=tmp_path_factory.getbasetemp() / "single-logs",
                        name="single") as url:
         yield url

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine: system library, virtual environment,
+# the right wheels for this machine (CPU or CUDA), the package, the tiny model.
+# A second run reuses the environment and only re-installs when the
+# requirement files changed.
+#
+#   BANA_VENV=path   where the virtual environment lives (default: .venv)
+#   BANA_DEVICE=cpu|cuda   force the wheel flavour (default: cuda iff nvidia-smi sees a GPU)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV=${BANA_VENV:-$ROOT/.venv}
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# 1. Mooncake's transfer engine links against libibverbs even without RDMA hardware.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+  log "installing Debian's libibverbs1 (needed by Mooncake)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+# 2. CPU or CUDA wheels.
+DEVICE=${BANA_DEVICE:-}
+if [ -z "$DEVICE" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=cuda; else DEVICE=cpu; fi
+fi
+case "$DEVICE" in cpu|cuda) ;; *) log "BANA_DEVICE must be cpu or cuda, got '$DEVICE'"; exit 2 ;; esac
+
+# 3. The virtual environment (reused when present).
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating virtual environment $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+STAMP="$VENV/.bana-setup-$DEVICE"
+WANT=$(cat requirements/*.txt pyproject.toml | sha256sum | cut -c1-16)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  log "installing $DEVICE wheels into $VENV (first run: a few minutes)"
+  if [ "$DEVICE" = cpu ]; then
+    # The light route (shared/docs/CPU_AND_MOONCAKE.md): CPU torch first, then
+    # sglang's own requirements minus the CUDA-only ones, then sglang itself
+    # without its CUDA pins.
+    "${PIP[@]}" install torch==2.13.0
+    "${PIP[@]}" install -r requirements/cpu.txt -c requirements/constraints-cpu.txt
+    "${PIP[@]}" install --no-deps sglang==0.5.23
+  else
+    "${PIP[@]}" install -r requirements/cuda.txt
+  fi
+  "${PIP[@]}" install --no-deps -e "$ROOT"
+  echo "$WANT" > "$STAMP"
+else
+  log "environment $VENV is up to date ($DEVICE)"
+fi
+
+# 4. The embedded tiny model (cached under ~/.cache/bana_sglang/models).
+"$VENV/bin/python" -m bana_sglang.models build tiny >/dev/null
+log "ready: $VENV ($DEVICE)"

@@ -1,0 +1,190 @@
+"""A real 1P1D cluster started through ``python -m bana_sglang.launch``:
+the OpenAI-compatible endpoint, the official ``openai`` client, an SGLang
+frontend program, exact tokens, bad input, and a clean shutdown.
+
+Everything here is real: mooncake_master, two SGLang workers with the
+extension, PD KV transfer over the Mooncake transfer engine (TCP), and the
+stock sglang_router in front.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import psutil
+import pytest
+
+from bana_sglang.launch import READY_MARK
+from bana_sglang.procs import port_free
+from conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+MODEL = "bana-tiny-v1"
+
+
+@dataclass
+class RunningCluster:
+    url: str
+    proc: subprocess.Popen
+    lines: list[str]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    port = free_port()
+    logs = tmp_path_factory.mktemp("cluster-logs")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bana_sglang.launch", "--port", str(port),
+         "--worker-base-port", str(free_port()), "--log-dir", str(logs)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if READY_MARK in line:
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + 600
+    while not ready.is_set() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not ready.is_set():
+        proc.kill()
+        pytest.fail("cluster did not start:\n" + "\n".join(lines[-40:]))
+    running = RunningCluster(url=f"http://127.0.0.1:{port}", proc=proc, lines=lines)
+    yield running
+    if proc.poll() is None:  # the shutdown test normally stopped it already
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+
+
+def post(cluster: RunningCluster, path: str, body, **kw) -> httpx.Response:
+    return httpx.post(cluster.url + path, json=body, timeout=120, **kw)
+
+
+def test_models_and_completions(cluster):
+    models = httpx.get(cluster.url + "/v1/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    r = post(cluster, "/v1/completions", {"model": MODEL, "prompt": "The cache", "max_tokens": 8,
+                                          "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_streamed_and_not_agree(cluster):
+    req = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}],
+           "max_tokens": 12, "temperature": 0}
+    r = post(cluster, "/v1/chat/completions", req)
+    assert r.status_code == 200, r.text
+    whole = r.json()["choices"][0]["message"]["content"]
+    pieces = []
+    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json={**req, "stream": True},
+                      timeout=120) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                pieces.append(delta.get("content") or "")
+    assert len(pieces) > 1  # really streamed, chunk by chunk
+    assert "".join(pieces) == whole
+
+
+def test_greedy_tokens_equal_a_plain_single_worker(cluster, single_server):
+    for text in ["The prefix cache of the model", "Decode workers publish pages. " * 20]:
+        req = {"text": text, "sampling_params": {"max_new_tokens": 24, "temperature": 0,
+                                                  "ignore_eos": True}}
+        pd = post(cluster, "/generate", req)
+        assert pd.status_code == 200, pd.text
+        plain = httpx.post(single_server + "/generate", json=req, timeout=120).json()
+        assert pd.json()["output_ids"] == plain["output_ids"]
+
+
+def test_openai_client(cluster):
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=6, temperature=0)
+    assert out.choices[0].message.content and out.usage.completion_tokens == 6
+    stream = client.completions.create(model=MODEL, prompt="Once", max_tokens=5, temperature=0,
+                                       stream=True)
+    assert len([c for c in stream if c.choices]) >= 5
+
+
+def test_sglang_frontend_program(cluster, single_server):
+    import sglang as sgl
+
+    @sgl.function
+    def qa(s, question):
+        s += "Question: " + question + "\nAnswer:"
+        s += sgl.gen("answer", max_tokens=10, temperature=0)
+
+    through_pd = qa.run(question="what is a prefix cache?", backend=sgl.RuntimeEndpoint(cluster.url))
+    plain = qa.run(question="what is a prefix cache?", backend=sgl.RuntimeEndpoint(single_server))
+    assert through_pd["answer"] == plain["answer"]
+    assert len(through_pd["answer"]) > 0
+
+
+@pytest.mark.parametrize("path, body, status, words", [
+    ("/v1/completions", b"{not json", 400, "JSON"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 422, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": -5}, 422, "max_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -3}}, 422, "max_new_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 5000, "max_tokens": 4}, 400,
+     "longer than the model's context length"),
+])
+def test_bad_input_gets_a_4xx_that_names_the_problem_and_serving_goes_on(cluster, path, body, status, words):
+    if isinstance(body, bytes):
+        r = httpx.post(cluster.url + path, content=body, headers={"content-type": "application/json"},
+                       timeout=120)
+    else:
+        r = post(cluster, path, body)
+    assert r.status_code == status, r.text
+    assert words in r.text
+    ok = post(cluster, "/v1/completions", {"model": MODEL, "prompt": "still there?", "max_tokens": 3})
+    assert ok.status_code == 200, ok.text
+
+
+def test_memory_of_the_1p1d_cluster(cluster, capsys):
+    root = psutil.Process(cluster.proc.pid)
+    procs = [root, *root.children(recursive=True)]
+    rss = sum(p.memory_info().rss for p in procs if p.is_running())
+    with capsys.disabled():
+        print(f"\n1P1D cluster RSS: {rss / 2**30:.2f} GiB over {len(procs)} processes")
+    assert rss < 16 * 2**30
+
+
+def test_sigterm_stops_everything_and_frees_the_ports(cluster):
+    """Last in the module: it stops the cluster."""
+    root = psutil.Process(cluster.proc.pid)
+    tree = [root, *root.children(recursive=True)]
+    assert len(tree) >= 5
+    ports = set()
+    for p in tree:
+        try:
+            ports |= {c.laddr.port for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            pass
+    assert ports
+    cluster.proc.send_signal(signal.SIGTERM)
+    assert cluster.proc.wait(timeout=120) == 0
+    time.sleep(1)
+    alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    busy = [port for port in ports if not port_free("127.0.0.1", port)]
+    assert not busy
+    assert any("cluster stopped" in line for line in cluster.lines)

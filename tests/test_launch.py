@@ -1,0 +1,124 @@
+"""Launcher planning and process supervision (fast: no SGLang server)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from bana_sglang import launch
+from bana_sglang.procs import ManagedProcess, ProcessStartError, port_free, wait_until
+
+
+def test_plan_2p1d_has_distinct_ports_and_pd_wiring(monkeypatch):
+    monkeypatch.setenv("BANA_DEVICE", "cpu")
+    plan = launch.plan_cluster(launch.LaunchConfig(num_prefill=2, num_decode=1, port=30500))
+    names = [p.name for p in plan.parts]
+    assert names == ["mooncake-master", "prefill-0", "prefill-1", "decode-0", "router"]
+    ports = []
+    for part in plan.workers:
+        argv = list(part.argv)
+        ports.append(int(argv[argv.index("--port") + 1]))
+        assert argv[argv.index("--host") + 1] == "127.0.0.1"
+        role = argv[argv.index("--disaggregation-mode") + 1]
+        assert part.name.startswith(role)
+        if role == "prefill":
+            ports.append(int(argv[argv.index("--disaggregation-bootstrap-port") + 1]))
+        assert argv[argv.index("--device") + 1] == "cpu"
+    router = list(plan.router.argv)
+    assert router.count("--prefill") == 2 and router.count("--decode") == 1
+    assert "30500" in router
+    assert len(ports) == len(set(ports)) and 30500 not in ports
+    assert plan.env["SGLANG_USE_CPU_ENGINE"] == "1"
+    # float32 checkpoints stay float32 (SGLang's "auto" would downcast to float16)
+    assert all(p.argv[p.argv.index("--dtype") + 1] == "float32" for p in plan.workers)
+
+
+def test_user_dtype_wins(monkeypatch):
+    monkeypatch.setenv("BANA_DEVICE", "cpu")
+    plan = launch.plan_cluster(launch.LaunchConfig(sglang_args=("--dtype", "bfloat16")))
+    for part in plan.workers:
+        assert part.argv.count("--dtype") == 1 and "bfloat16" in part.argv
+
+
+def test_extra_args_reach_the_right_role(monkeypatch):
+    monkeypatch.setenv("BANA_DEVICE", "cpu")
+    plan = launch.plan_cluster(launch.LaunchConfig(
+        sglang_args=("--max-total-tokens", "2048"), decode_args=("--max-running-requests", "7"),
+        router_args=("--policy", "round_robin")))
+    prefill, decode = plan.workers
+    assert prefill.argv.count("--max-total-tokens") == 1  # the user's value replaced the default
+    assert "2048" in prefill.argv and "--max-running-requests" not in prefill.argv
+    assert "7" in decode.argv
+    assert plan.router.argv[-2:] == ("--policy", "round_robin")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-prefill", "0"], "at least one prefill"),
+    (["--port", "70000"], "not a TCP port"),
+    (["--model-path", "/nonexistent/model"], "neither an embedded model"),
+])
+def test_cli_rejects_bad_arguments(argv, message):
+    out = subprocess.run([sys.executable, "-m", "bana_sglang.launch", *argv, "--dry-run"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert message in out.stderr
+
+
+def test_cli_help_and_dry_run():
+    out = subprocess.run([sys.executable, "-m", "bana_sglang.launch", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--num-prefill" in out.stdout and "--sglang-args" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "bana_sglang.launch", "--dry-run", "--num-decode", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "decode-1:" in out.stdout and "router:" in out.stdout
+
+
+_TREE = r"""
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+import os, signal
+signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a stubborn parent: needs SIGKILL
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_stop_reaps_the_whole_tree_even_when_sigterm_is_ignored():
+    proc = ManagedProcess("stubborn", [sys.executable, "-c", _TREE])
+    proc.start()
+    wait_until(lambda: "ready" in proc.tail(), proc=proc, what="ready line", timeout=30, interval=0.1)
+    wait_until(lambda: len(proc.descendants()) == 1, proc=proc, what="grandchild", timeout=30, interval=0.1)
+    tree = [psutil.Process(proc.pid), *proc.descendants()]
+    t0 = time.monotonic()
+    proc.stop(timeout=1.0)
+    assert time.monotonic() - t0 < 10
+    for p in tree:
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+
+
+def test_start_failure_names_the_part_and_shows_its_output():
+    proc = ManagedProcess("broken", [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"])
+    proc.start()
+    with pytest.raises(ProcessStartError) as err:
+        wait_until(lambda: False, proc=proc, what="health", timeout=30, interval=0.1)
+    assert "broken" in str(err.value) and "code 3" in str(err.value)
+    assert "no such model" in str(err.value)
+
+
+def test_port_allocator_skips_busy_ports():
+    import socket
+
+    from bana_sglang.procs import PortAllocator
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        alloc = PortAllocator("127.0.0.1", busy)
+        got = alloc.take()
+        assert got != busy and port_free("127.0.0.1", got)
