@@ -9,6 +9,7 @@ configuration that applies (CPU layer only without CUDA).
 from __future__ import annotations
 
 import logging
+import multiprocessing
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +21,24 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from bana_sglang import compat
+    from bana_sglang import compat, server_routes
 
     applied = compat.apply_in_process_fixes()
+    server_routes.APPLIED_FIXES[:] = applied
     if applied:
         logger.info("bana_sglang: CPU fixes applied: %s", ", ".join(applied))
+    if multiprocessing.parent_process() is None:
+        # The HTTP server's process (SGLang children are spawned, so they have a
+        # parent): add the extension's routes before uvicorn starts.
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register("sglang.srt.entrypoints.http_server.launch_server",
+                              server_routes.before_launch_server, HookType.BEFORE)
+    if compat.cpu_mode():
+        # The CPU attention backend: its name must pass argparse and reach the model runner.
+        try:
+            from bana_sglang.attention import register_backend
+
+            register_backend()
+        except Exception:  # never break an SGLang process over an optional backend
+            logger.exception("bana_sglang: could not register the bana_cpu attention backend")

@@ -18,9 +18,13 @@ Process-level (environment of every SGLang process, set by the launcher via
    (a prefix hit otherwise takes a CUDA-stream-only path).
 
 Server arguments (:func:`server_args`): ``--device cpu``, ``--attention-backend
-torch_native``, ``--sampling-backend pytorch``, a bounded ``--max-total-tokens``
-(else the KV pool takes ~15 GB), and on decode ``--disaggregation-decode-
-retraction-backup cpu_tensor`` (else a pinned host pool needs an NVIDIA driver).
+bana_cpu`` (the extension's CPU attention, whose extend cost follows the new
+tokens; see :mod:`bana_sglang.attention`; ``BANA_CPU_ATTENTION=stock`` selects
+SGLang's ``torch_native`` instead, to measure the stock path; read by
+:func:`cpu_attention_backend`), ``--sampling-backend pytorch``, a bounded
+``--max-total-tokens`` (else the KV pool takes ~15 GB), and on decode
+``--disaggregation-decode-retraction-backup cpu_tensor`` (else a pinned host
+pool needs an NVIDIA driver).
 
 In-process (:func:`apply_in_process_fixes`, run by the SGLang plugin in every
 SGLang process): ``MooncakeKVSender.supports_host_tensor_indices = False``,
@@ -39,6 +43,23 @@ logger = logging.getLogger(__name__)
 
 PYPATH_DIR = Path(__file__).resolve().parent / "pypath"
 DEFAULT_MAX_TOTAL_TOKENS = 32768
+STOCK_CPU_ATTENTION = "torch_native"
+
+
+def cpu_attention_backend() -> str:
+    """The default ``--attention-backend`` on CPU, from ``BANA_CPU_ATTENTION``.
+
+    ``bana`` (default, also when unset or empty): the extension's ``bana_cpu``
+    backend; ``stock``: SGLang's ``torch_native``. Read when the flags are built.
+    """
+    choice = os.environ.get("BANA_CPU_ATTENTION", "").strip().lower() or "bana"
+    if choice == "stock":
+        return STOCK_CPU_ATTENTION
+    if choice == "bana":
+        from bana_sglang.attention.registry import BACKEND_NAME
+
+        return BACKEND_NAME
+    raise ValueError(f"BANA_CPU_ATTENTION must be 'bana' or 'stock', got {choice!r}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,7 +118,7 @@ def server_args(role: str, *, user_args: list[str] | tuple[str, ...] = ()) -> li
     present = {a.split("=", 1)[0] for a in user_args if a.startswith("--")}
     wanted: list[tuple[str, str]] = [
         ("--device", "cpu"),
-        ("--attention-backend", "torch_native"),
+        ("--attention-backend", cpu_attention_backend()),
         ("--sampling-backend", "pytorch"),
         ("--max-total-tokens", str(DEFAULT_MAX_TOTAL_TOKENS)),
     ]
