@@ -1,0 +1,287 @@
+"""PageStore against a real mooncake_master and a real storage process on 127.0.0.1.
+
+Covers: a torch page round trip (staging and registered zero-copy paths), header
+verification (another layout, another page, another size, a corrupted payload:
+all misses), a missing key (a miss), and a master killed and restarted while
+requests flow through index + store: misses and no exceptions during the
+outage, hits again afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from bana_sglang.procs import ManagedProcess, tcp_open, wait_until
+from bana_sglang.radix_global.keys import KVLayout, PageHash, page_chain
+from bana_sglang.radix_global.service import IndexClient
+from bana_sglang.radix_global.storage_server import READY_LINE as STORAGE_READY
+from bana_sglang.radix_global.store import Miss, PageStore, StoreConfig, page_key
+from bana_sglang.radix_global.worker_cache import GlobalKVCache
+from conftest import free_port
+from test_radix_service import index_service
+
+pytestmark = pytest.mark.slow
+
+LAYOUT = KVLayout("store-test", "float32", page_size=4, num_kv_heads=2, head_dim=8, num_layers=2)
+ENV = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", MC_LOG_LEVEL="ERROR")
+BIN = os.path.dirname(sys.executable)
+
+
+class Mooncake:
+    """One master and one storage process; the master can be killed and restarted."""
+
+    def __init__(self) -> None:
+        self.rpc, self.metrics = free_port(), free_port()
+        self.addr = f"127.0.0.1:{self.rpc}"
+        self.master: ManagedProcess | None = None
+        self.storage: ManagedProcess | None = None
+        self.generation = 0
+
+    def start_master(self) -> None:
+        self.generation += 1
+        self.master = ManagedProcess(f"mooncake-master-{self.generation}", [
+            os.path.join(BIN, "mooncake_master"), f"-rpc_port={self.rpc}", "-rpc_address=127.0.0.1",
+            f"-metrics_port={self.metrics}", "-metrics_host=127.0.0.1",
+            "-enable_http_metadata_server=false", "-minloglevel=2",
+            "-default_kv_lease_ttl=1000"], env=ENV)
+        self.master.start()
+        wait_until(lambda: tcp_open("127.0.0.1", self.rpc, 0.2), proc=self.master,
+                   what="the master's RPC port", timeout=30, interval=0.05)
+
+    def kill_master(self) -> None:
+        assert self.master
+        self.master.kill()
+        self.master.reap()
+
+    def start_storage(self) -> None:
+        self.storage = ManagedProcess("bana-storage", [
+            sys.executable, "-m", "bana_sglang.radix_global.storage_server",
+            "--master", self.addr, "--segment-bytes", "64M", "--log-level", "WARNING"], env=ENV)
+        self.storage.start()
+        wait_until(lambda: any(STORAGE_READY in x for x in self.storage.tail()), proc=self.storage,
+                   what="the ready line", timeout=60, interval=0.05)
+
+    def stop(self) -> None:
+        for p in (self.storage, self.master):
+            if p is not None:
+                p.stop(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Iterator[Mooncake]:
+    mc = Mooncake()
+    try:
+        mc.start_master()
+        mc.start_storage()
+        yield mc
+    finally:
+        mc.stop()
+
+
+@pytest.fixture()
+def store(mooncake) -> Iterator[PageStore]:
+    s = PageStore.connect(LAYOUT, StoreConfig(master_addr=mooncake.addr, staging_bytes=1 << 20,
+                                              probe_interval_s=0.2))
+    yield s
+    s.kv.close()
+
+
+def _page(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.page_shape, generator=g)
+
+
+def test_put_get_round_trip(store):
+    chain = page_chain(range(1000, 1012), LAYOUT)
+    pages = [_page(i) for i in range(3)]
+    assert store.put_pages(chain, pages) == (3, None)
+    got = store.get_page(chain[1])
+    assert isinstance(got, torch.Tensor) and torch.equal(got, pages[1])
+    out = torch.empty(LAYOUT.page_shape)
+    res = store.get_pages(chain, None)
+    assert res.miss is None and all(torch.equal(a, b) for a, b in zip(res.tensors, pages))
+    assert store.get_page(chain[2], out) is out and torch.equal(out, pages[2])
+    assert store.exists_many(chain + [PageHash("0" * 32)]) == [True, True, True, False]
+    # a registered pool moves pages without staging
+    pool = torch.zeros((4, *LAYOUT.page_shape))
+    store.register(pool)
+    pool[0].copy_(_page(10))
+    pool[1].copy_(_page(11))
+    chain2 = page_chain(range(2000, 2008), LAYOUT)
+    assert store.put_pages(chain2, [pool[0], pool[1]]).written == 2
+    res = store.get_pages(chain2, [pool[2], pool[3]])
+    assert res.miss is None and res.tensors[0].data_ptr() == pool[2].data_ptr()
+    assert torch.equal(pool[2], _page(10)) and torch.equal(pool[3], _page(11))
+    assert store.object_size == 192 + LAYOUT.page_nbytes
+
+
+def test_missing_key_is_a_miss(store):
+    page = page_chain(range(3000, 3004), LAYOUT)[0]
+    assert store.get_page(page) == Miss(page, "missing")
+    res = store.get_pages(page_chain(range(3000, 3012), LAYOUT))
+    assert res.tensors == () and res.miss.reason == "missing"
+
+
+def test_header_rejects_other_layout_page_and_corruption(store, mooncake):
+    chain = page_chain(range(4000, 4008), LAYOUT)
+    assert store.put_pages(chain, [_page(1), _page(2)]).written == 2
+    # same shape, other model: the layout digest differs
+    other_model = PageStore(KVLayout("another-model", "float32", 4, 2, 8, 2), store.kv)
+    assert other_model.get_page(chain[0]).reason == "layout_mismatch"
+    # other TP rank of the same model
+    rank1 = PageStore(KVLayout("store-test", "float32", 4, 2, 8, 2, tp_rank=1, tp_size=2), store.kv)
+    assert rank1.get_page(chain[0]).reason == "layout_mismatch"
+    # other page size: the object has another size
+    bigger = PageStore(KVLayout("store-test", "float32", 8, 2, 8, 2), store.kv)
+    assert bigger.get_page(chain[0]).reason == "size_mismatch"
+    # the bytes of page 0 stored under another page's key
+    raw = store.kv.get_bytes(page_key(chain[0]))
+    alien = PageHash("ab" * 16)
+    store.kv.put_bytes(page_key(alien), raw)
+    assert store.get_page(alien).reason == "page_mismatch"
+    # a flipped payload byte
+    raw1 = bytearray(store.kv.get_bytes(page_key(chain[1])))
+    raw1[-1] ^= 0xFF
+    store.kv.remove_many([page_key(chain[1])], force=True)
+    store.kv.put_bytes(page_key(chain[1]), bytes(raw1))
+    res = store.get_pages(chain)
+    assert len(res.tensors) == 1 and res.miss.reason == "checksum"
+    # a mangled header
+    raw0 = bytearray(raw)
+    raw0[10] ^= 0x01
+    store.kv.remove_many([page_key(chain[0])], force=True)
+    store.kv.put_bytes(page_key(chain[0]), bytes(raw0))
+    assert store.get_page(chain[0]).reason == "bad_header"
+
+
+def _outage_while_requests_flow(mooncake: Mooncake, kill, restart, what: str) -> None:
+    """Requests keep flowing through index + store while part of the store dies
+    and comes back: misses and no exceptions meanwhile, hits again afterwards."""
+    port = free_port()
+    with index_service(port, "--capacity-bytes", str(8 << 20), "--master", mooncake.addr,
+                       "--epoch-check", "0.3", name="radix-index-store"):
+        ep = f"tcp://127.0.0.1:{port}"
+        store = PageStore.connect(LAYOUT, StoreConfig(master_addr=mooncake.addr, probe_interval_s=0.2))
+        cache = GlobalKVCache(LAYOUT, IndexClient(ep, timeout_s=2.0, name="worker"), store, "worker")
+        prompts = [list(range(k * 100, k * 100 + 24)) for k in range(4)]  # 6 pages each
+        log: list[tuple[float, int, float]] = []  # (start, hit pages, latency)
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def requests() -> None:
+            i = 0
+            while not stop.is_set():
+                tokens = prompts[i % len(prompts)]
+                i += 1
+                t0 = time.monotonic()
+                try:
+                    chain = cache.chain(tokens)
+                    hit = cache.load_prefix(chain)
+                    # "recompute" the rest and publish it
+                    cache.publish(chain, [_page(j) for j in range(len(chain))])
+                    log.append((t0, len(hit.tensors), time.monotonic() - t0))
+                except BaseException as e:  # the point of the test: nothing escapes
+                    errors.append(e)
+                    return
+                time.sleep(0.02)
+
+        worker = threading.Thread(target=requests, name="requests")
+        worker.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not any(h for _, h, _ in log):
+                assert time.monotonic() < deadline and not errors, f"no hits before the kill: {errors}"
+                time.sleep(0.1)
+            killed_at = time.monotonic()
+            kill()
+            # A request into a just-dead segment can block ~1-2 s until Mooncake
+            # drops it; what must hold is that requests keep completing.
+            deadline = time.monotonic() + 20
+            while len(during := [e for e in log if e[0] > killed_at + 1.0]) < 3:
+                assert time.monotonic() < deadline and not errors, (
+                    f"requests stopped flowing while the {what} was down: {errors}")
+                time.sleep(0.1)
+            assert all(h == 0 for _, h, _ in during)
+            restart()
+            restarted_at = time.monotonic()
+            deadline = restarted_at + 40
+            while not any(h for t, h, _ in log if t > restarted_at):
+                assert time.monotonic() < deadline, f"hits never resumed after the {what} restart"
+                assert not errors, errors
+                time.sleep(0.2)
+        finally:
+            stop.set()
+            worker.join(timeout=30)
+        assert not errors, errors
+        resumed = min(t for t, h, _ in log if t > restarted_at and h) - restarted_at
+        outage = [lat for t, _, lat in log if killed_at < t < restarted_at]
+        print(f"\n{what}: hits resumed {resumed:.1f}s after the restart; {len(log)} requests; "
+              f"during the outage {len(outage)} requests, slowest {max(outage, default=0):.2f}s")
+        stats = cache.index.stats()
+        store.kv.close()
+        return stats, log, killed_at
+
+
+def test_master_killed_and_restarted_while_requests_flow(mooncake):
+    stats, log, killed_at = _outage_while_requests_flow(
+        mooncake, mooncake.kill_master, mooncake.start_master, "master")
+    # the outage gate: no request waited for Mooncake's ~4.5 s RPC timeout more than once
+    slow = [lat for t, _, lat in log if t > killed_at and lat > 1.0]
+    assert len(slow) <= 2, slow
+    assert stats.store_resets >= 1  # the index learnt that the store lost everything
+
+
+def test_storage_process_killed_and_restarted_while_requests_flow(mooncake):
+    def kill() -> None:
+        mooncake.storage.kill()
+        mooncake.storage.reap()
+
+    stats, _, _ = _outage_while_requests_flow(mooncake, kill, mooncake.start_storage, "storage process")
+    assert stats.forgotten > 0  # readers reported the lost pages; the index forgot them
+
+
+def _drained(index: IndexClient, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (s := index.stats()) is None or s.store_removals_queued:
+        assert time.monotonic() < deadline, f"store removals still queued: {s}"
+        time.sleep(0.1)
+
+
+def test_index_service_removes_evicted_and_lost_pages_from_the_store(mooncake):
+    """Eviction is the index's: pages it evicts (LRU leaves) or forgets disappear
+    from the store too, so the store holds exactly the indexed, prefix-closed set."""
+    port = free_port()
+    store = PageStore.connect(LAYOUT, StoreConfig(master_addr=mooncake.addr))
+    capacity = 6 * store.object_size  # room for 6 pages
+    with index_service(port, "--capacity-bytes", str(capacity), "--master", mooncake.addr,
+                       name="radix-index-evict"):
+        cache = GlobalKVCache(LAYOUT, IndexClient(f"tcp://127.0.0.1:{port}", timeout_s=5), store, "w")
+        chains = [cache.chain(list(range(k * 1000, k * 1000 + 12))) for k in range(4)]  # 3 pages each
+        for ch in chains:
+            assert cache.publish(ch, [_page(i) for i in range(3)]).committed == 3
+        held = [p for ch in chains for p in ch]
+        in_index = [cache.index.lookup(ch, touch=False).length for ch in chains]
+        assert in_index == [0, 0, 3, 3]
+        _drained(cache.index)  # (polling the store would renew read leases)
+        assert store.exists_many(held) == [False] * 6 + [True] * 6
+        # a corrupt page is reported by the reader; it and its descendants leave index and store
+        raw = bytearray(store.kv.get_bytes(page_key(chains[3][1])))
+        raw[-1] ^= 1
+        store.kv.remove_many([page_key(chains[3][1])], force=True)
+        store.kv.put_bytes(page_key(chains[3][1]), bytes(raw))
+        res = cache.load_prefix(chains[3])
+        assert len(res.tensors) == 1 and res.miss.reason == "checksum"
+        assert cache.index.lookup(chains[3], touch=False).length == 1
+        _drained(cache.index)  # lost pages are removed with force: no lease wait
+        assert store.exists_many(chains[3]) == [True, False, False]
+        # and the chain can be published again, fully
+        assert cache.publish(chains[3], [_page(i) for i in range(3)]).committed == 2
+        assert len(cache.load_prefix(chains[3]).tensors) == 3
+    store.kv.close()
