@@ -1,0 +1,358 @@
+"""Balancer: a pure policy from load snapshots to a migration plan.
+
+Given every worker's ``WorkerLoad`` (the router's snapshot type) and a cost model
+of moving bytes, ``plan`` returns a ``Plan``: a tuple of typed actions (layer
+migration, KV-block migration, request migration) or nothing. The objective is
+BanaServe's: lower the peak device utilisation ``max_g U_g`` while the plan's
+migration time (sum of its actions' ``seconds``, as if serialised) stays within
+``budget_s``. The search is greedy (hottest donor, coolest peer, the amount that
+equalises the pair), which is what a per-tick controller can afford.
+
+Utilisation ``U_g`` (dimensionless, may exceed 1 when a queue builds):
+- prefill: ``busy_fraction + queued_prefill_tokens / (prefill_tokens_per_s * queue_horizon_s)``
+- decode: ``max(busy_fraction, kv_usage)``; colocated: the max of both.
+
+Invariants:
+- Pure with respect to its inputs except for its own controller state (streak,
+  cool-downs, last plan time); the live balancer and the simulator call the same
+  object the same way.
+- Hysteresis: no action unless ``max U / mean U > imbalance_threshold`` for
+  ``consecutive`` observations in a row; the streak only resets once the ratio
+  falls below ``release_threshold``.
+- Rate limit: at most ``max_actions`` actions per plan, at least
+  ``min_interval_s`` between non-empty plans, each worker in at most one action
+  per ``cooldown_s``, and never the reverse of a recent action (no ping-pong).
+- Every returned action predicts a lower peak; the plan's ``seconds`` <= budget.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from bana_sglang.router.policy import RequestId, Tier, WorkerId, WorkerLoad
+
+logger = logging.getLogger(__name__)
+
+
+class BalancerError(RuntimeError):
+    """Unknown balancer name or invalid configuration."""
+
+
+# ----------------------------------------------------------------------------- actions
+
+@dataclass(frozen=True, slots=True)
+class LayerMigration:
+    """Coarse: run layers ``[layers[0], layers[1])`` of ``src`` on ``dst``."""
+
+    src: WorkerId
+    dst: WorkerId
+    layers: tuple[int, int]
+    bytes: int
+    seconds: float
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True, slots=True)
+class KVBlockMigration:
+    """Fine: move ``pages`` KV pages of running requests from ``src`` to ``dst``
+    (``dst`` computes partial attention over them)."""
+
+    src: WorkerId
+    dst: WorkerId
+    pages: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMigration:
+    """Move one running request (its whole KV) from ``src`` to ``dst``."""
+
+    src: WorkerId
+    dst: WorkerId
+    request: RequestId
+    bytes: int
+    seconds: float
+
+
+Action = LayerMigration | KVBlockMigration | RequestMigration
+
+
+@dataclass(frozen=True)
+class Plan:
+    actions: tuple[Action, ...] = ()
+    peak_before: float = 0.0
+    peak_after: float = 0.0
+    reason: str = ""
+
+    @property
+    def empty(self) -> bool:
+        return not self.actions
+
+    @property
+    def seconds(self) -> float:
+        return sum(a.seconds for a in self.actions)
+
+    @property
+    def bytes(self) -> int:
+        return sum(a.bytes for a in self.actions)
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclass(frozen=True)
+class MigrationCostModel:
+    """Seconds to move ``n`` bytes: ``fixed_s + n / bandwidth_bytes_per_s``."""
+
+    bandwidth_bytes_per_s: float
+    fixed_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_bytes_per_s <= 0 or self.fixed_s < 0:
+            raise BalancerError(f"invalid cost model {self}")
+
+    def seconds(self, nbytes: int) -> float:
+        return self.fixed_s + nbytes / self.bandwidth_bytes_per_s
+
+    def max_bytes(self, seconds: float) -> int:
+        return max(0, int((seconds - self.fixed_s) * self.bandwidth_bytes_per_s))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the balancer must know of the served model and a worker's speed."""
+
+    num_layers: int
+    layer_weight_bytes: int
+    kv_bytes_per_token: int
+    page_size: int = 512
+    prefill_tokens_per_s: float = 10_000.0  # one worker, uncached tokens
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 2 or self.page_size < 1 or self.prefill_tokens_per_s <= 0:
+            raise BalancerError(f"invalid model shape {self}")
+
+
+@dataclass(frozen=True)
+class BalancerConfig:
+    imbalance_threshold: float = 1.3  # max U / mean U to start counting
+    release_threshold: float = 1.1  # below this the streak resets
+    consecutive: int = 3  # observations above threshold before acting
+    cooldown_s: float = 20.0  # per worker, after any action touching it
+    min_interval_s: float = 2.0  # between non-empty plans
+    budget_s: float = 2.0  # total migration seconds per plan
+    max_actions: int = 1
+    max_layer_fraction: float = 0.5  # of the donor's layers
+    min_gain: float = 0.05  # required drop of the pair's peak U
+    min_peak: float = 0.6  # do nothing while every worker is below this
+    queue_horizon_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.release_threshold > self.imbalance_threshold or self.release_threshold < 1:
+            raise BalancerError("need 1 <= release_threshold <= imbalance_threshold")
+        if self.consecutive < 1 or self.max_actions < 1 or self.budget_s <= 0:
+            raise BalancerError(f"invalid balancer config {self}")
+        if not 0 < self.max_layer_fraction < 1:
+            raise BalancerError("max_layer_fraction must be in (0, 1)")
+
+
+@dataclass(frozen=True, slots=True)
+class RunningRequest:
+    """A migratable request on a decode worker."""
+
+    request_id: RequestId
+    kv_tokens: int
+    remaining_tokens: int
+
+
+# ----------------------------------------------------------------------------- policies
+
+def utilisation(w: WorkerLoad, shape: ModelShape, cfg: BalancerConfig) -> float:
+    queue = w.queued_prefill_tokens / (shape.prefill_tokens_per_s * cfg.queue_horizon_s)
+    if w.tier is Tier.PREFILL:
+        return w.busy_fraction + queue
+    if w.tier is Tier.DECODE:
+        return max(w.busy_fraction, w.kv_usage)
+    return max(w.busy_fraction + queue, w.kv_usage)
+
+
+class Balancer(abc.ABC):
+    name = "base"
+
+    @abc.abstractmethod
+    def plan(self, loads: Sequence[WorkerLoad], now: float,
+             running: Mapping[WorkerId, Sequence[RunningRequest]] | None = None) -> Plan: ...
+
+
+class NoneBalancer(Balancer):
+    """Static PD (DistServe-like): never migrates."""
+
+    name = "none"
+
+    def __init__(self, **_: object) -> None:
+        pass
+
+    def plan(self, loads, now, running=None):
+        return Plan(reason="static")
+
+
+@dataclass
+class _State:
+    streak: int = 0
+    last_plan: float = -math.inf
+    busy_until: dict[WorkerId, float] = field(default_factory=dict)
+    recent: dict[tuple[WorkerId, WorkerId], float] = field(default_factory=dict)
+
+
+class BanaBalancer(Balancer):
+    """Greedy peak-shaving with hysteresis (see the module docstring)."""
+
+    name = "bana"
+
+    def __init__(self, *, shape: ModelShape, cost: MigrationCostModel,
+                 config: BalancerConfig | None = None) -> None:
+        self.shape, self.cost, self.config = shape, cost, config or BalancerConfig()
+        self.state = _State()
+
+    def plan(self, loads, now, running=None):
+        cfg, st = self.config, self.state
+        if len(loads) < 2:
+            return Plan(reason="fewer than two workers")
+        u = {w.worker_id: utilisation(w, self.shape, cfg) for w in loads}
+        peak, mean = max(u.values()), sum(u.values()) / len(u)
+        ratio = peak / mean if mean > 0 else 1.0
+        if ratio > cfg.imbalance_threshold and peak >= cfg.min_peak:
+            st.streak += 1
+        elif ratio < cfg.release_threshold or peak < cfg.min_peak:
+            st.streak = 0
+        if st.streak < cfg.consecutive:
+            return Plan(peak_before=peak, peak_after=peak, reason=f"streak {st.streak}")
+        if now - st.last_plan < cfg.min_interval_s:
+            return Plan(peak_before=peak, peak_after=peak, reason="rate limited")
+        by_id = {w.worker_id: w for w in loads}
+        free = [w for w in loads if st.busy_until.get(w.worker_id, -math.inf) <= now]
+        hot_order = sorted(free, key=lambda w: -u[w.worker_id])
+        actions: list[Action] = []
+        used: set[WorkerId] = set()
+        budget = cfg.budget_s
+        for hot in hot_order:
+            if len(actions) >= cfg.max_actions or u[hot.worker_id] < cfg.min_peak:
+                break
+            if hot.worker_id in used:
+                continue
+            colds = sorted((w for w in free if w.worker_id not in used
+                            and w.worker_id != hot.worker_id), key=lambda w: u[w.worker_id])
+            for cold in colds:
+                if st.recent.get((cold.worker_id, hot.worker_id), -math.inf) > now - 2 * cfg.cooldown_s:
+                    continue  # would reverse a recent migration
+                act = self._pair_action(hot, cold, u, budget,
+                                        (running or {}).get(hot.worker_id, ()))
+                if act is not None:
+                    actions.append(act)
+                    budget -= act.seconds
+                    used.update((hot.worker_id, cold.worker_id))
+                    u.update(self._predict(act, by_id, u))
+                    break
+        if not actions:
+            return Plan(peak_before=peak, peak_after=peak, reason="no beneficial action")
+        st.streak, st.last_plan = 0, now
+        for a in actions:
+            st.busy_until[a.src] = st.busy_until[a.dst] = now + cfg.cooldown_s
+            st.recent[(a.src, a.dst)] = now
+        after = max(u.values())
+        logger.info("balancer plan at %.2fs: %s actions, peak %.3f -> %.3f",
+                    now, len(actions), peak, after)
+        return Plan(tuple(actions), peak_before=peak, peak_after=after, reason="rebalance")
+
+    # -- one donor/peer pair -------------------------------------------------------
+    def _pair_action(self, hot: WorkerLoad, cold: WorkerLoad, u: dict[WorkerId, float],
+                     budget: float, running: Sequence[RunningRequest]) -> Action | None:
+        cfg, shape = self.config, self.shape
+        uh, uc = u[hot.worker_id], u[cold.worker_id]
+        if uh <= 0 or uh - uc < 2 * cfg.min_gain:
+            return None
+        memory_bound = hot.tier is not Tier.PREFILL and hot.kv_usage >= hot.busy_fraction
+        if memory_bound:
+            if cold.tier is Tier.PREFILL:
+                return None  # a prefill peer has no use for a decode batch's KV
+            act = self._memory_action(hot, cold, budget, running)
+        else:
+            act = self._layer_action(hot, cold, uh, uc, budget)
+        if act is None:
+            return None
+        pred = self._predict(act, {hot.worker_id: hot, cold.worker_id: cold}, u)
+        if max(pred.values()) > max(uh, uc) - cfg.min_gain:
+            return None
+        return act
+
+    def _layer_action(self, hot, cold, uh, uc, budget) -> LayerMigration | None:
+        shape, cfg = self.shape, self.config
+        phi = min((uh - uc) / (2 * uh), cfg.max_layer_fraction)
+        k = int(phi * shape.num_layers)
+        k = min(k, self.cost.max_bytes(budget) // max(1, shape.layer_weight_bytes))
+        # The peer must hold the weights in memory it does not need for KV.
+        room = cold.kv_free_tokens * shape.kv_bytes_per_token
+        k = min(k, room // max(1, shape.layer_weight_bytes))
+        if k < 1:
+            return None
+        nbytes = k * shape.layer_weight_bytes
+        start = shape.num_layers - k  # the tail layers: the donor streams hidden states
+        return LayerMigration(hot.worker_id, cold.worker_id, (start, shape.num_layers),
+                              nbytes, self.cost.seconds(nbytes))
+
+    def _memory_action(self, hot, cold, budget, running) -> Action | None:
+        shape = self.shape
+        th, tc = max(1, hot.kv_total_tokens), max(1, cold.kv_total_tokens)
+        uh_tok = hot.kv_used_tokens + hot.inflight_tokens
+        uc_tok = cold.kv_used_tokens + cold.inflight_tokens
+        target = (uh_tok * tc - uc_tok * th) / (th + tc)  # tokens that equalise usage
+        cap = self.cost.max_bytes(budget) // shape.kv_bytes_per_token
+        target = min(target, cap, cold.kv_free_tokens)
+        if target < shape.page_size:
+            return None
+        fitting = [r for r in running if r.kv_tokens <= target and r.remaining_tokens > 0]
+        if fitting:
+            r = max(fitting, key=lambda r: (r.kv_tokens, r.remaining_tokens, r.request_id))
+            nbytes = r.kv_tokens * shape.kv_bytes_per_token
+            return RequestMigration(hot.worker_id, cold.worker_id, r.request_id, nbytes,
+                                    self.cost.seconds(nbytes))
+        pages = int(target // shape.page_size)
+        nbytes = pages * shape.page_size * shape.kv_bytes_per_token
+        return KVBlockMigration(hot.worker_id, cold.worker_id, pages, nbytes,
+                                self.cost.seconds(nbytes))
+
+    def _predict(self, act: Action, by_id: Mapping[WorkerId, WorkerLoad],
+                 u: Mapping[WorkerId, float]) -> dict[WorkerId, float]:
+        """Utilisations of the pair after ``act`` (first-order model)."""
+        uh, uc = u[act.src], u[act.dst]
+        if isinstance(act, LayerMigration):
+            phi = act.num_layers / self.shape.num_layers
+            return {act.src: uh * (1 - phi), act.dst: uc + phi * uh}
+        hot, cold = by_id[act.src], by_id[act.dst]
+        tokens = act.bytes // self.shape.kv_bytes_per_token
+        dh = tokens / max(1, hot.kv_total_tokens)
+        dc = tokens / max(1, cold.kv_total_tokens)
+        return {act.src: max(hot.busy_fraction, hot.kv_usage - dh),
+                act.dst: max(uc, cold.kv_usage + dc)}
+
+
+BALANCERS: dict[str, type[Balancer]] = {BanaBalancer.name: BanaBalancer,
+                                        NoneBalancer.name: NoneBalancer}
+DEFAULT_BALANCER = "bana"
+
+
+def get_balancer(name: str = DEFAULT_BALANCER, **kwargs) -> Balancer:
+    """A fresh balancer by registry name; unknown names list the valid ones."""
+    try:
+        cls = BALANCERS[name]
+    except KeyError:
+        raise BalancerError(f"unknown balancer {name!r}; valid: {', '.join(sorted(BALANCERS))}") \
+            from None
+    return cls(**kwargs)

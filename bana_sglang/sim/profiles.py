@@ -1,0 +1,188 @@
+"""Cost-model profiles for the simulator: hardware + model + stated assumptions.
+
+A profile is a JSON file (``profiles/*.json``) holding only *inputs* with their
+sources: hardware figures, model shape, and efficiency assumptions. Everything
+the simulator uses (prefill seconds, decode step seconds, KV capacity, bytes per
+token, bandwidths) is derived here, in one place, so each number traces back to
+a line of the JSON.
+
+Time model (one worker = ``gpus`` devices in tensor parallel):
+- prefill of ``n`` new tokens after ``c`` cached ones:
+  ``fixed + (2 P n + 4 L d n (c + n / 2)) / (peak_flops * mfu)``
+  (dense matmuls plus causal attention, P parameters, L layers, d = heads * head_dim);
+- decode step of a batch of ``B`` requests holding ``K`` KV tokens:
+  ``fixed + max((W + K kv_bytes) / (hbm_bw * hbm_eff), 2 P B / (peak_flops * mfu))``;
+- transfers: ``bytes / (bandwidth * efficiency)``.
+
+Invariants: a ``Profile`` is frozen and validated; ``load_profile`` accepts a
+registry name or a path, so a later calibration command can write a JSON with
+measured values and run the same simulator on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+DEFAULT_PROFILE = "h100_llama3_8b"
+
+
+class ProfileError(ValueError):
+    """A profile is missing, malformed or physically invalid."""
+
+    def __init__(self, profile: str, reason: str):
+        self.profile, self.reason = profile, reason
+        super().__init__(f"profile {profile!r}: {reason}")
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    # hardware, per worker (all of its TP devices together)
+    gpus: int
+    peak_flops: float  # dense BF16 FLOP/s
+    hbm_bytes_per_s: float
+    mem_bytes: float
+    net_bytes_per_s: float  # this worker's share of the RDMA/TCP fabric
+    # model
+    num_layers: int
+    hidden_size: int
+    num_params: float
+    kv_bytes_per_token: int  # all layers, K and V
+    weight_bytes: float
+    # assumptions
+    mfu: float
+    hbm_efficiency: float
+    net_efficiency: float
+    mem_utilisation: float  # fraction of memory the server may use (weights + KV)
+    prefill_fixed_s: float
+    decode_fixed_s: float
+    transfer_fixed_s: float
+    max_prefill_tokens: int
+    max_decode_batch: int
+    pd_transfer_overlap: float  # fraction of the P->D KV transfer hidden under compute
+    store_bytes_per_s: float  # global store -> worker, before efficiency
+    local_cache_fraction: float  # of the KV pool a prefill worker keeps as prefix cache
+    store_capacity_tokens_per_worker: int
+    sources: tuple[str, ...] = ()
+    assumptions: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for f in ("gpus", "peak_flops", "hbm_bytes_per_s", "mem_bytes", "net_bytes_per_s",
+                  "num_layers", "num_params", "kv_bytes_per_token", "weight_bytes",
+                  "max_prefill_tokens", "max_decode_batch", "store_bytes_per_s"):
+            if getattr(self, f) <= 0:
+                raise ProfileError(self.name, f"{f} must be positive")
+        for f in ("mfu", "hbm_efficiency", "net_efficiency", "mem_utilisation"):
+            if not 0 < getattr(self, f) <= 1:
+                raise ProfileError(self.name, f"{f} must be in (0, 1]")
+        if not 0 <= self.pd_transfer_overlap < 1 or not 0 <= self.local_cache_fraction < 1:
+            raise ProfileError(self.name, "overlap/cache fractions must be in [0, 1)")
+        if self.kv_capacity_tokens < self.max_prefill_tokens:
+            raise ProfileError(self.name, f"KV pool ({self.kv_capacity_tokens} tokens) "
+                               "smaller than one prefill batch: the model does not fit")
+
+    # -- derived ---------------------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        free = self.mem_bytes * self.mem_utilisation - self.weight_bytes
+        return int(free // self.kv_bytes_per_token)
+
+    @property
+    def layer_weight_bytes(self) -> int:
+        return int(self.weight_bytes / self.num_layers)
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.peak_flops * self.mfu
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Throughput on 4K-token prompts without cache (a nominal figure)."""
+        return 4096 / self.prefill_seconds(4096, 0)
+
+    def prefill_flops(self, new: int, cached: int) -> float:
+        return (2.0 * self.num_params * new
+                + 4.0 * self.num_layers * self.hidden_size * new * (cached + new / 2.0))
+
+    def prefill_seconds(self, new: int, cached: int) -> float:
+        return self.prefill_fixed_s + self.prefill_flops(new, cached) / self.flops_per_s
+
+    def decode_step_seconds(self, batch: int, kv_tokens: float) -> float:
+        mem = (self.weight_bytes + kv_tokens * self.kv_bytes_per_token) / (
+            self.hbm_bytes_per_s * self.hbm_efficiency)
+        comp = 2.0 * self.num_params * batch / self.flops_per_s
+        return self.decode_fixed_s + max(mem, comp)
+
+    def net_seconds(self, nbytes: float) -> float:
+        return self.transfer_fixed_s + nbytes / (self.net_bytes_per_s * self.net_efficiency)
+
+    def store_seconds(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / (self.store_bytes_per_s * self.net_efficiency)
+
+
+def _flatten(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    """JSON sections ``hardware``/``model``/``assumptions`` hold ``{"value", "source"}``
+    entries (or bare numbers); flatten to Profile fields."""
+    out: dict[str, Any] = {"name": doc.get("name", name)}
+    sources: list[str] = list(doc.get("sources", []))
+    assumptions: list[str] = []
+    for section in ("hardware", "model", "assumptions"):
+        for key, entry in doc.get(section, {}).items():
+            if isinstance(entry, dict):
+                out[key] = entry["value"]
+                note = entry.get("source") or entry.get("why")
+                if note:
+                    (assumptions if section == "assumptions" else sources).append(f"{key}: {note}")
+            else:
+                out[key] = entry
+    out["sources"], out["assumptions"] = tuple(sources), tuple(assumptions)
+    return out
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A profile by registry name (``profiles/<name>.json``) or by path."""
+    p = Path(name_or_path)
+    if not p.suffix:
+        p = PROFILE_DIR / f"{name_or_path}.json"
+    if not p.is_file():
+        raise ProfileError(str(name_or_path), f"no such file {p}; known: {', '.join(list_profiles())}")
+    try:
+        doc = json.loads(p.read_text())
+        return Profile(**_flatten(doc, p.stem))
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ProfileError(p.stem, f"malformed: {e}") from e
+
+
+_SECTIONS = {
+    "hardware": ("gpus", "peak_flops", "hbm_bytes_per_s", "mem_bytes", "net_bytes_per_s",
+                 "store_bytes_per_s"),
+    "model": ("num_layers", "hidden_size", "num_params", "kv_bytes_per_token", "weight_bytes"),
+}
+
+
+def save_profile(p: Profile, path: Path | str, notes: dict[str, str] | None = None) -> Path:
+    """Write ``p`` in the sectioned JSON format ``load_profile`` reads; ``notes``
+    maps field names to their source (a calibration run states what it measured)."""
+    notes = notes or {}
+    doc: dict[str, Any] = {"name": p.name, "hardware": {}, "model": {}, "assumptions": {}}
+    placed = {f for fs in _SECTIONS.values() for f in fs}
+    for f in Profile.__dataclass_fields__:
+        if f in ("name", "sources", "assumptions"):
+            continue
+        section = next((s for s, fs in _SECTIONS.items() if f in fs), "assumptions")
+        key = "why" if f not in placed else "source"
+        doc[section][f] = {"value": getattr(p, f), key: notes.get(f, "")}
+    out = Path(path)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return out
+
+
+def list_profiles() -> list[str]:
+    return sorted(q.stem for q in PROFILE_DIR.glob("*.json"))

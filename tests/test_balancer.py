@@ -1,0 +1,142 @@
+"""Unit tests of the pure balancer on constructed snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from bana_sglang.migrate.balancer import (BALANCERS, BalancerConfig, BalancerError,
+                                          KVBlockMigration, LayerMigration, MigrationCostModel,
+                                          ModelShape, RequestMigration, RunningRequest,
+                                          get_balancer)
+from bana_sglang.router.policy import RequestId, Tier, WorkerId, WorkerLoad
+
+GB = 1_000_000_000
+SHAPE = ModelShape(num_layers=32, layer_weight_bytes=500_000_000, kv_bytes_per_token=131_072,
+                   page_size=512, prefill_tokens_per_s=20_000)
+COST = MigrationCostModel(bandwidth_bytes_per_s=25 * GB, fixed_s=0.005)
+CFG = BalancerConfig(consecutive=3, cooldown_s=20.0, min_interval_s=2.0, budget_s=2.0)
+
+
+def W(name, tier, *, busy=0.0, queued=0, kv_used=0, kv_total=400_000, running=0):
+    return WorkerLoad(WorkerId(name), tier, running_requests=running,
+                      queued_prefill_tokens=queued, kv_used_tokens=kv_used,
+                      kv_total_tokens=kv_total, busy_fraction=busy)
+
+
+def bana(**cfg):
+    return get_balancer("bana", shape=SHAPE, cost=COST,
+                        config=BalancerConfig(**{**CFG.__dict__, **cfg}))
+
+
+def prefill_hot():
+    return [W("p0", Tier.PREFILL, busy=1.0, queued=200_000), W("p1", Tier.PREFILL, busy=0.9),
+            W("d0", Tier.DECODE, busy=0.1, kv_used=40_000), W("d1", Tier.DECODE, busy=0.2,
+                                                             kv_used=80_000)]
+
+
+def plan_after(b, loads, k, t0=0.0, **kw):
+    plans = [b.plan(loads, t0 + i, **kw) for i in range(k)]
+    return plans
+
+
+def test_registry():
+    assert set(BALANCERS) == {"bana", "none"}
+    with pytest.raises(BalancerError, match="valid: bana, none"):
+        get_balancer("greedy")
+    with pytest.raises(BalancerError):
+        BalancerConfig(release_threshold=2.0, imbalance_threshold=1.5)
+
+
+def test_cost_model():
+    assert COST.seconds(25 * GB) == pytest.approx(1.005)
+    assert COST.max_bytes(1.005) == pytest.approx(25 * GB, rel=1e-9)
+
+
+def test_imbalanced_prefill_moves_layers_to_the_coolest_decode_worker():
+    b = bana()
+    plans = plan_after(b, prefill_hot(), 3)
+    assert all(p.empty for p in plans[:2])  # hysteresis: needs 3 observations
+    p = plans[2]
+    assert len(p.actions) == 1
+    a = p.actions[0]
+    assert isinstance(a, LayerMigration) and a.src == "p0" and a.dst == "d0"
+    assert 1 <= a.num_layers <= SHAPE.num_layers * CFG.max_layer_fraction
+    assert a.layers[1] == SHAPE.num_layers and a.bytes == a.num_layers * SHAPE.layer_weight_bytes
+    assert p.seconds <= CFG.budget_s and p.peak_after < p.peak_before
+
+
+def test_budget_limits_the_number_of_layers():
+    tight = bana(budget_s=0.005 + 2 * SHAPE.layer_weight_bytes / COST.bandwidth_bytes_per_s)
+    p = plan_after(tight, prefill_hot(), 3)[2]
+    assert p.actions[0].num_layers == 2
+    none_fit = bana(budget_s=0.01)
+    assert plan_after(none_fit, prefill_hot(), 3)[2].empty
+
+
+def memory_bound():
+    return [W("d0", Tier.DECODE, busy=0.3, kv_used=390_000), W("d1", Tier.DECODE, busy=0.3,
+                                                              kv_used=100_000),
+            W("p0", Tier.PREFILL, busy=0.5)]
+
+
+def test_memory_bound_decode_moves_kv_blocks_to_a_decode_peer():
+    p = plan_after(bana(), memory_bound(), 3)[2]
+    a = p.actions[0]
+    assert isinstance(a, KVBlockMigration) and (a.src, a.dst) == ("d0", "d1")
+    moved = a.pages * SHAPE.page_size
+    assert 0 < moved <= 145_000 + SHAPE.page_size  # about half the usage gap
+    assert a.bytes == moved * SHAPE.kv_bytes_per_token
+
+
+def test_memory_bound_decode_with_running_requests_migrates_one():
+    running = {WorkerId("d0"): [RunningRequest(RequestId("a"), 20_000, 100),
+                                RunningRequest(RequestId("b"), 60_000, 500),
+                                RunningRequest(RequestId("c"), 400_000, 5)]}
+    p = plan_after(bana(), memory_bound(), 3, running=running)[2]
+    a = p.actions[0]
+    assert isinstance(a, RequestMigration) and a.request == "b" and a.dst == "d1"
+    assert a.bytes == 60_000 * SHAPE.kv_bytes_per_token
+
+
+def test_balanced_cluster_never_acts():
+    loads = [W(f"p{i}", Tier.PREFILL, busy=0.7) for i in range(4)] + \
+            [W(f"d{i}", Tier.DECODE, busy=0.6, kv_used=250_000) for i in range(4)]
+    b = bana()
+    assert all(b.plan(loads, float(t)).empty for t in range(50))
+    idle = [W("p0", Tier.PREFILL, busy=0.3), W("d0", Tier.DECODE)]  # imbalanced but cold
+    assert all(b.plan(idle, float(t)).empty for t in range(10))
+
+
+def test_none_balancer_is_static():
+    b = get_balancer("none")
+    assert all(b.plan(prefill_hot(), float(t)).empty for t in range(10))
+
+
+def test_oscillation_guard():
+    """Flip the hot spot every observation: the balancer may act once, then the
+    cool-down, the streak reset and the no-reversal rule keep it quiet."""
+    b = bana()
+    a_hot = [W("p0", Tier.PREFILL, busy=1.0, queued=200_000), W("p1", Tier.PREFILL, busy=0.05)]
+    b_hot = [W("p0", Tier.PREFILL, busy=0.05), W("p1", Tier.PREFILL, busy=1.0, queued=200_000)]
+    acts = []
+    for t in range(60):
+        p = b.plan(a_hot if (t // 4) % 2 == 0 else b_hot, float(t))
+        acts += [(t, a.src, a.dst) for a in p.actions]
+    assert acts, "a sustained imbalance must be acted on"
+    times = [t for t, *_ in acts]
+    assert all(t2 - t1 >= CFG.cooldown_s for t1, t2 in zip(times, times[1:]))
+    for (t1, s1, d1), (t2, s2, d2) in zip(acts, acts[1:]):
+        if (s2, d2) == (d1, s1):
+            assert t2 - t1 >= 2 * CFG.cooldown_s
+
+
+def test_rate_limit_and_streak_reset():
+    b = bana(cooldown_s=0.5, min_interval_s=10.0)
+    loads = prefill_hot()
+    acted = [t for t in range(30) if not b.plan(loads, float(t)).empty]
+    assert acted and all(t2 - t1 >= 10 for t1, t2 in zip(acted, acted[1:]))
+    # Below the release threshold the streak resets: 2 hot, 1 calm, 2 hot -> no action.
+    b2 = bana()
+    calm = [W("p0", Tier.PREFILL, busy=0.7), W("d0", Tier.DECODE, busy=0.7)]
+    seq = [prefill_hot(), prefill_hot(), calm, prefill_hot(), prefill_hot()]
+    assert all(b2.plan(ld, float(t)).empty for t, ld in enumerate(seq))

@@ -1,0 +1,164 @@
+"""Simulator tests: same policy objects as the live system, determinism,
+conservation of requests, KV capacity, profiles, workloads, CLI. Small slices."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import bana_sglang.migrate.balancer as balancer_mod
+import bana_sglang.router.policy as policy_mod
+from bana_sglang.sim import config as sim_config
+from bana_sglang.sim import engine as sim_engine
+from bana_sglang.sim import workloads
+from bana_sglang.sim.__main__ import main as sim_main
+from bana_sglang.sim.config import SYSTEMS, SimConfig, SimConfigError, system_config
+from bana_sglang.sim.engine import Simulation, simulate
+from bana_sglang.sim.profiles import PROFILE_DIR, ProfileError, list_profiles, load_profile
+
+ANCHOR = SimConfig(profile="a100_llama70b_tp8", num_workers=8)
+
+
+@pytest.fixture(scope="module")
+def trace_slice():
+    return workloads.mooncake(limit=400, time_scale=2.0)
+
+
+def test_sim_uses_the_live_policy_registries_by_identity():
+    assert sim_engine.get_policy is policy_mod.get_policy
+    assert sim_engine.get_balancer is balancer_mod.get_balancer
+    assert sim_config.POLICIES is policy_mod.POLICIES
+    assert sim_config.BALANCERS is balancer_mod.BALANCERS
+    sim = Simulation(system_config("bana", ANCHOR), [])
+    assert type(sim.policy) is policy_mod.POLICIES["bana"]
+    assert type(sim.balancer) is balancer_mod.BALANCERS["bana"]
+
+
+@pytest.mark.parametrize("system", list(SYSTEMS))
+def test_every_request_finishes_exactly_once(system, trace_slice):
+    sim = Simulation(system_config(system, ANCHOR), trace_slice, system=system, check=True)
+    res = sim.run()
+    assert sorted(r.rid for r in sim.records) == sorted(r.rid for r in trace_slice)
+    assert res.finished == len(trace_slice) and not sim.rejected
+    for r in sim.records:
+        assert r.arrival <= r.first_token <= r.finish
+        assert 0 <= r.hbm_hit_tokens + r.store_hit_tokens < r.input_len
+    for w in sim.workers:  # everything released at the end
+        assert w.kv_reserved == 0 and not w.batch and not w.queue and not w.pending
+
+
+def test_deterministic_with_a_seed(trace_slice):
+    cfg = system_config("bana", ANCHOR)
+    a = Simulation(cfg, trace_slice)
+    b = Simulation(cfg, trace_slice)
+    ra, rb = a.run(), b.run()
+    assert a.records == b.records
+    assert ra.row() | {"wall_s": 0} == rb.row() | {"wall_s": 0}
+
+
+def test_global_store_raises_hits_and_migration_runs_under_pressure(trace_slice):
+    fast = workloads.mooncake(limit=400, time_scale=6.0)
+    loc = simulate(system_config("load_only", ANCHOR), fast)
+    glob = simulate(system_config("bana_no_migration", ANCHOR), fast)
+    assert glob.hit_rate > loc.hit_rate
+    sim = Simulation(system_config("bana", ANCHOR), fast, check=True)
+    res = sim.run()
+    assert res.migrations > 0 and res.finished == len(fast)
+
+
+def test_memory_pressure_uses_kv_and_request_migration(tmp_path):
+    # A profile whose decode KV pool is small, so decode workers become memory-bound.
+    doc = json.loads((PROFILE_DIR / "h100_llama3_8b.json").read_text())
+    doc["hardware"]["mem_bytes"]["value"] = 20e9  # ~ 15K-token KV pool
+    doc["assumptions"]["max_prefill_tokens"]["value"] = 4096
+    p = tmp_path / "tiny_kv.json"
+    p.write_text(json.dumps(doc))
+    prof = load_profile(p)
+    assert 8_000 < prof.kv_capacity_tokens < 20_000
+    reqs = workloads.mixed(n=300, rate=30.0, seed=1)
+    reqs = [r for r in reqs if r.input_len + r.output_len < prof.kv_capacity_tokens // 2]
+    cfg = system_config("bana", SimConfig(profile=str(p), num_workers=6, prefill_fraction=0.34))
+    sim = Simulation(cfg, reqs, check=True)
+    acts = []
+    orig = sim._start_action
+    sim._start_action = lambda a: (acts.append(type(a).__name__), orig(a))[1]
+    res = sim.run()
+    assert res.finished == len(reqs)
+    assert {"KVBlockMigration", "RequestMigration"} & set(acts)
+
+
+def test_colocated_and_generated_workloads_finish():
+    base = SimConfig(profile="h100_llama3_8b", num_workers=4)
+    for name, kw in (("bursty", dict(n=150)), ("mixed", dict(n=150)),
+                     ("shared_prefix", dict(n=150)), ("long_context", dict(n=20, rate=0.5))):
+        reqs = workloads.get_workload(name, **kw)
+        for system in ("colocated", "bana"):
+            res = simulate(system_config(system, base), reqs, system=system)
+            assert res.finished == len(reqs), (name, system)
+
+
+def test_requests_too_big_for_any_worker_are_rejected_not_lost():
+    big = workloads.long_context(n=5, min_len=100_000, max_len=120_000, rate=1.0)
+    small = workloads.bursty(n=20, mean_in=500, mean_out=20)
+    reqs = sorted(big + [workloads.SimRequest(r.rid + 100, r.arrival, r.input_len, r.output_len,
+                                              r.hashes) for r in small], key=lambda r: r.arrival)
+    sim = Simulation(SimConfig(profile="cpu_small", num_workers=2), reqs)
+    res = sim.run()
+    assert sorted(sim.rejected) == [0, 1, 2, 3, 4]
+    assert res.rejected == 5 and res.finished == 20 and res.num_requests == 25
+
+
+def test_workload_generators_are_deterministic_and_valid():
+    for name in ("bursty", "mixed", "shared_prefix", "long_context"):
+        a = workloads.get_workload(name, n=50, seed=7)
+        assert a == workloads.get_workload(name, n=50, seed=7)
+        assert all(r.input_len >= 1 and r.output_len >= 1 for r in a)
+        assert all(len(r.hashes) == -(-r.input_len // workloads.PAGE) for r in a)
+        assert [r.arrival for r in a] == sorted(r.arrival for r in a)
+    sp = workloads.shared_prefix(n=50, num_prefixes=2)
+    assert len({r.hashes[0] for r in sp}) <= 2
+    az = workloads.azure(limit=100)
+    assert len(az) == 100 and az[0].arrival == 0.0
+    with pytest.raises(workloads.WorkloadError, match="valid"):
+        workloads.get_workload("nope")
+
+
+def test_profiles_load_with_sources():
+    names = list_profiles()
+    assert {"cpu_small", "h100_llama3_8b", "h200_llama3_8b", "a100_llama3_8b",
+            "a100_llama70b_tp8", "h100_llama70b_tp8"} <= set(names)
+    for n in names:
+        p = load_profile(n)
+        assert p.sources and p.assumptions
+        assert p.prefill_seconds(4096, 0) > p.prefill_seconds(1024, 0) > 0
+        assert p.decode_step_seconds(64, 64 * 4096) >= p.decode_step_seconds(1, 4096)
+    h100, h200 = load_profile("h100_llama3_8b"), load_profile("h200_llama3_8b")
+    assert h200.decode_step_seconds(32, 32 * 8192) < h100.decode_step_seconds(32, 32 * 8192)
+    with pytest.raises(ProfileError, match="known"):
+        load_profile("no_such_profile")
+
+
+def test_config_validation():
+    with pytest.raises(SimConfigError, match="valid"):
+        SimConfig(routing="nope")
+    with pytest.raises(SimConfigError):
+        SimConfig(colocated=True, balancer="bana")
+    assert SimConfig(num_workers=16, prefill_fraction=0.5).num_prefill == 8
+
+
+def test_cli_run(capsys):
+    assert sim_main(["run", "--system", "bana", "--profile", "a100_llama70b_tp8", "--workers",
+                     "4", "--limit", "60"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finished"] == 60 and out["system"] == "bana"
+
+
+def test_profile_round_trip_for_calibration(tmp_path):
+    from bana_sglang.sim.profiles import save_profile
+
+    p = load_profile("cpu_small")
+    q = load_profile(save_profile(p, tmp_path / "calibrated.json", {"mfu": "measured: test"}))
+    assert q.kv_capacity_tokens == p.kv_capacity_tokens
+    assert q.prefill_seconds(1000, 0) == pytest.approx(p.prefill_seconds(1000, 0))
+    assert "mfu: measured: test" in q.assumptions
