@@ -23,6 +23,8 @@ import signal
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from bana_sglang import compat
@@ -177,7 +179,9 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
         router_argv += ["--log-level", "warn"]  # its INFO is a per-step workflow trace
     router_argv += list(cfg.router_args)
     endpoint = f"http://{h}:{cfg.port}"
-    router = Part(name="router", argv=tuple(router_argv), health_url=endpoint + "/health")
+    # The router's /health is 200 before it has registered any worker; its
+    # /v1/models answers 503 "No models available" until it has.
+    router = Part(name="router", argv=tuple(router_argv), health_url=endpoint + "/v1/models")
     return ClusterPlan(
         endpoint=endpoint, model_path=model_path, served_model_name=served,
         master=master, workers=tuple(workers), router=router,
@@ -211,6 +215,18 @@ def plan_single_server(
         workers=(Part(name=name, argv=argv, health_url=url + "/health"),),
         router=None, env=compat.child_env(host=host),
     )
+
+
+def smoke_request(endpoint: str, model: str, timeout: float = 60.0) -> bool:
+    """One greedy token through ``/v1/completions``: True when it came back."""
+    body = json.dumps({"model": model, "prompt": "ready?", "max_tokens": 1, "temperature": 0}).encode()
+    req = urllib.request.Request(endpoint + "/v1/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status == 200 and bool(json.loads(resp.read()).get("choices"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 class Cluster:
@@ -253,7 +269,13 @@ class Cluster:
             for part, proc in started:
                 self._wait_ready(part, proc, deadline)
             if self.plan.router:
-                self._wait_ready(self.plan.router, self._spawn(self.plan.router), deadline)
+                router = self._spawn(self.plan.router)
+                self._wait_ready(self.plan.router, router, deadline)
+                # End to end: one greedy token through router, prefill, KV transfer, decode.
+                wait_until(lambda: smoke_request(self.plan.endpoint, self.plan.served_model_name),
+                           proc=router, what="a first request served end to end",
+                           timeout=max(1.0, deadline - time.monotonic()), stop=self.stop_event)
+                logger.info("first request served end to end")
         except BaseException:
             self.stop()
             raise
