@@ -32,6 +32,7 @@ from bana_sglang.procs import (
     ManagedProcess,
     PortAllocator,
     ProcessStartError,
+    ephemeral_range,
     http_ok,
     stop_all,
     tcp_open,
@@ -121,7 +122,13 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
 
     model_path = str(models.resolve(cfg.model_path))
     served = cfg.served_model_name or Path(model_path).name
-    ports = PortAllocator(cfg.host, cfg.worker_base_port or cfg.port + 100, spacing=2)
+    base = cfg.worker_base_port or cfg.port + 100
+    low, high = ephemeral_range()
+    if low <= base <= high:
+        logger.warning("worker ports from %d lie in the kernel's ephemeral range %d-%d: an outgoing "
+                       "connection may take one before its worker binds it; prefer ports below %d",
+                       base, low, high, low)
+    ports = PortAllocator(cfg.host, base, spacing=2)
     ports.taken.add(cfg.port)
     py = sys.executable
     h = cfg.host

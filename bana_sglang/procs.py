@@ -281,8 +281,23 @@ def port_free(host: str, port: int) -> bool:
             return False
 
 
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split()[:2])
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 class PortAllocator:
     """Hands out distinct free TCP ports, scanning up from ``start``.
+
+    Ports planned now but bound later (a worker binds its HTTP port only at the
+    end of its start-up) must lie below the kernel's ephemeral range: there any
+    outgoing connection made meanwhile can take the port first (seen: a prefill
+    worker's port taken by a connection during a 1P1D start-up).
 
     ``spacing`` leaves room above each port, because SGLang derives helper
     ports (NCCL/dist-init) from its ``--port``.
@@ -294,6 +309,12 @@ class PortAllocator:
         self.spacing = spacing
         self.end = end
         self.taken: set[int] = set()
+
+    def take_block(self, n: int) -> int:
+        """Reserve ``n`` consecutive ports for someone else's allocator; returns the first."""
+        first = self.take(spacing=n)
+        self.taken.update(range(first, first + n))
+        return first
 
     def take(self, *, spacing: int | None = None) -> int:
         step = spacing or self.spacing

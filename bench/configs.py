@@ -57,7 +57,7 @@ class Resources:
     omp_threads: int = 1  # OMP_NUM_THREADS of every SGLang process
     kv_tokens_total: int = 3 * 16384  # split evenly over the workers
     host: str = "127.0.0.1"
-    base_port: int = 32000
+    base_port: int = 31000  # below the kernel ephemeral range (32768+)
     extra_sglang_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -18,12 +18,19 @@ from bana_sglang.procs import PortAllocator
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "data" / "traces"
 
-# One allocator per test session, above the launcher's default ports.
-_PORTS = PortAllocator("127.0.0.1", 41000 + (os.getpid() % 50) * 200, spacing=3)
+# One allocator per test session: above the launcher's default ports (30000+)
+# and below the kernel's ephemeral range (32768+), where an outgoing
+# connection could take a planned port before its server binds it.
+_PORTS = PortAllocator("127.0.0.1", 30400 + (os.getpid() % 4) * 500, spacing=3)
 
 
 def free_port() -> int:
     return _PORTS.take()
+
+
+def free_port_block(n: int = 40) -> int:
+    """First of ``n`` consecutive ports reserved for a launcher's own allocator."""
+    return _PORTS.take_block(n)
 
 
 def pytest_collection_modifyitems(config, items):

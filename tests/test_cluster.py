@@ -24,7 +24,7 @@ import pytest
 
 from bana_sglang.launch import READY_MARK
 from bana_sglang.procs import port_free
-from conftest import free_port
+from conftest import free_port, free_port_block
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def cluster(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("cluster-logs")
     proc = subprocess.Popen(
         [sys.executable, "-m", "bana_sglang.launch", "--port", str(port),
-         "--worker-base-port", str(free_port()), "--log-dir", str(logs)],
+         "--worker-base-port", str(free_port_block()), "--log-dir", str(logs)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     lines: list[str] = []
