@@ -209,7 +209,12 @@ def stop_all(procs: Sequence[ManagedProcess], timeout: float = 20.0) -> dict[str
         if not p.exited():
             logger.warning("%s did not exit within %.0fs of SIGTERM; killing it", p.name, timeout)
             p.kill()
-    return {p.name: p.reap() for p in procs}
+    codes = {p.name: p.reap() for p in procs}
+    # SIGKILL is delivered asynchronously: wait until the descendants are gone too.
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and not all(p.exited() for p in procs):
+        time.sleep(0.05)
+    return codes
 
 
 def _is_running(p: psutil.Process) -> bool:
