@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -28,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from bana_sglang import compat
+from bana_sglang.router.policy import LIVE_POLICIES
 from bana_sglang.procs import (
     ManagedProcess,
     PortAllocator,
@@ -42,6 +44,7 @@ from bana_sglang.procs import (
 logger = logging.getLogger("bana_sglang.launch")
 
 READY_MARK = "bana_sglang: cluster ready"
+ROUTERS = ("bana", "sglang")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +65,17 @@ class LaunchConfig:
     log_dir: Path | None = None
     startup_timeout: float = 600.0
     mooncake_master: bool = True
+    router: str = "bana"  # "bana": bana_sglang.router; "sglang": the stock sglang_router
+    policy: str = "bana"
+    api_key: str | None = None  # bana router only; passed by environment, never argv
 
     def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ValueError(f"--router {self.router!r}: choose one of {', '.join(ROUTERS)}")
+        if self.router == "bana" and self.policy not in LIVE_POLICIES:
+            raise ValueError(f"--policy {self.policy!r}: the bana router knows {', '.join(LIVE_POLICIES)}")
+        if self.router == "sglang" and self.api_key:
+            raise ValueError("--api-key needs --router bana (the stock router is not wired for it)")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("a PD cluster needs at least one prefill and one decode worker")
         if not 0 < self.port < 65536:
@@ -80,6 +92,7 @@ class Part:
     argv: tuple[str, ...]
     health_url: str | None = None  # HTTP 2xx means ready
     tcp_port: int | None = None  # else: accepting TCP connections means ready
+    env: tuple[tuple[str, str], ...] = ()  # added to the plan's environment for this part only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +104,7 @@ class ClusterPlan:
     workers: tuple[Part, ...]
     router: Part | None
     env: dict[str, str]
+    api_key: str | None = None  # the endpoint's key, for readiness checks
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -173,26 +187,42 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
             argv += compat.server_args(role, user_args=user) + dtype_args(model_path, user) + list(user)
             workers.append(Part(name=f"{role}-{i}", argv=tuple(argv), health_url=url + "/health"))
 
-    router_argv = [
-        py, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-        "--host", h, "--port", str(cfg.port),
-        "--prometheus-host", h, "--prometheus-port", str(ports.take()),
-    ]
-    for url, boot in prefill_urls:
-        router_argv += ["--prefill", url, str(boot)]
-    for url in decode_urls:
-        router_argv += ["--decode", url]
-    if "--log-level" not in cfg.router_args:
-        router_argv += ["--log-level", "warn"]  # its INFO is a per-step workflow trace
-    router_argv += list(cfg.router_args)
     endpoint = f"http://{h}:{cfg.port}"
-    # The router's /health is 200 before it has registered any worker; its
-    # /v1/models answers 503 "No models available" until it has.
-    router = Part(name="router", argv=tuple(router_argv), health_url=endpoint + "/v1/models")
+    env = compat.child_env(host=h)
+    if cfg.router == "bana":
+        router_argv = [
+            py, "-m", "bana_sglang.router", "--host", h, "--port", str(cfg.port),
+            "--policy", cfg.policy, "--model-path", model_path, "--served-model-name", served,
+        ]
+        for url, boot in prefill_urls:
+            router_argv += ["--prefill", url, str(boot)]
+        for url in decode_urls:
+            router_argv += ["--decode", url]
+        router_argv += list(cfg.router_args)
+        # /health is 503 until a prefill and a decode worker answer and the model is known.
+        router = Part(name="router", argv=tuple(router_argv), health_url=endpoint + "/health",
+                      env=(("BANA_ROUTER_API_KEY", cfg.api_key),) if cfg.api_key else ())
+    else:
+        router_argv = [
+            py, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--host", h, "--port", str(cfg.port),
+            "--prometheus-host", h, "--prometheus-port", str(ports.take()),
+        ]
+        for url, boot in prefill_urls:
+            router_argv += ["--prefill", url, str(boot)]
+        for url in decode_urls:
+            router_argv += ["--decode", url]
+        if cfg.policy != "bana":
+            router_argv += ["--policy", cfg.policy]
+        if "--log-level" not in cfg.router_args:
+            router_argv += ["--log-level", "warn"]  # its INFO is a per-step workflow trace
+        router_argv += list(cfg.router_args)
+        # The stock router's /health is 200 before it has registered any worker; its
+        # /v1/models answers 503 "No models available" until it has.
+        router = Part(name="router", argv=tuple(router_argv), health_url=endpoint + "/v1/models")
     return ClusterPlan(
         endpoint=endpoint, model_path=model_path, served_model_name=served,
-        master=master, workers=tuple(workers), router=router,
-        env=compat.child_env(host=h),
+        master=master, workers=tuple(workers), router=router, env=env, api_key=cfg.api_key,
     )
 
 
@@ -224,16 +254,20 @@ def plan_single_server(
     )
 
 
-def smoke_request(endpoint: str, model: str, timeout: float = 60.0) -> bool:
+def smoke_request(endpoint: str, model: str, timeout: float = 60.0, api_key: str | None = None) -> bool:
     """One greedy token through ``/v1/completions``: True when it came back."""
     body = json.dumps({"model": model, "prompt": "ready?", "max_tokens": 1, "temperature": 0}).encode()
     req = urllib.request.Request(endpoint + "/v1/completions", data=body,
-                                 headers={"content-type": "application/json"})
+                                 headers={"content-type": "application/json", **auth_headers(api_key)})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status == 200 and bool(json.loads(resp.read()).get("choices"))
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 class Cluster:
@@ -245,9 +279,10 @@ class Cluster:
         self.startup_timeout = startup_timeout
         self.procs: list[ManagedProcess] = []
         self.stop_event = threading.Event()
+        self._reported_dead: set[str] = set()
 
     def _spawn(self, part: Part) -> ManagedProcess:
-        proc = ManagedProcess(part.name, part.argv, self.plan.env, log_dir=self.log_dir)
+        proc = ManagedProcess(part.name, part.argv, {**self.plan.env, **dict(part.env)}, log_dir=self.log_dir)
         proc.start()
         self.procs.append(proc)
         logger.info("started %s (pid %s)", part.name, proc.pid)
@@ -256,7 +291,8 @@ class Cluster:
     def _wait_ready(self, part: Part, proc: ManagedProcess, deadline: float) -> None:
         h = self.plan.endpoint.split("//", 1)[1].rsplit(":", 1)[0]
         if part.health_url:
-            check = lambda: http_ok(part.health_url)  # noqa: E731
+            headers = auth_headers(self.plan.api_key) if part is self.plan.router else {}
+            check = lambda: http_ok(part.health_url, headers=headers)  # noqa: E731
             what = f"healthy answer at {part.health_url}"
         else:
             check = lambda: tcp_open(h, part.tcp_port)  # noqa: E731
@@ -279,7 +315,8 @@ class Cluster:
                 router = self._spawn(self.plan.router)
                 self._wait_ready(self.plan.router, router, deadline)
                 # End to end: one greedy token through router, prefill, KV transfer, decode.
-                wait_until(lambda: smoke_request(self.plan.endpoint, self.plan.served_model_name),
+                wait_until(lambda: smoke_request(self.plan.endpoint, self.plan.served_model_name,
+                                                 api_key=self.plan.api_key),
                            proc=router, what="a first request served end to end",
                            timeout=max(1.0, deadline - time.monotonic()), stop=self.stop_event)
                 logger.info("first request served end to end")
@@ -287,9 +324,27 @@ class Cluster:
             self.stop()
             raise
 
-    def failed_part(self) -> ManagedProcess | None:
-        """The first part that has exited, if any."""
-        return next((p for p in self.procs if p.poll() is not None), None)
+    def check_parts(self) -> str | None:
+        """Report newly exited parts; a reason to stop the cluster, or None.
+
+        A worker that dies is logged and left to the router (it marks the worker
+        down and retries elsewhere) while one prefill and one decode worker are
+        still alive; the router or the Mooncake master dying stops everything.
+        """
+        for p in self.procs:
+            if p.poll() is not None and p.name not in self._reported_dead:
+                self._reported_dead.add(p.name)
+                logger.error("%s exited unexpectedly (code %s). Last output:\n    %s",
+                             p.name, p.poll(), "\n    ".join(p.tail()[-15:]))
+        dead = self._reported_dead
+        vital = {part.name for part in (self.plan.master, self.plan.router) if part}
+        if dead & vital:
+            return f"{', '.join(sorted(dead & vital))} exited"
+        for role in ("prefill", "decode"):
+            names = {w.name for w in self.plan.workers if w.name.startswith(role + "-")}
+            if names and names <= dead:
+                return f"no {role} worker is left"
+        return None
 
     def stop(self) -> None:
         """Stop the router first (no new requests), then everything else together. Idempotent."""
@@ -335,8 +390,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. \"--max-total-tokens 8192 --chunked-prefill-size 1024\"")
     p.add_argument("--prefill-args", default="", help="extra SGLang flags for prefill workers only")
     p.add_argument("--decode-args", default="", help="extra SGLang flags for decode workers only")
+    p.add_argument("--router", default="bana", choices=ROUTERS,
+                   help="front: bana (bana_sglang.router, load-aware) or sglang (the stock sglang_router, "
+                        "for comparisons)")
+    p.add_argument("--policy", default="bana",
+                   help=f"routing policy; bana router: {', '.join(LIVE_POLICIES)}; stock router: its own "
+                        "names (cache_aware, round_robin, power_of_two, random); 'bana' keeps its default")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' at the endpoint (bana router; default: "
+                        "$BANA_API_KEY, else none)")
     p.add_argument("--router-args", default="",
-                   help="extra sglang_router flags, e.g. \"--policy round_robin\"")
+                   help="extra router flags as one string, e.g. \"--poll-interval 0.1\"")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="write each part's log to DIR/NAME.log instead of the prefixed console stream")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the whole cluster to become healthy")
@@ -358,6 +422,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         prefill_args=tuple(shlex.split(args.prefill_args)),
         decode_args=tuple(shlex.split(args.decode_args)),
         router_args=tuple(shlex.split(args.router_args)),
+        router=args.router,
+        policy=args.policy,
+        api_key=args.api_key or os.environ.get("BANA_API_KEY") or None,
         log_dir=args.log_dir,
         startup_timeout=args.startup_timeout,
     )
@@ -397,10 +464,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.num_prefill}P{cfg.num_decode}D; up in {time.monotonic() - t0:.0f}s)", flush=True)
     code = 0
     while not cluster.stop_event.wait(1.0):
-        dead = cluster.failed_part()
-        if dead is not None:
-            logger.error("%s exited unexpectedly (code %s); stopping the cluster. Last output:\n    %s",
-                         dead.name, dead.poll(), "\n    ".join(dead.tail()[-15:]))
+        why = cluster.check_parts()
+        if why is not None:
+            logger.error("%s; stopping the cluster", why)
             code = 1
             break
     cluster.stop()

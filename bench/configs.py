@@ -12,12 +12,13 @@ and cache-report flags. PD configurations also run a ``mooncake_master``
 
 Registered today:
 
-- ``ours``: ``bana_sglang.launch`` with its defaults (``plan_cluster``; at this
-  stage that is the stock PD stack behind the stock router with its default
-  policy, ``cache_aware``; our router, global store and migration plug in
-  here as they land);
+- ``ours``: ``bana_sglang.launch`` with its defaults (``plan_cluster``: PD
+  workers behind ``bana_sglang.router`` with the load-only ``bana`` policy;
+  the global store and migration plug in here as they land);
 - ``pd-cache-aware`` / ``pd-round-robin``: stock SGLang PD behind
   ``sglang_router --pd-disaggregation --policy cache_aware|round_robin``;
+- ``bana-cache-aware`` / ``bana-round-robin``: the same workers behind our
+  router with those baseline policies (the hotspot comparison);
 - ``colocated``: ``num_workers`` plain SGLang servers (no PD) behind
   ``sglang_router`` in regular mode with ``cache_aware`` (the vLLM-like
   baseline); ``colocated-round-robin`` the same with ``round_robin``;
@@ -125,12 +126,12 @@ def worker_urls(plan: ClusterPlan) -> dict[str, str]:
     return {p.name: p.health_url.rsplit("/health", 1)[0] for p in plan.workers if p.health_url}
 
 
-def _pd(router_args: tuple[str, ...]) -> Callable[[Resources, PortAllocator], ClusterPlan]:
+def _pd(router: str, policy: str) -> Callable[[Resources, PortAllocator], ClusterPlan]:
     def planner(res: Resources, ports: PortAllocator) -> ClusterPlan:
         port = ports.take()
         return plan_cluster(LaunchConfig(
             model_path=res.model_path, num_prefill=res.num_prefill, num_decode=res.num_decode, host=res.host,
-            port=port, worker_base_port=port + 10, sglang_args=res.worker_args(), router_args=router_args,
+            port=port, worker_base_port=port + 10, sglang_args=res.worker_args(), router=router, policy=policy,
         ))
 
     return planner
@@ -157,12 +158,20 @@ def _colocated(policy: str) -> Callable[[Resources, PortAllocator], ClusterPlan]
     return planner
 
 
-register(ServingConfig("ours", "bana_sglang.launch defaults (today: stock PD + stock router, default policy "
-                               "cache_aware)", _pd(()), baseline=False))
+register(ServingConfig("ours", "bana_sglang.launch defaults (PD + bana_sglang.router, policy bana)",
+                       _pd("bana", "bana"), baseline=False))
 register(ServingConfig("pd-cache-aware", "stock SGLang PD + sglang_router cache_aware",
-                       _pd(("--policy", "cache_aware"))))
+                       _pd("sglang", "cache_aware")))
 register(ServingConfig("pd-round-robin", "stock SGLang PD + sglang_router round_robin",
-                       _pd(("--policy", "round_robin"))))
+                       _pd("sglang", "round_robin")))
+# Our router with the baseline policies: in PD mode the stock router's cache_aware
+# has no effect (it follows the bootstrap room), so this is the meaningful
+# prefix-affinity baseline.
+register(ServingConfig("bana-cache-aware", "stock SGLang PD + bana_sglang.router cache_aware "
+                                           "(per-worker approximate prefix trees, SGLang's thresholds)",
+                       _pd("bana", "cache_aware")))
+register(ServingConfig("bana-round-robin", "stock SGLang PD + bana_sglang.router round_robin",
+                       _pd("bana", "round_robin")))
 register(ServingConfig("colocated", "colocated stock SGLang servers (no PD) + sglang_router cache_aware",
                        _colocated("cache_aware")))
 register(ServingConfig("colocated-round-robin", "colocated stock SGLang servers (no PD) + sglang_router "

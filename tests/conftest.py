@@ -5,14 +5,20 @@ and skipped without CUDA; tests that start real SGLang processes are marked
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bana_sglang import models
-from bana_sglang.launch import Cluster, plan_single_server
+from bana_sglang.launch import READY_MARK, Cluster, plan_single_server
 from bana_sglang.procs import PortAllocator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,3 +76,48 @@ def single_server(tiny_model: Path, tmp_path_factory) -> Iterator[str]:
     with sglang_server(tiny_model, log_dir=tmp_path_factory.getbasetemp() / "single-logs",
                        name="single") as url:
         yield url
+
+
+@dataclasses.dataclass
+class LaunchedCluster:
+    """``python -m bana_sglang.launch`` running as a subprocess."""
+
+    url: str
+    proc: subprocess.Popen
+    lines: list[str]
+    log_dir: Path
+
+
+@contextlib.contextmanager
+def launched_cluster(args: list[str], log_dir: Path, timeout: float = 900) -> Iterator[LaunchedCluster]:
+    """Start the launcher with ``args`` (ports chosen here), wait for its ready
+    line, yield, then SIGTERM it unless a test already stopped it."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bana_sglang.launch", "--port", str(port),
+         "--worker-base-port", str(free_port_block()), "--log-dir", str(log_dir), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if READY_MARK in line:
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not ready.is_set() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not ready.is_set():
+        proc.kill()
+        proc.wait(timeout=60)
+        pytest.fail("cluster did not start:\n" + "\n".join(lines[-40:]))
+    try:
+        yield LaunchedCluster(url=f"http://127.0.0.1:{port}", proc=proc, lines=lines, log_dir=log_dir)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)

@@ -4,73 +4,34 @@ frontend program, exact tokens, bad input, and a clean shutdown.
 
 Everything here is real: mooncake_master, two SGLang workers with the
 extension, PD KV transfer over the Mooncake transfer engine (TCP), and the
-stock sglang_router in front.
+project's router (``bana_sglang.router``, the launcher's default) in front.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass
 
 import httpx
 import psutil
 import pytest
 
-from bana_sglang.launch import READY_MARK
 from bana_sglang.procs import port_free
-from conftest import free_port, free_port_block
+from conftest import LaunchedCluster, launched_cluster
 
 pytestmark = pytest.mark.slow
 
 MODEL = "bana-tiny-v1"
 
 
-@dataclass
-class RunningCluster:
-    url: str
-    proc: subprocess.Popen
-    lines: list[str]
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    port = free_port()
-    logs = tmp_path_factory.mktemp("cluster-logs")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bana_sglang.launch", "--port", str(port),
-         "--worker-base-port", str(free_port_block()), "--log-dir", str(logs)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def pump():
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if READY_MARK in line:
-                ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + 600
-    while not ready.is_set() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if not ready.is_set():
-        proc.kill()
-        pytest.fail("cluster did not start:\n" + "\n".join(lines[-40:]))
-    running = RunningCluster(url=f"http://127.0.0.1:{port}", proc=proc, lines=lines)
-    yield running
-    if proc.poll() is None:  # the shutdown test normally stopped it already
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+    with launched_cluster([], tmp_path_factory.mktemp("cluster-logs")) as running:
+        yield running
 
 
-def post(cluster: RunningCluster, path: str, body, **kw) -> httpx.Response:
+def post(cluster: LaunchedCluster, path: str, body, **kw) -> httpx.Response:
     return httpx.post(cluster.url + path, json=body, timeout=120, **kw)
 
 
@@ -145,10 +106,12 @@ def test_sglang_frontend_program(cluster, single_server):
 
 @pytest.mark.parametrize("path, body, status, words", [
     ("/v1/completions", b"{not json", 400, "JSON"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 422, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_tokens": -5}, 400, "max_tokens"),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -3}}, 422, "max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -3}}, 400, "max_new_tokens"),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "no-such-model"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "integer"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 5000, "max_tokens": 4}, 400,
      "longer than the model's context length"),
 ])

@@ -1,7 +1,9 @@
-"""Load-aware PD router (planned).
+"""Load-aware PD router: ``python -m bana_sglang.router`` (the launcher's default front).
 
-Will hold: the OpenAI-compatible asynchronous HTTP front that pairs a prefill
-and a decode worker per request by load alone, with the stock policies
-(round_robin, power_of_two, cache_aware) beside it. Until then the launcher
-puts the stock ``sglang_router`` in front (``bana_sglang.launch``).
+- :mod:`.policy`: pure routing policies (shared with the simulator);
+- :mod:`.prefix_tree`: the approximate per-worker prefix trees of ``cache_aware``;
+- :mod:`.workers`: health, load snapshots and the router's own in-flight counts;
+- :mod:`.requests`: request validation, token counting and routing page hashes;
+- :mod:`.server`: the asynchronous HTTP front (PD pairing, streaming, retries);
+- :mod:`.metrics`: its Prometheus metrics.
 """

@@ -366,6 +366,8 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
                               RandomPolicy)
 }
 DEFAULT_POLICY = "bana"
+#: Policies the live router can run (the *_cache_aware ones need the simulator's cache oracle).
+LIVE_POLICIES = ("bana", "round_robin", "power_of_two", "cache_aware", "load_only", "random")
 
 
 def get_policy(name: str = DEFAULT_POLICY, **kwargs) -> RoutingPolicy:

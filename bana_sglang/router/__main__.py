@@ -1,0 +1,102 @@
+"""``python -m bana_sglang.router``: the load-aware PD router on its own.
+
+The launcher starts it for you; run it by hand to put it in front of SGLang PD
+workers started elsewhere::
+
+    python -m bana_sglang.router --prefill http://127.0.0.1:30100 8998 \\
+        --decode http://127.0.0.1:30200 --policy bana --port 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from bana_sglang.router.policy import DEFAULT_POLICY, LIVE_POLICIES
+from bana_sglang.router.server import RouterConfig, default_tokenizer, serve
+from bana_sglang.router.workers import parse_prefill_spec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bana_sglang.router",
+        description="OpenAI-compatible, load-aware router for SGLang prefill/decode workers.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--prefill", nargs=2, action="append", metavar=("URL", "BOOTSTRAP_PORT"), default=[],
+                   help="a prefill worker and its disaggregation bootstrap port (repeat per worker)")
+    p.add_argument("--decode", action="append", metavar="URL", default=[],
+                   help="a decode worker (repeat per worker)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=30000, help="port to bind")
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=LIVE_POLICIES,
+                   help="routing policy: bana is purely load-aware; the others are baselines")
+    p.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
+    p.add_argument("--model-path", default=None,
+                   help="model folder; its tokenizer.json makes token counts exact")
+    p.add_argument("--served-model-name", action="append", default=[],
+                   help="model name(s) to accept; default: what the workers' /v1/models lists")
+    p.add_argument("--page-tokens", type=int, default=16,
+                   help="tokens per page of the routing prefix hashes (cache_aware's trees)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint "
+                        "(default: $BANA_ROUTER_API_KEY, else none)")
+    p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest request body (413 above)")
+    p.add_argument("--max-tokens-limit", type=int, default=1 << 20,
+                   help="largest max_tokens / max_new_tokens accepted (400 above)")
+    p.add_argument("--poll-interval", type=float, default=0.25, help="seconds between load polls of each worker")
+    p.add_argument("--max-attempts", type=int, default=3,
+                   help="worker pairs tried per request before answering 502")
+    p.add_argument("--read-timeout", type=float, default=600.0,
+                   help="seconds of silence from a worker before the request fails")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        prefill=tuple(parse_prefill_spec(s) for s in args.prefill),
+        decode=tuple(u.rstrip("/") for u in args.decode),
+        host=args.host, port=args.port, policy=args.policy, seed=args.seed,
+        model_names=tuple(args.served_model_name),
+        tokenizer_path=default_tokenizer(args.model_path), page_tokens=args.page_tokens,
+        api_key=args.api_key or os.environ.get("BANA_ROUTER_API_KEY") or None, max_body_bytes=args.max_body_bytes,
+        max_tokens_limit=args.max_tokens_limit, poll_interval_s=args.poll_interval,
+        max_attempts=args.max_attempts, read_timeout_s=args.read_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(cfg, stop=stop)
+
+    try:
+        asyncio.run(run())
+    except OSError as e:
+        logging.getLogger("bana_sglang.router").error("cannot serve on %s:%d: %s", cfg.host, cfg.port, e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

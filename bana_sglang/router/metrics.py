@@ -1,0 +1,47 @@
+"""Prometheus metrics of the router (a private registry, served at ``/metrics``).
+
+Names follow Prometheus conventions (``_total`` counters, ``_seconds``
+histograms); worker labels are worker URLs.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Router-added latency is sub-millisecond to a few ms; TTFT and e2e span seconds.
+_FAST = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+_SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("bana_router_requests_total", "Requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.routed = Counter("bana_router_worker_requests_total", "Requests sent to each worker",
+                              ["worker", "role"], registry=r)
+        self.retries = Counter("bana_router_retries_total", "Requests retried on another worker, by cause",
+                               ["reason"], registry=r)
+        self.worker_failures = Counter("bana_router_worker_failures_total",
+                                       "Connection errors and 5xx answers per worker", ["worker", "role"],
+                                       registry=r)
+        self.stream_errors = Counter("bana_router_stream_errors_total",
+                                     "Streams ended with an error event after the first byte", registry=r)
+        self.inflight = Gauge("bana_router_worker_inflight", "Requests in flight per worker (router's count)",
+                              ["worker", "role"], registry=r)
+        self.healthy = Gauge("bana_router_worker_healthy", "1 if the worker is routable", ["worker", "role"],
+                             registry=r)
+        self.kv_usage = Gauge("bana_router_worker_kv_usage", "KV token usage reported by the worker",
+                              ["worker", "role"], registry=r)
+        self.queued = Gauge("bana_router_worker_queued_requests", "Waiting requests reported by the worker",
+                            ["worker", "role"], registry=r)
+        self.route_seconds = Histogram("bana_router_routing_seconds", "Time to pick a worker pair",
+                                       buckets=_FAST, registry=r)
+        self.ttfb_seconds = Histogram("bana_router_first_byte_seconds",
+                                      "Request arrival to first byte sent to the client", ["endpoint"],
+                                      buckets=_SLOW, registry=r)
+        self.e2e_seconds = Histogram("bana_router_request_seconds", "Request arrival to last byte",
+                                     ["endpoint"], buckets=_SLOW, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,114 @@
+"""What the router reads from a request body before routing it.
+
+Routing needs a request's prompt length in tokens and, for the prefix-affinity
+baseline, chained hashes of its page-aligned tokens. With a tokenizer
+(``tokenizer.json`` of the served model, via the ``tokenizers`` library) both
+are exact for ``/generate`` and ``/v1/completions``; chat messages are
+tokenized as their concatenated contents (the chat template adds a few tokens
+the router does not need to know about). Without one, tokens are estimated as
+UTF-8 bytes / 4 and pages are fixed byte blocks, which is what SGLang's own
+router does too (a character tree).
+
+Validation errors raise :class:`BadRequest` carrying the HTTP status and an
+OpenAI-style message; the server turns them into 4xx answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from bana_sglang.router.policy import PageHash
+
+logger = logging.getLogger(__name__)
+
+BYTES_PER_TOKEN = 4  # estimate when no tokenizer is loaded
+
+
+class BadRequest(Exception):
+    """A request the router refuses; ``status`` is the HTTP code to answer."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 code: str | None = None, type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code or self.status}}
+
+
+class PromptView:
+    """Token counting and page hashing for routing (see module docstring)."""
+
+    def __init__(self, tokenizer_path: str | Path | None = None, *, page_tokens: int = 16) -> None:
+        if page_tokens < 1:
+            raise ValueError("page_tokens must be >= 1")
+        self.page_tokens = page_tokens
+        self._tok = None
+        if tokenizer_path is not None:
+            path = Path(tokenizer_path)
+            f = path / "tokenizer.json" if path.is_dir() else path
+            if f.is_file():
+                from tokenizers import Tokenizer
+                self._tok = Tokenizer.from_file(str(f))
+            else:
+                logger.warning("no tokenizer.json at %s: routing estimates tokens from bytes", path)
+
+    @property
+    def exact(self) -> bool:
+        return self._tok is not None
+
+    def tokens(self, text: str) -> list[int]:
+        """Token ids (exact), or pseudo ids of ``BYTES_PER_TOKEN``-byte blocks."""
+        if self._tok is not None:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        b = text.encode("utf-8", "surrogatepass")
+        return [int.from_bytes(b[i:i + BYTES_PER_TOKEN], "little")
+                for i in range(0, len(b), BYTES_PER_TOKEN)]
+
+    def page_hashes(self, ids: Sequence[int]) -> tuple[PageHash, ...]:
+        """Chained 64-bit hashes of full pages: hash i determines pages 0..i."""
+        p = self.page_tokens
+        out: list[PageHash] = []
+        prev = b"\0" * 8
+        for i in range(0, len(ids) - p + 1, p):
+            h = hashlib.blake2b(prev, digest_size=8)
+            h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in ids[i:i + p]))
+            prev = h.digest()
+            out.append(PageHash(int.from_bytes(prev, "little")))
+        return tuple(out)
+
+
+def chat_text(messages: object) -> str:
+    """The routing text of OpenAI chat ``messages`` (contents joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", param="messages")
+    parts: list[str] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise BadRequest("each message must be an object", param="messages")
+        c = m.get("content")
+        if isinstance(c, str):
+            parts.append(c)
+        elif isinstance(c, list):  # content parts
+            parts.extend(p.get("text", "") for p in c if isinstance(p, dict))
+        parts.append("\n")
+    return "".join(parts)
+
+
+def check_max_tokens(value: object, *, name: str, limit: int, allow_zero: bool) -> int | None:
+    """Validate a max-tokens field: an integer, >= 1 (or 0 where allowed), <= limit."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{name}' must be an integer, got {value!r}", param=name)
+    low = 0 if allow_zero else 1
+    if value < low:
+        raise BadRequest(f"'{name}' must be >= {low}, got {value}", param=name)
+    if value > limit:
+        raise BadRequest(f"'{name}' is {value}, above this router's limit of {limit} "
+                         "(--max-tokens-limit)", param=name)
+    return value

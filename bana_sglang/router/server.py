@@ -1,0 +1,797 @@
+"""The router: an asynchronous OpenAI-compatible HTTP front for a PD cluster.
+
+Serves ``/v1/chat/completions``, ``/v1/completions``, ``/generate``,
+``/v1/models``, ``/health``, ``/metrics`` (Prometheus), the model-info GETs the
+SGLang frontend language calls, and ``/bana/router/workers`` (its own
+per-worker counters, as JSON).
+
+**PD pairing.** For each request it asks the policy (``bana_sglang.router.policy``)
+for a prefill and a decode worker, adds SGLang's bootstrap fields
+(``bootstrap_host``/``bootstrap_port`` of the prefill worker and a random
+63-bit ``bootstrap_room``) and sends the same body to both at once, as SGLang's
+PD routers do. The client gets the decode worker's answer; a stream is relayed
+chunk by chunk as it arrives.
+
+**Prompt-only requests** (``/generate`` with ``max_new_tokens: 0``: what the
+frontend's ``select``/``choices`` send) go to one prefill worker alone, with
+SGLang's fake bootstrap host, so no decode worker waits for KV nobody will use.
+List prompts are fanned out one request per item and gathered in order.
+SGLang 0.5.23 returns ``None`` as the first logprob of a ``logprob_start_len``
+window (the logit before the window is not kept); the router asks for one more
+position and drops it, so every logprob in the window is a number. The
+prompt's very first token has no context at all; its logprob is reported as
+0.0 (it is given, not predicted).
+
+**Faults.** Before the first byte reaches the client nothing is committed: a
+worker that refuses the connection or answers 5xx is marked down and the
+request is retried on another pair (at most ``max_attempts`` times). After the
+first byte a failure ends the stream with an OpenAI-style error event and
+``[DONE]``; it never hangs (``read_timeout_s`` bounds silence). 4xx answers of
+a worker are the client's problem and are passed through unchanged.
+
+**Requests are checked** before routing: JSON object bodies only (400), body
+size (413), ``max_tokens`` within ``--max-tokens-limit`` (400), a known model
+(404 in OpenAI's format; a missing ``model`` is accepted and filled in), and
+the API key when one is set (401, compared in constant time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from bana_sglang.router.metrics import RouterMetrics
+from bana_sglang.router.policy import (
+    DEFAULT_POLICY,
+    RouteRequest,
+    RequestId,
+    RoutingError,
+    Tier,
+    get_policy,
+)
+from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
+from bana_sglang.router.workers import Reported, Worker
+
+logger = logging.getLogger(__name__)
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST
+_JSON = "application/json"
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[tuple[str, int], ...]  # (url, bootstrap port)
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 30000
+    policy: str = DEFAULT_POLICY
+    seed: int = 0
+    model_names: tuple[str, ...] = ()  # empty: ask the workers' /v1/models
+    tokenizer_path: str | None = None
+    page_tokens: int = 16  # routing page size (cache_aware's prefix tree)
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_tokens_limit: int = 1 << 20
+    poll_interval_s: float = 0.25
+    max_attempts: int = 3
+    connect_timeout_s: float = 3.0
+    read_timeout_s: float = 600.0
+    probe_min_s: float = 0.5
+    probe_max_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ValueError("the router needs at least one prefill and one decode worker")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        if self.poll_interval_s <= 0:
+            raise ValueError("poll_interval_s must be positive")
+
+
+class UpstreamError(Exception):
+    """A worker failed: connection refused/reset, or a 5xx answer."""
+
+    def __init__(self, worker: Worker, reason: str, status: int | None = None, body: bytes = b""):
+        super().__init__(f"{worker.tier.value} worker {worker.url}: {reason}")
+        self.worker, self.reason, self.status, self.body = worker, reason, status, body
+
+
+class ClientError(Exception):
+    """A worker answered 4xx: pass it through to the client."""
+
+    def __init__(self, status: int, body: bytes, content_type: str | None):
+        super().__init__(f"worker answered {status}")
+        self.status, self.body, self.content_type = status, body, content_type
+
+
+def error_response(status: int, message: str, *, type_: str | None = None, param: str | None = None,
+                   code: str | int | None = None, headers: dict | None = None) -> web.Response:
+    type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code or status}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type=_JSON, headers=headers)
+
+
+def _sse_error(message: str, status: int = 502) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": status}}
+    return b"data: " + orjson.dumps(body) + b"\n\ndata: [DONE]\n\n"
+
+
+class Router:
+    """State and handlers of one router process."""
+
+    def __init__(self, cfg: RouterConfig):
+        self.cfg = cfg
+        self.prefill = [Worker(u, Tier.PREFILL, bootstrap_port=b, probe_min_s=cfg.probe_min_s,
+                               probe_max_s=cfg.probe_max_s) for u, b in cfg.prefill]
+        self.decode = [Worker(u, Tier.DECODE, probe_min_s=cfg.probe_min_s, probe_max_s=cfg.probe_max_s)
+                       for u in cfg.decode]
+        self.workers = self.prefill + self.decode
+        self.by_id = {w.id: w for w in self.workers}
+        if len(self.by_id) != len(self.workers):
+            raise ValueError("a worker URL is listed twice")
+        self.policy = get_policy(cfg.policy, seed=cfg.seed)
+        self.prompts = PromptView(cfg.tokenizer_path, page_tokens=cfg.page_tokens)
+        self.metrics = RouterMetrics()
+        self.models_json: bytes | None = None
+        self.model_names: set[str] = set(cfg.model_names)
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._rooms = random.Random()
+
+    # ------------------------------------------------------------------ app
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes,
+                              middlewares=[self._auth_middleware])
+        r = app.router
+        r.add_post("/v1/chat/completions", self.handle_chat)
+        r.add_post("/v1/completions", self.handle_completions)
+        r.add_post("/generate", self.handle_generate)
+        r.add_get("/v1/models", self.handle_models)
+        r.add_get("/health", self.handle_health)
+        r.add_get("/health_generate", self.handle_health)
+        r.add_get("/metrics", self.handle_metrics)
+        r.add_get("/bana/router/workers", self.handle_workers)
+        for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
+            r.add_get(path, self.handle_info)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
+                                          sock_read=self.cfg.read_timeout_s),
+            json_serialize=lambda o: orjson.dumps(o).decode(),
+        )
+        self._tasks.append(asyncio.create_task(self._poll_loop(), name="bana-router-poll"))
+        logger.info("router on http://%s:%d: policy %s, %d prefill + %d decode workers, tokenizer %s",
+                    self.cfg.host, self.cfg.port, self.cfg.policy, len(self.prefill), len(self.decode),
+                    "exact" if self.prompts.exact else "estimated from bytes")
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler):
+        key = self.cfg.api_key
+        if key:
+            got = request.headers.get("Authorization", "")
+            token = got[7:] if got[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                return error_response(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                                      type_="authentication_error", code="invalid_api_key")
+        return await handler(request)
+
+    # ------------------------------------------------------------------ loads & health
+    async def _poll_loop(self) -> None:
+        """Refresh every worker's load (healthy ones) or probe it (down ones, with backoff)."""
+        while True:
+            started = time.monotonic()
+            await asyncio.gather(*(self._poll_one(w, started) for w in self.workers),
+                                 return_exceptions=True)
+            if self.models_json is None:
+                await self._fetch_models()
+            for w in self.workers:
+                labels = (w.url, w.tier.value)
+                self.metrics.healthy.labels(*labels).set(1 if w.healthy else 0)
+                self.metrics.inflight.labels(*labels).set(w.inflight)
+                self.metrics.queued.labels(*labels).set(w.reported.waiting)
+                self.metrics.kv_usage.labels(*labels).set(
+                    w.reported.used_tokens / w.reported.total_tokens if w.reported.total_tokens else 0)
+            await asyncio.sleep(max(0.0, self.cfg.poll_interval_s - (time.monotonic() - started)))
+
+    async def _poll_one(self, w: Worker, now: float) -> None:
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.cfg.poll_interval_s * 4))
+        if not w.healthy:
+            if not w.due_for_probe(now):
+                return
+            try:
+                async with self.session.get(w.url + "/health", timeout=timeout) as resp:
+                    ok = resp.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                ok = False
+                reason = f"health probe failed: {type(e).__name__}"
+            else:
+                reason = f"health probe answered {resp.status}"
+            if ok:
+                w.mark_up()
+            else:
+                w.mark_down(reason, now)
+            return
+        try:
+            async with self.session.get(w.url + "/v1/loads", params={"include": "core"},
+                                        timeout=timeout) as resp:
+                if resp.status != 200:
+                    return  # an old worker without /v1/loads: the router's own counts remain
+                body = await resp.json(loads=orjson.loads)
+            w.reported = Reported.from_loads_json(body, time.monotonic())
+        except (aiohttp.ClientConnectionError, ConnectionError) as e:
+            if w.mark_down(f"load poll: {type(e).__name__}: {e}"):
+                self.metrics.worker_failures.labels(w.url, w.tier.value).inc()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            logger.debug("load poll of %s failed: %s", w.url, e)
+
+    async def _fetch_models(self) -> None:
+        assert self.session is not None
+        for w in self.prefill + self.decode:
+            if not w.healthy:
+                continue
+            try:
+                async with self.session.get(w.url + "/v1/models",
+                                            timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    if resp.status != 200:
+                        continue
+                    raw = await resp.read()
+                data = orjson.loads(raw)
+                names = {m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m}
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+                continue
+            if names:
+                self.models_json = raw
+                self.model_names |= names
+                logger.info("serving model(s): %s", ", ".join(sorted(self.model_names)))
+                return
+
+    # ------------------------------------------------------------------ simple endpoints
+    async def handle_health(self, request: web.Request) -> web.Response:
+        p = sum(w.healthy for w in self.prefill)
+        d = sum(w.healthy for w in self.decode)
+        ok = p > 0 and d > 0 and self.models_json is not None
+        return web.json_response({"status": "ok" if ok else "unavailable", "healthy_prefill": p,
+                                  "healthy_decode": d}, status=200 if ok else 503, dumps=_dumps)
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        if self.models_json is None:
+            return error_response(503, "no worker has answered /v1/models yet")
+        return web.Response(body=self.models_json, content_type=_JSON)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    async def handle_workers(self, request: web.Request) -> web.Response:
+        return web.json_response({"policy": self.cfg.policy, "workers": [w.snapshot() for w in self.workers]},
+                                 dumps=_dumps)
+
+    async def handle_info(self, request: web.Request) -> web.Response:
+        """Model/server info GETs (the frontend's RuntimeEndpoint asks ``/get_model_info``)."""
+        assert self.session is not None
+        for w in sorted(self.prefill, key=lambda w: not w.healthy):
+            try:
+                async with self.session.get(w.url + request.path,
+                                            timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    body = await resp.read()
+                    return web.Response(status=resp.status, body=body,
+                                        content_type=resp.content_type or _JSON)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                continue
+        return error_response(503, "no prefill worker answered")
+
+    # ------------------------------------------------------------------ request parsing
+    async def _read_json(self, request: web.Request) -> dict:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise BadRequest(f"request body is larger than {self.cfg.max_body_bytes} bytes "
+                             "(--max-body-bytes)", status=413) from None
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise BadRequest(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        return body
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is None or model == "":
+            if self.model_names:
+                body["model"] = sorted(self.model_names)[0]
+            return
+        if not isinstance(model, str):
+            raise BadRequest("'model' must be a string", param="model")
+        if self.model_names and model not in self.model_names:
+            raise BadRequest(f"The model '{model}' does not exist; served: "
+                             f"{', '.join(sorted(self.model_names))}", status=404, param="model",
+                             code="model_not_found")
+
+    def _route_request(self, ids: Sequence[int], max_new: int | None) -> RouteRequest:
+        return RouteRequest(request_id=RequestId(f"r{self._rooms.getrandbits(32):08x}"),
+                            num_tokens=max(1, len(ids)), page_hashes=self.prompts.page_hashes(ids),
+                            max_new_tokens=max_new or 0, page_size=self.prompts.page_tokens)
+
+    # ------------------------------------------------------------------ OpenAI endpoints
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, "/v1/chat/completions", "chat")
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, "/v1/completions", "completions")
+
+    async def _openai(self, request: web.Request, path: str, label: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        try:
+            body = await self._read_json(request)
+            self._check_model(body)
+            limit = self.cfg.max_tokens_limit
+            max_new = check_max_tokens(body.get("max_tokens"), name="max_tokens", limit=limit,
+                                       allow_zero=False)
+            if label == "chat":
+                mc = check_max_tokens(body.get("max_completion_tokens"), name="max_completion_tokens",
+                                      limit=limit, allow_zero=False)
+                max_new = mc if mc is not None else max_new
+                ids = self.prompts.tokens(chat_text(body.get("messages")))
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, str):
+                    ids = self.prompts.tokens(prompt)
+                elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                    ids = prompt
+                elif isinstance(prompt, list) and prompt:
+                    ids = self.prompts.tokens(prompt[0]) if isinstance(prompt[0], str) else list(prompt[0])
+                else:
+                    raise BadRequest("'prompt' must be a string, a list of strings or token ids",
+                                     param="prompt")
+        except BadRequest as e:
+            return self._refuse(e, label)
+        route = self._route_request(ids, max_new)
+        return await self._pd(request, path, body, route, label, t0,
+                              stream=bool(body.get("stream")), merge_logprobs=False)
+
+    # ------------------------------------------------------------------ /generate
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        label = "generate"
+        try:
+            body = await self._read_json(request)
+            self._check_model(body)
+            body.pop("model", None)  # /generate has no model field
+            items = self._generate_items(body)
+        except BadRequest as e:
+            return self._refuse(e, label)
+        if items is not None:  # a batch: one request per item, gathered in order
+            return await self._generate_batch(request, items, label, t0)
+        sp = body.get("sampling_params") or {}
+        max_new = sp.get("max_new_tokens")
+        ids = body.get("input_ids") or self.prompts.tokens(body.get("text") or "")
+        route = self._route_request(ids, max_new)
+        if max_new == 0:
+            status, payload = await self._prefill_only(body, route)
+            self._count(label, status, t0)
+            return web.Response(status=status, body=payload, content_type=_JSON)
+        return await self._pd(request, "/generate", body, route, label, t0,
+                              stream=bool(body.get("stream")),
+                              merge_logprobs=bool(body.get("return_logprob")))
+
+    def _generate_items(self, body: dict) -> list[dict] | None:
+        """Validate a /generate body; for a batch, the per-item bodies (else None)."""
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise BadRequest("give exactly one of 'text' and 'input_ids'")
+        sp = body.get("sampling_params")
+        if sp is not None and not isinstance(sp, (dict, list)):
+            raise BadRequest("'sampling_params' must be an object (or a list of them)",
+                             param="sampling_params")
+        batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
+        if isinstance(text, list) and not all(isinstance(t, str) for t in text):
+            raise BadRequest("'text' must be a string or a list of strings", param="text")
+        if text is not None and not isinstance(text, (str, list)):
+            raise BadRequest("'text' must be a string or a list of strings", param="text")
+        n = len(text if text is not None else ids) if batch else 1
+        if batch and n == 0:
+            raise BadRequest("empty batch")
+        sps = sp if isinstance(sp, list) else [sp or {}] * n
+        if len(sps) != n:
+            raise BadRequest(f"{len(sps)} sampling_params for {n} prompts", param="sampling_params")
+        for s in sps:
+            if not isinstance(s, dict):
+                raise BadRequest("each sampling_params must be an object", param="sampling_params")
+            check_max_tokens(s.get("max_new_tokens"), name="max_new_tokens",
+                             limit=self.cfg.max_tokens_limit, allow_zero=True)
+        if not batch:
+            return None
+        if body.get("stream"):
+            raise BadRequest("streaming a batch of prompts is not supported by this router; "
+                             "send one request per prompt", param="stream")
+        out = []
+        for i in range(n):
+            item = {k: (v[i] if isinstance(v, list) and k in _PER_ITEM_FIELDS else v)
+                    for k, v in body.items() if k not in ("text", "input_ids", "sampling_params")}
+            if text is not None:
+                item["text"] = text[i]
+            else:
+                item["input_ids"] = ids[i]
+            item["sampling_params"] = sps[i]
+            out.append(item)
+        return out
+
+    async def _generate_batch(self, request, items: list[dict], label: str, t0: float) -> web.Response:
+        async def one(item: dict) -> tuple[int, bytes]:
+            sp = item["sampling_params"]
+            ids = item.get("input_ids") or self.prompts.tokens(item.get("text") or "")
+            route = self._route_request(ids, sp.get("max_new_tokens"))
+            if sp.get("max_new_tokens") == 0:
+                return await self._prefill_only(item, route)
+            return await self._pd_once_json("/generate", item, route,
+                                            merge_logprobs=bool(item.get("return_logprob")))
+
+        results = await asyncio.gather(*(one(it) for it in items))
+        bad = next(((s, b) for s, b in results if s != 200), None)
+        if bad is not None:
+            self._count(label, bad[0], t0)
+            return web.Response(status=bad[0], body=bad[1], content_type=_JSON)
+        payload = b"[" + b",".join(b for _, b in results) + b"]"
+        self._count(label, 200, t0)
+        return web.Response(body=payload, content_type=_JSON)
+
+    # ------------------------------------------------------------------ routing
+    def _pick(self, tier: Tier, route: RouteRequest, exclude: set) -> Worker | None:
+        pool = self.prefill if tier is Tier.PREFILL else self.decode
+        cands = [w for w in pool if w.healthy and w.id not in exclude]
+        if not cands:  # every healthy one failed this request: try the ones marked down
+            cands = [w for w in pool if w.id not in exclude]
+        if not cands:
+            return None
+        now = time.monotonic()
+        loads = [w.load(now) for w in cands]
+        try:
+            wid = (self.policy.pick_prefill if tier is Tier.PREFILL else self.policy.pick_decode)(route, loads)
+        except RoutingError as e:
+            logger.error("policy %s failed: %s", self.cfg.policy, e)
+            return cands[0]
+        return self.by_id[wid]
+
+    def _bootstrap(self, body: dict, p: Worker, *, fake: bool = False) -> dict:
+        return dict(body, bootstrap_host=FAKE_BOOTSTRAP_HOST if fake else p.host,
+                    bootstrap_port=p.bootstrap_port, bootstrap_room=self._rooms.getrandbits(63))
+
+    async def _post(self, w: Worker, path: str, body: dict) -> bytes:
+        """POST and read the whole answer; raises UpstreamError / ClientError."""
+        assert self.session is not None
+        try:
+            async with self.session.post(w.url + path, json=body) as resp:
+                data = await resp.read()
+                if resp.status >= 500:
+                    raise UpstreamError(w, f"answered {resp.status}: {data[:200]!r}", resp.status, data)
+                if resp.status >= 400:
+                    raise ClientError(resp.status, data, resp.content_type)
+                return data
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError,
+                asyncio.TimeoutError) as e:
+            raise UpstreamError(w, f"{type(e).__name__}: {e}") from None
+
+    def _fail(self, w: Worker, why: str) -> None:
+        self.metrics.worker_failures.labels(w.url, w.tier.value).inc()
+        w.mark_down(why)
+
+    async def _prefill_only(self, body: dict, route: RouteRequest) -> tuple[int, bytes]:
+        """Prompt-only request on one prefill worker (no KV leaves it); logprob window fixed."""
+        start = body.get("logprob_start_len")
+        shift = bool(body.get("return_logprob")) and isinstance(start, int) and start > 0
+        sent = dict(body, logprob_start_len=start - 1) if shift else body
+        tried: set = set()
+        last = "no prefill worker"
+        for _ in range(self.cfg.max_attempts):
+            p = self._pick(Tier.PREFILL, route, tried)
+            if p is None:
+                break
+            tried.add(p.id)
+            p.begin(route.num_tokens)
+            self.metrics.routed.labels(p.url, "prefill").inc()
+            try:
+                data = await self._post(p, "/generate", self._bootstrap(sent, p, fake=True))
+            except UpstreamError as e:
+                self._fail(p, e.reason)
+                self.metrics.retries.labels("prefill_failed").inc()
+                last = str(e)
+                continue
+            except ClientError as e:
+                return e.status, e.body
+            finally:
+                p.end(route.num_tokens)
+            if body.get("return_logprob"):
+                out = orjson.loads(data)
+                _fix_logprob_window(out.get("meta_info", {}), shift=shift,
+                                    from_start=not shift and start in (0, None))
+                data = orjson.dumps(out)
+            return 200, data
+        return 502, orjson.dumps({"error": {"message": f"no prefill worker could serve the request: {last}",
+                                            "type": "server_error", "param": None, "code": 502}})
+
+    async def _pd_once_json(self, path: str, body: dict, route: RouteRequest, *,
+                            merge_logprobs: bool) -> tuple[int, bytes]:
+        """Non-streaming PD request with retries; (status, body)."""
+        tried_p: set = set()
+        tried_d: set = set()
+        last = "no worker"
+        for _ in range(self.cfg.max_attempts):
+            p = self._pick(Tier.PREFILL, route, tried_p)
+            d = self._pick(Tier.DECODE, route, tried_d)
+            if p is None or d is None:
+                break
+            bp = self._bootstrap(body, p)
+            p_tok, d_tok = route.num_tokens, route.num_tokens + route.max_new_tokens
+            p.begin(p_tok)
+            d.begin(d_tok)
+            self.metrics.routed.labels(p.url, "prefill").inc()
+            self.metrics.routed.labels(d.url, "decode").inc()
+            p_task = asyncio.create_task(self._post(p, path, bp))
+            p_task.add_done_callback(lambda _t, p=p: p.end(p_tok))
+            d_task = asyncio.create_task(self._post(d, path, bp))
+            try:
+                # A failed prefill leaves its decode waiting for KV that never comes:
+                # whichever fails first decides, and the other is cancelled.
+                await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+                if p_task.done() and not d_task.done():
+                    p_task.result()  # raises if the prefill failed
+                d_data = await d_task
+            except UpstreamError as e:
+                d_task.cancel()
+                culprit = e.worker if e.worker is p else await self._blame(p, p_task, e)
+                (tried_p if culprit is p else tried_d).add(culprit.id)
+                self._fail(culprit, e.reason if culprit is e.worker else culprit.down_reason or e.reason)
+                self.metrics.retries.labels(f"{culprit.tier.value}_failed").inc()
+                last = str(e)
+                continue
+            except ClientError as e:
+                p_task.cancel()
+                d_task.cancel()
+                return e.status, e.body
+            except BaseException:
+                p_task.cancel()
+                d_task.cancel()
+                raise
+            finally:
+                d.end(d_tok)
+            try:
+                p_data = await p_task
+            except UpstreamError as e:  # decode got its KV, so the answer stands
+                logger.warning("prefill answer lost after decode finished: %s", e)
+                p_data = None
+            except ClientError:
+                p_data = None
+            if merge_logprobs and p_data is not None:
+                d_data = _merge_input_logprobs(p_data, d_data)
+            return 200, d_data
+        return 502, orjson.dumps({"error": {"message": f"no worker pair could serve the request: {last}",
+                                            "type": "server_error", "param": None, "code": 502}})
+
+    async def _blame(self, p: Worker, p_task: asyncio.Task, err: UpstreamError) -> Worker:
+        """Decode failed: was it the prefill worker's fault? A decode worker whose
+        prefill peer died fails too, so wait briefly for the prefill's outcome."""
+        try:
+            await asyncio.wait_for(asyncio.shield(p_task), timeout=1.0)
+        except UpstreamError as pe:
+            p.down_reason = pe.reason
+            return p
+        except (asyncio.TimeoutError, ClientError, asyncio.CancelledError):
+            pass
+        finally:
+            if not p_task.done():
+                p_task.cancel()
+        return p if not p.healthy else err.worker
+
+    async def _pd(self, request: web.Request, path: str, body: dict, route: RouteRequest, label: str,
+                  t0: float, *, stream: bool, merge_logprobs: bool) -> web.StreamResponse:
+        if not stream:
+            status, data = await self._pd_once_json(path, body, route, merge_logprobs=merge_logprobs)
+            self._count(label, status, t0)
+            return web.Response(status=status, body=data, content_type=_JSON)
+        return await self._pd_stream(request, path, body, route, label, t0)
+
+    async def _pd_stream(self, request: web.Request, path: str, body: dict, route: RouteRequest,
+                         label: str, t0: float) -> web.StreamResponse:
+        assert self.session is not None
+        tried_p: set = set()
+        tried_d: set = set()
+        last = "no worker"
+        for _ in range(self.cfg.max_attempts):
+            p = self._pick(Tier.PREFILL, route, tried_p)
+            d = self._pick(Tier.DECODE, route, tried_d)
+            if p is None or d is None:
+                break
+            bp = self._bootstrap(body, p)
+            p_tok, d_tok = route.num_tokens, route.num_tokens + route.max_new_tokens
+            p.begin(p_tok)
+            d.begin(d_tok)
+            self.metrics.routed.labels(p.url, "prefill").inc()
+            self.metrics.routed.labels(d.url, "decode").inc()
+            p_task = asyncio.create_task(self._post(p, path, bp))
+            p_task.add_done_callback(lambda _t, p=p: p.end(p_tok))
+            resp: aiohttp.ClientResponse | None = None
+            try:
+                # ---- before the first byte: failures are retried elsewhere
+                try:
+                    resp = await self.session.post(d.url + path, json=bp)
+                except (aiohttp.ClientConnectionError, ConnectionError, asyncio.TimeoutError) as e:
+                    raise UpstreamError(d, f"{type(e).__name__}: {e}") from None
+                if resp.status >= 400:
+                    data = await resp.read()
+                    if resp.status < 500:
+                        p_task.cancel()
+                        self._count(label, resp.status, t0)
+                        return web.Response(status=resp.status, body=data,
+                                            content_type=resp.content_type or _JSON)
+                    raise UpstreamError(d, f"answered {resp.status}: {data[:200]!r}", resp.status, data)
+                first = asyncio.ensure_future(resp.content.readany())
+                while True:
+                    waiting = {first} if p_task.done() else {first, p_task}
+                    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                    if first in done:
+                        break
+                    exc = p_task.exception()
+                    if isinstance(exc, UpstreamError):
+                        first.cancel()
+                        raise exc
+                    if isinstance(exc, ClientError):
+                        first.cancel()
+                        self._count(label, exc.status, t0)
+                        return web.Response(status=exc.status, body=exc.body,
+                                            content_type=exc.content_type or _JSON)
+                try:
+                    chunk = first.result()
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
+                        asyncio.TimeoutError) as e:
+                    raise UpstreamError(d, f"stream broke before the first byte: {type(e).__name__}") from None
+                if not chunk:
+                    raise UpstreamError(d, "stream ended before the first byte")
+            except UpstreamError as e:
+                if resp is not None:
+                    resp.close()
+                culprit = await self._blame(p, p_task, e) if e.worker is d else e.worker
+                (tried_p if culprit is p else tried_d).add(culprit.id)
+                self._fail(culprit, culprit.down_reason if culprit is not d else e.reason)
+                self.metrics.retries.labels(f"{culprit.tier.value}_failed").inc()
+                last = str(e)
+                d.end(d_tok)
+                continue
+            except BaseException:
+                if resp is not None:
+                    resp.close()
+                p_task.cancel()
+                d.end(d_tok)
+                raise
+            # ---- committed: relay chunk by chunk
+            out = web.StreamResponse(status=200, headers={
+                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            try:
+                await out.prepare(request)
+                await out.write(chunk)
+                self.metrics.ttfb_seconds.labels(label).observe(time.perf_counter() - t0)
+                while True:
+                    try:
+                        chunk = await resp.content.readany()
+                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
+                            asyncio.TimeoutError) as e:
+                        why = f"decode worker {d.url} failed mid-stream: {type(e).__name__}"
+                        logger.warning("%s", why)
+                        self.metrics.stream_errors.inc()
+                        if not isinstance(e, asyncio.TimeoutError):
+                            self._fail(d, why)
+                        await out.write(_sse_error(why))
+                        break
+                    if not chunk:
+                        break
+                    await out.write(chunk)
+                await out.write_eof()
+            except (ConnectionResetError, asyncio.CancelledError):
+                logger.info("client went away; aborting its request on %s", d.url)
+                p_task.cancel()
+                raise
+            finally:
+                resp.close()
+                d.end(d_tok)
+                if not p_task.done():
+                    # the prefill answer is only bookkeeping once decode streams
+                    p_task.add_done_callback(_swallow)
+            self._count(label, 200, t0)
+            return out
+        self._count(label, 502, t0)
+        return error_response(502, f"no worker pair could serve the request: {last}")
+
+    # ------------------------------------------------------------------ helpers
+    def _refuse(self, e: BadRequest, label: str) -> web.Response:
+        self.metrics.requests.labels(label, str(e.status)).inc()
+        return web.Response(status=e.status, body=orjson.dumps(e.body()), content_type=_JSON)
+
+    def _count(self, label: str, status: int, t0: float) -> None:
+        self.metrics.requests.labels(label, str(status)).inc()
+        self.metrics.e2e_seconds.labels(label).observe(time.perf_counter() - t0)
+
+
+_PER_ITEM_FIELDS = frozenset({"rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                              "token_ids_logprob", "stream", "lora_path", "custom_logit_processor",
+                              "return_hidden_states", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+                              "data_parallel_rank"})
+
+
+def _swallow(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _dumps(o) -> str:
+    return orjson.dumps(o).decode()
+
+
+def _fix_logprob_window(meta: dict, *, shift: bool, from_start: bool) -> None:
+    """Make every input logprob of the window a number (see module docstring)."""
+    for key in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
+        vals = meta.get(key)
+        if shift and isinstance(vals, list) and vals:
+            meta[key] = vals[1:]
+    vals = meta.get("input_token_logprobs")
+    if from_start and isinstance(vals, list) and vals and isinstance(vals[0], list) and vals[0][0] is None:
+        vals[0][0] = 0.0
+
+
+def _merge_input_logprobs(p_data: bytes, d_data: bytes) -> bytes:
+    """Decode answers carry no prompt logprobs; take the prefill worker's."""
+    try:
+        p, d = orjson.loads(p_data), orjson.loads(d_data)
+        pm, dm = p.get("meta_info", {}), d.get("meta_info", {})
+        for key in ("input_token_logprobs", "input_top_logprobs"):
+            if key in pm:
+                dm[key] = pm[key] + (dm.get(key) or [])
+        return orjson.dumps(d)
+    except (ValueError, AttributeError, TypeError):
+        return d_data
+
+
+async def serve(cfg: RouterConfig, *, ready: asyncio.Event | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run the router until ``stop`` is set (or forever)."""
+    router = Router(cfg)
+    runner = web.AppRunner(router.build_app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+    await site.start()
+    print(f"bana-router ready on http://{cfg.host}:{cfg.port}", flush=True)
+    if ready is not None:
+        ready.set()
+    try:
+        await (stop.wait() if stop is not None else asyncio.Event().wait())
+    finally:
+        await runner.cleanup()
+
+
+def default_tokenizer(model_path: str | Path | None) -> str | None:
+    if model_path and (Path(model_path) / "tokenizer.json").is_file():
+        return str(model_path)
+    return None

@@ -1,0 +1,198 @@
+"""The router in front of real SGLang PD workers (2 prefill + 1 decode, real
+Mooncake transfer), started through the launcher with an API key; extra router
+processes with the baseline policies share the same workers.
+
+Covers: identical greedy tokens through every policy, the SGLang frontend's
+``select`` against HF transformers, the shared-prefix hotspot (cache_aware
+concentrates, bana spreads), the API key, and a prefill worker killed while
+requests flow (last: it kills a worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from bana_sglang.procs import http_ok
+from conftest import free_port, launched_cluster
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BASELINES = ("round_robin", "power_of_two", "cache_aware")
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model, tmp_path_factory):
+    with launched_cluster(["--num-prefill", "2", "--api-key", KEY],
+                          tmp_path_factory.mktemp("router-live-logs")) as cluster:
+        workers = httpx.get(cluster.url + "/bana/router/workers", headers=AUTH, timeout=30).json()["workers"]
+        argv = [sys.executable, "-m", "bana_sglang.router", "--model-path", str(tiny_model),
+                "--log-level", "WARNING"]
+        for w in workers:
+            argv += (["--prefill", w["url"], str(w["bootstrap_port"])] if w["role"] == "prefill"
+                     else ["--decode", w["url"]])
+        extra: dict[str, str] = {}
+        procs = []
+        for policy in BASELINES:
+            port = free_port()
+            procs.append(subprocess.Popen([*argv, "--policy", policy, "--port", str(port)]))
+            extra[policy] = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while not all(http_ok(u + "/health") for u in extra.values()):
+                assert time.monotonic() < deadline, "baseline routers did not become healthy"
+                assert all(p.poll() is None for p in procs), "a baseline router exited"
+                time.sleep(0.5)
+            yield cluster, {"bana": cluster.url, **extra}
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(timeout=30)
+
+
+def routed(url: str, headers: dict | None = None) -> dict[str, int]:
+    ws = httpx.get(url + "/bana/router/workers", headers=headers, timeout=30).json()["workers"]
+    return {w["url"]: w["routed"] for w in ws if w["role"] == "prefill"}
+
+
+def test_api_key_is_required_on_every_endpoint(live):
+    cluster, _ = live
+    for path in ("/v1/models", "/health", "/metrics", "/bana/router/workers"):
+        assert httpx.get(cluster.url + path, timeout=30).status_code == 401, path
+        assert httpx.get(cluster.url + path, headers={"Authorization": "Bearer nope"},
+                         timeout=30).status_code == 401
+        assert httpx.get(cluster.url + path, headers=AUTH, timeout=30).status_code == 200, path
+    r = httpx.post(cluster.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+
+
+def test_identical_greedy_tokens_through_every_policy(live, single_server):
+    _, urls = live
+    prompts = ["The global store holds", "Prefill workers share pages. " * 12, "x"]
+    for text in prompts:
+        req = {"text": text, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+        ref = httpx.post(single_server + "/generate", json=req, timeout=120).json()["output_ids"]
+        for policy, url in urls.items():
+            for _ in range(2):  # both prefill workers under round robin
+                r = httpx.post(url + "/generate", json=req, headers=AUTH, timeout=120)
+                assert r.status_code == 200, (policy, r.text)
+                assert r.json()["output_ids"] == ref, policy
+
+
+def test_select_through_the_router_matches_hf_transformers(live, tiny_model):
+    import sglang as sgl
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cluster, _ = live
+    choices = [" yes", " no", " maybe so"]
+
+    @sgl.function
+    def quiz(s):
+        s += "Question: does the global cache help? Answer:"
+        s += sgl.gen("answer", max_tokens=6, temperature=0)
+        s += " So, finally:"
+        s += sgl.select("pick", choices=choices)
+
+    state = quiz.run(backend=sgl.RuntimeEndpoint(cluster.url, api_key=KEY))
+    picked = state["pick"]
+    meta = state.get_meta_info("pick")
+    prefix = state.text()[: -len(picked)]
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    prompt_len = len(tok(prefix)["input_ids"])
+    start = max(prompt_len - 2, 0)  # the client's logprob window (token healing)
+    hf_scores = []
+    for i, choice in enumerate(choices):
+        ids = tok(prefix + choice)["input_ids"]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        window = [(logp[j - 1, ids[j]].item(), ids[j]) for j in range(start, len(ids))]
+        if prefix.endswith(tok.decode([window[0][1]])):  # the client drops a healed token
+            window = window[1:]
+        served = meta["input_token_logprobs"][i]
+        assert [t for _, t in window] == [e[1] for e in served]
+        for (hf_lp, _), e in zip(window, served):
+            assert isinstance(e[0], float) and abs(e[0] - hf_lp) < 1e-3, (choice, e, hf_lp)
+        hf_scores.append(sum(lp for lp, _ in window) / len(window))
+    assert picked == choices[max(range(len(choices)), key=hf_scores.__getitem__)]
+
+
+def _hotspot_requests(n: int) -> list[dict]:
+    system = ("You are the support assistant of a company that runs a large model serving "
+              "cluster with prefill and decode workers and a global cache. ") * 6
+    return [{"messages": [{"role": "system", "content": system},
+                          {"role": "user", "content": f"Ticket {i}: why is my request slow?"}],
+             "max_tokens": 4, "temperature": 0} for i in range(n)]
+
+
+async def _fire(url: str, reqs: list[dict], concurrency: int) -> list[int]:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=300, headers=AUTH) as c:
+        async def one(body):
+            async with sem:
+                return (await c.post(url + "/v1/chat/completions", json=body)).status_code
+        return await asyncio.gather(*(one(b) for b in reqs))
+
+
+def test_hotspot_cache_aware_concentrates_and_bana_spreads(live):
+    _, urls = live
+    reqs = _hotspot_requests(24)
+    shares = {}
+    for policy in ("cache_aware", "bana"):
+        before = routed(urls[policy], AUTH)
+        statuses = asyncio.run(_fire(urls[policy], reqs, concurrency=6))
+        assert statuses == [200] * len(reqs)
+        after = routed(urls[policy], AUTH)
+        counts = [after[w] - before[w] for w in after]
+        assert sum(counts) == len(reqs)
+        shares[policy] = max(counts) / (sum(counts) / len(counts))
+        print(f"\n{policy}: prefill counts {counts}, max/mean {shares[policy]:.2f}")
+    assert shares["cache_aware"] >= 1.8  # (nearly) everything on one of two workers
+    assert shares["bana"] <= 1.25
+
+
+def test_killed_prefill_worker_requests_are_retried_and_none_hangs(live):
+    """Last: kills prefill-1 while 12 requests are in flight."""
+    cluster, _ = live
+    reqs = [{"text": f"Request {i} asks about caches and load. " * 6,
+             "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+            for i in range(12)]
+    with httpx.Client(timeout=120, headers=AUTH) as c:
+        ref = [c.post(cluster.url + "/generate", json=r).json()["output_ids"] for r in reqs]
+    prefill_urls = sorted(routed(cluster.url, AUTH))
+    victim_port = prefill_urls[-1].rsplit(":", 1)[1]
+    victim = next(p for p in psutil.Process(cluster.proc.pid).children(recursive=True)
+                  if "sglang.launch_server" in " ".join(p.cmdline()) and victim_port in p.cmdline())
+
+    async def flow():
+        async with httpx.AsyncClient(timeout=180, headers=AUTH) as c:
+            tasks = [asyncio.create_task(c.post(cluster.url + "/generate", json=r)) for r in reqs]
+            await asyncio.sleep(0.3)
+            for p in [victim, *victim.children(recursive=True)]:
+                p.kill()
+            return await asyncio.gather(*tasks)
+
+    t0 = time.monotonic()
+    answers = asyncio.run(asyncio.wait_for(flow(), timeout=240))
+    assert time.monotonic() - t0 < 240
+    assert [a.status_code for a in answers] == [200] * len(reqs), [a.text[:200] for a in answers]
+    assert [a.json()["output_ids"] for a in answers] == ref
+    state = {w["url"]: w for w in httpx.get(cluster.url + "/bana/router/workers", headers=AUTH,
+                                             timeout=30).json()["workers"]}
+    assert not state[prefill_urls[-1]]["healthy"]
+    # the launcher keeps serving on the surviving workers
+    assert cluster.proc.poll() is None
+    ok = httpx.post(cluster.url + "/generate", json=reqs[0], headers=AUTH, timeout=120)
+    assert ok.status_code == 200 and ok.json()["output_ids"] == ref[0]
+    assert any("prefill-1 exited unexpectedly" in line for line in cluster.lines)

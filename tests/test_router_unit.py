@@ -1,0 +1,222 @@
+"""The router against fake PD workers (fast, in one process, real HTTP on 127.0.0.1).
+
+The fakes (``bench.fake_pd``) mimic the PD contract that matters to a router:
+the decode worker answers only once the prefill worker with the same
+``bootstrap_room`` has run (so a router that does not cancel decode after a
+prefill failure hangs), and a fake can refuse connections, answer 5xx, or break
+a stream half way. The real workers are exercised in ``test_router_live.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from bana_sglang.router.policy import Tier
+from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
+from bana_sglang.router.server import Router, RouterConfig
+from bana_sglang.router.workers import Reported, Worker, parse_prefill_spec
+from bench.fake_pd import MODEL, FakeWorker, free_port
+
+
+@contextlib.asynccontextmanager
+async def running(prefill: list[FakeWorker], decode: list[FakeWorker], **cfg_kw):
+    for f in prefill + decode:
+        await f.start()
+    port = free_port()
+    cfg = RouterConfig(prefill=tuple((f.url, f.boot) for f in prefill), decode=tuple(f.url for f in decode),
+                       port=port, poll_interval_s=0.05, probe_min_s=0.05, probe_max_s=0.2, **cfg_kw)
+    router = Router(cfg)
+    runner = web.AppRunner(router.build_app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as client:
+        for _ in range(100):  # until it knows the model
+            async with client.get("/health", headers=_auth(cfg_kw)) as r:
+                if r.status == 200:
+                    break
+            await asyncio.sleep(0.05)
+        try:
+            yield router, client
+        finally:
+            await runner.cleanup()
+            for f in prefill + decode:
+                await f.stop()
+
+
+def _auth(kw) -> dict:
+    return {"Authorization": f"Bearer {kw['api_key']}"} if kw.get("api_key") else {}
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=60))
+
+
+# ---------------------------------------------------------------- pure helpers
+
+def test_check_max_tokens():
+    assert check_max_tokens(None, name="m", limit=10, allow_zero=False) is None
+    assert check_max_tokens(0, name="m", limit=10, allow_zero=True) == 0
+    for bad in (-1, 0, 11, 1.5, "3", True):
+        with pytest.raises(BadRequest) as e:
+            check_max_tokens(bad, name="max_tokens", limit=10, allow_zero=False)
+        assert e.value.status == 400 and "max_tokens" in e.value.message
+
+
+def test_prompt_view_hashes_are_chained_and_prefix_stable():
+    v = PromptView(page_tokens=4)
+    a = v.page_hashes(list(range(12)))
+    b = v.page_hashes(list(range(8)) + [99, 98, 97, 96])
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert v.page_hashes([1, 2, 3]) == ()  # no full page
+    assert len(v.tokens("x" * 40)) == 10  # byte estimate without a tokenizer
+
+
+def test_chat_text_rejects_bad_messages():
+    assert chat_text([{"role": "user", "content": "hi"}]).startswith("hi")
+    for bad in (None, [], ["x"], "text"):
+        with pytest.raises(BadRequest):
+            chat_text(bad)
+
+
+def test_worker_load_takes_the_larger_of_report_and_own_count():
+    w = Worker("http://127.0.0.1:1", Tier.PREFILL, bootstrap_port=2)
+    w.reported = Reported.from_loads_json(
+        {"loads": [{"num_running_reqs": 1, "num_waiting_reqs": 2, "num_waiting_uncached_tokens": 50,
+                    "num_used_tokens": 10, "max_total_num_tokens": 100}]}, at=1.0)
+    assert w.load().num_requests == 3 and w.load().queued_prefill_tokens == 50
+    for _ in range(5):
+        w.begin(100)  # a burst the last poll has not seen
+    assert w.load().num_requests == 5 and w.load().queued_prefill_tokens == 500
+    with pytest.raises(ValueError):
+        Reported.from_loads_json({"nope": 1}, at=0)
+
+
+def test_worker_backoff_doubles_and_resets():
+    w = Worker("http://127.0.0.1:1", Tier.DECODE, probe_min_s=1, probe_max_s=4)
+    assert w.mark_down("x", now=0) and w.next_probe == 1
+    assert not w.mark_down("x", now=0) and w.next_probe == 2
+    w.mark_down("x", now=0)
+    w.mark_down("x", now=0)
+    assert w.next_probe == 4  # capped
+    w.mark_up()
+    assert w.healthy and w.failures == 0
+
+
+def test_bad_worker_specs_are_named():
+    with pytest.raises(ValueError, match="bootstrap"):
+        parse_prefill_spec(["http://h:1", "x"])
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        Worker("localhost", Tier.DECODE)
+
+
+# ---------------------------------------------------------------- router over fakes
+
+def test_pd_pairing_injects_one_room_for_both_and_accepts_missing_model():
+    async def go():
+        p, d = FakeWorker("prefill"), FakeWorker("decode")
+        async with running([p], [d]) as (router, c):
+            async with c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 3}) as r:
+                assert r.status == 200, await r.text()
+            (pb,), (db,) = p.bodies, d.bodies
+            assert pb["bootstrap_room"] == db["bootstrap_room"]
+            assert pb["bootstrap_host"] == "127.0.0.1" and pb["bootstrap_port"] == p.boot
+            assert db["model"] == MODEL  # filled in
+            async with c.post("/v1/completions", json={"model": "other", "prompt": "a"}) as r:
+                assert r.status == 404
+                err = (await r.json())["error"]
+                assert err["code"] == "model_not_found" and "other" in err["message"]
+    run(go())
+
+
+def test_refused_and_5xx_prefill_workers_are_retried_elsewhere_and_marked_down():
+    async def go():
+        bad1, bad2, good, d = FakeWorker("prefill", "refuse"), FakeWorker("prefill", "error500"), FakeWorker("prefill"), FakeWorker("decode")
+        async with running([bad1, bad2, good], [d], policy="round_robin") as (router, c):
+            for i in range(6):
+                async with c.post("/generate", json={"text": f"q {i}",
+                                                     "sampling_params": {"max_new_tokens": 2}}) as r:
+                    assert r.status == 200, await r.text()
+                    assert (await r.json())["text"] == "decoded"
+            state = {w.url: w for w in router.prefill}
+            assert not state[bad1.url].healthy  # refuses: stays down (its probes fail)
+            assert state[bad2.url].errors >= 1  # answers 500 (its /health is fine: readmitted)
+            assert state[good.url].healthy and len(good.bodies) == 6
+            text = router.metrics.render().decode()
+            assert 'bana_router_retries_total{reason="prefill_failed"}' in text
+    run(go())
+
+
+def test_all_prefill_workers_failing_gives_502_not_a_hang():
+    async def go():
+        async with running([FakeWorker("prefill", "error500")], [FakeWorker("decode")]) as (router, c):
+            async with c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
+                assert r.status == 502
+                assert "no worker pair" in (await r.json())["error"]["message"]
+    run(go())
+
+
+def test_stream_is_relayed_and_a_mid_stream_failure_ends_with_an_error_event():
+    async def go():
+        async with running([FakeWorker("prefill")], [FakeWorker("decode")]) as (router, c):
+            async with c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True}) as r:
+                text = await r.text()
+            assert text.count("data: {") == 4 and text.endswith("data: [DONE]\n\n")
+        async with running([FakeWorker("prefill")], [FakeWorker("decode", "break_stream")]) as (router, c):
+            async with c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True}) as r:
+                assert r.status == 200
+                text = await r.text()
+            events = [json.loads(line[6:]) for line in text.splitlines()
+                      if line.startswith("data: {")]
+            assert events[:2] == [{"i": 0}, {"i": 1}]
+            assert "failed mid-stream" in events[-1]["error"]["message"]
+            assert text.endswith("data: [DONE]\n\n")
+    run(go())
+
+
+def test_prompt_only_requests_skip_decode_and_logprob_windows_are_all_numbers():
+    async def go():
+        p, d = FakeWorker("prefill"), FakeWorker("decode")
+        async with running([p], [d]) as (router, c):
+            req = {"text": ["w1 w2 w3 w4 w5 w6", "w1 w2 w3 w4 w5 w6 w7"],
+                   "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 3}
+            async with c.post("/generate", json=req) as r:
+                assert r.status == 200, await r.text()
+                out = await r.json()
+            assert not d.bodies
+            assert [b["bootstrap_host"] for b in p.bodies] == ["2.2.2.2", "2.2.2.2"]
+            assert all(b["logprob_start_len"] == 2 for b in p.bodies)
+            for item, n in zip(out, (6, 7)):
+                lps = item["meta_info"]["input_token_logprobs"]
+                assert [e[1] for e in lps] == list(range(3, n))  # the asked window, in order
+                assert all(isinstance(e[0], float) for e in lps)
+    run(go())
+
+
+def test_api_key_body_size_and_json_errors():
+    async def go():
+        async with running([FakeWorker("prefill")], [FakeWorker("decode")], api_key="k3y",
+                           max_body_bytes=4096, max_tokens_limit=100) as (router, c):
+            async with c.get("/v1/models") as r:
+                assert r.status == 401
+            async with c.get("/v1/models", headers={"Authorization": "Bearer wrong"}) as r:
+                assert r.status == 401
+            h = {"Authorization": "Bearer k3y"}
+            async with c.get("/v1/models", headers=h) as r:
+                assert r.status == 200
+            async with c.post("/v1/completions", data=b"{oops", headers=h) as r:
+                assert r.status == 400 and "JSON" in (await r.json())["error"]["message"]
+            async with c.post("/v1/completions", json={"prompt": "x" * 5000}, headers=h) as r:
+                assert r.status == 413
+            async with c.post("/v1/completions", json={"prompt": "x", "max_tokens": 101}, headers=h) as r:
+                assert r.status == 400 and "max-tokens-limit" in (await r.json())["error"]["message"]
+            async with c.post("/generate", json={"text": "x", "input_ids": [1]}, headers=h) as r:
+                assert r.status == 400
+            async with c.get("/metrics", headers=h) as r:
+                assert 'bana_router_requests_total{endpoint="completions",status="413"}' in await r.text()
+    run(go())
