@@ -57,6 +57,18 @@ def test_bad_device_override_is_named(monkeypatch):
         compat.cpu_mode()
 
 
+def test_idle_schedulers_sleep_on_cpu_and_the_knob_is_checked(on_cpu, monkeypatch):
+    monkeypatch.delenv("BANA_IDLE_POLL_MS", raising=False)
+    assert "--sleep-on-idle" in compat.server_args("decode")
+    assert compat.idle_poll_ms() == compat.DEFAULT_IDLE_POLL_MS
+    monkeypatch.setenv("BANA_IDLE_POLL_MS", "0")  # the stock busy loop
+    assert "--sleep-on-idle" not in compat.server_args("decode")
+    for bad in ("-1", "soon"):
+        monkeypatch.setenv("BANA_IDLE_POLL_MS", bad)
+        with pytest.raises(ValueError, match="BANA_IDLE_POLL_MS"):
+            compat.idle_poll_ms()
+
+
 def test_server_args_per_role(on_cpu):
     prefill = compat.server_args("prefill")
     decode = compat.server_args("decode")
@@ -128,7 +140,8 @@ def test_fixes_reach_spawned_children(on_cpu, tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["standin"] is True
     assert result["torchvision"]
-    assert result["fixes"] == ["MooncakeKVSender.supports_host_tensor_indices=False"]
+    assert result["fixes"] == ["MooncakeKVSender.supports_host_tensor_indices=False",
+                               f"IdleSleeper.maybe_sleep polls {compat.DEFAULT_IDLE_POLL_MS} ms"]
 
 
 def test_plugin_is_registered_with_sglang():

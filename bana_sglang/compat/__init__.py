@@ -29,6 +29,16 @@ pool needs an NVIDIA driver).
 In-process (:func:`apply_in_process_fixes`, run by the SGLang plugin in every
 SGLang process): ``MooncakeKVSender.supports_host_tensor_indices = False``,
 else prefill uses pinned memory and ``torch.cuda.Event``.
+
+Idle CPU (measured: an idle tiny-model server takes a whole core, ~100% CPU,
+because the scheduler loop spins; four of them on a two-core machine slow
+everything else several times): the CPU layer passes ``--sleep-on-idle`` and
+shortens SGLang's idle wait (``IdleSleeper``, a ZMQ poll of 1000 ms) to
+``BANA_IDLE_POLL_MS`` (default 5 ms). The short wait matters in PD mode: a
+scheduler with requests waiting for a bootstrap handshake or a KV transfer
+counts as idle, and those events do not arrive on the polled sockets, so a
+1 s wait would add up to 1 s per step; 5 ms bounds the added latency per
+step while the spinning stops. ``BANA_IDLE_POLL_MS=0`` restores the stock spin.
 """
 
 from __future__ import annotations
@@ -43,6 +53,19 @@ logger = logging.getLogger(__name__)
 
 PYPATH_DIR = Path(__file__).resolve().parent / "pypath"
 DEFAULT_MAX_TOTAL_TOKENS = 32768
+DEFAULT_IDLE_POLL_MS = 5
+
+
+def idle_poll_ms() -> int:
+    """Idle wait of an SGLang scheduler on CPU (``BANA_IDLE_POLL_MS``; 0: stock spin)."""
+    raw = os.environ.get("BANA_IDLE_POLL_MS", "")
+    try:
+        ms = int(raw) if raw.strip() else DEFAULT_IDLE_POLL_MS
+    except ValueError:
+        raise ValueError(f"BANA_IDLE_POLL_MS must be an integer (milliseconds), got {raw!r}") from None
+    if ms < 0:
+        raise ValueError(f"BANA_IDLE_POLL_MS must be >= 0, got {ms}")
+    return ms
 STOCK_CPU_ATTENTION = "torch_native"
 
 
@@ -116,7 +139,7 @@ def server_args(role: str, *, user_args: list[str] | tuple[str, ...] = ()) -> li
     if not cpu_mode():
         return []
     present = {a.split("=", 1)[0] for a in user_args if a.startswith("--")}
-    wanted: list[tuple[str, str]] = [
+    wanted: list[tuple[str, str | None]] = [
         ("--device", "cpu"),
         ("--attention-backend", cpu_attention_backend()),
         ("--sampling-backend", "pytorch"),
@@ -124,10 +147,12 @@ def server_args(role: str, *, user_args: list[str] | tuple[str, ...] = ()) -> li
     ]
     if role == "decode":
         wanted.append(("--disaggregation-decode-retraction-backup", "cpu_tensor"))
+    if idle_poll_ms() > 0:
+        wanted.append(("--sleep-on-idle", None))
     out: list[str] = []
     for flag, value in wanted:
         if flag not in present:
-            out += [flag, value]
+            out += [flag] if value is None else [flag, value]
     return out
 
 
@@ -148,4 +173,16 @@ def apply_in_process_fixes() -> list[str]:
     else:
         mooncake_conn.MooncakeKVSender.supports_host_tensor_indices = False
         applied.append("MooncakeKVSender.supports_host_tensor_indices=False")
+    ms = idle_poll_ms()
+    if ms > 0:
+        try:
+            from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
+        except ImportError:
+            logger.info("SGLang has no IdleSleeper here; idle schedulers keep spinning", exc_info=True)
+        else:
+            def maybe_sleep(self, _ms=ms):  # no device cache to empty on CPU
+                self.poller.poll(_ms)
+
+            IdleSleeper.maybe_sleep = maybe_sleep
+            applied.append(f"IdleSleeper.maybe_sleep polls {ms} ms")
     return applied

@@ -147,6 +147,7 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         self._rooms = random.Random()
+        self._routed: dict = {}  # worker id -> its prometheus counter child
 
     # ------------------------------------------------------------------ app
     def build_app(self) -> web.Application:
@@ -173,6 +174,7 @@ class Router:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
                                           sock_read=self.cfg.read_timeout_s),
             json_serialize=lambda o: orjson.dumps(o).decode(),
+            auto_decompress=False,  # bytes are relayed as they come
         )
         self._tasks.append(asyncio.create_task(self._poll_loop(), name="bana-router-poll"))
         logger.info("router on http://%s:%d: policy %s, %d prefill + %d decode workers, tokenizer %s",
@@ -476,6 +478,15 @@ class Router:
             return cands[0]
         return self.by_id[wid]
 
+    def _begin(self, w: Worker, tokens: int) -> int:
+        """Count a request sent to ``w`` (router's own load and metrics); returns ``tokens``."""
+        w.begin(tokens)
+        child = self._routed.get(w.id)
+        if child is None:
+            child = self._routed[w.id] = self.metrics.routed.labels(w.url, w.tier.value)
+        child.inc()
+        return tokens
+
     def _bootstrap(self, body: dict, p: Worker, *, fake: bool = False) -> dict:
         return dict(body, bootstrap_host=FAKE_BOOTSTRAP_HOST if fake else p.host,
                     bootstrap_port=p.bootstrap_port, bootstrap_room=self._rooms.getrandbits(63))
@@ -511,8 +522,7 @@ class Router:
             if p is None:
                 break
             tried.add(p.id)
-            p.begin(route.num_tokens)
-            self.metrics.routed.labels(p.url, "prefill").inc()
+            self._begin(p, route.num_tokens)
             try:
                 data = await self._post(p, "/generate", self._bootstrap(sent, p, fake=True))
             except UpstreamError as e:
@@ -545,11 +555,7 @@ class Router:
             if p is None or d is None:
                 break
             bp = self._bootstrap(body, p)
-            p_tok, d_tok = route.num_tokens, route.num_tokens + route.max_new_tokens
-            p.begin(p_tok)
-            d.begin(d_tok)
-            self.metrics.routed.labels(p.url, "prefill").inc()
-            self.metrics.routed.labels(d.url, "decode").inc()
+            p_tok, d_tok = self._begin(p, route.num_tokens), self._begin(d, route.num_tokens + route.max_new_tokens)
             p_task = asyncio.create_task(self._post(p, path, bp))
             p_task.add_done_callback(lambda _t, p=p: p.end(p_tok))
             d_task = asyncio.create_task(self._post(d, path, bp))
@@ -626,11 +632,7 @@ class Router:
             if p is None or d is None:
                 break
             bp = self._bootstrap(body, p)
-            p_tok, d_tok = route.num_tokens, route.num_tokens + route.max_new_tokens
-            p.begin(p_tok)
-            d.begin(d_tok)
-            self.metrics.routed.labels(p.url, "prefill").inc()
-            self.metrics.routed.labels(d.url, "decode").inc()
+            p_tok, d_tok = self._begin(p, route.num_tokens), self._begin(d, route.num_tokens + route.max_new_tokens)
             p_task = asyncio.create_task(self._post(p, path, bp))
             p_task.add_done_callback(lambda _t, p=p: p.end(p_tok))
             resp: aiohttp.ClientResponse | None = None
@@ -687,6 +689,7 @@ class Router:
                 d.end(d_tok)
                 raise
             # ---- committed: relay chunk by chunk
+            drained = False
             out = web.StreamResponse(status=200, headers={
                 "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                 "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -707,6 +710,7 @@ class Router:
                         await out.write(_sse_error(why))
                         break
                     if not chunk:
+                        drained = True
                         break
                     await out.write(chunk)
                 await out.write_eof()
@@ -715,7 +719,8 @@ class Router:
                 p_task.cancel()
                 raise
             finally:
-                resp.close()
+                # a fully read answer returns its connection to the pool; else abort it
+                (resp.release if drained else resp.close)()
                 d.end(d_tok)
                 if not p_task.done():
                     # the prefill answer is only bookkeeping once decode streams
