@@ -4,17 +4,20 @@
 separate process whose prefill answers after ``--prefill-delay`` and whose
 decode streams ``--chunks`` chunks ``--chunk-delay`` apart) and the real
 router (``python -m bana_sglang.router``, its own process) in front of it.
-The client then sends the same streaming requests two ways, with open-loop
+The client then sends the same streaming requests several ways, with open-loop
 Poisson arrivals at the rate that keeps ``--streams`` requests in flight on
-average, alternating in rounds so that machine noise hits both alike:
+average, rotating the order every round so that machine noise hits all alike:
 
 - **direct**: the client pairs prefill and decode itself (the bootstrap fields,
   both requests at once), i.e. routing with zero overhead;
-- **router**: through the router (policy ``bana``: load snapshots, pairing,
-  accounting, relaying).
+- **bana router**: through our router (policy ``bana``: load snapshots, pairing,
+  accounting, relaying);
+- **stock sglang_router**: through SGLang's Rust router in PD mode, the same
+  job in compiled code (skip with ``--no-stock``).
 
-It prints time to first chunk and end-to-end latency at p50/p90/p99 for both
-and their difference (the router's added latency), and saves the raw numbers
+It prints time to first chunk and end-to-end latency at p50/p99 for each arm,
+what each router adds over direct, and each router's CPU per request, and
+saves the numbers
 under ``bench/runs/``. Fake workers keep the upstream cost fixed and tiny, so
 the difference is the router's own; with real SGLang workers the same
 milliseconds would hide under model time.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import random
@@ -34,6 +38,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bana_sglang import compat
 from bana_sglang.procs import http_ok
 from bench.fake_pd import free_port
 
@@ -78,47 +83,73 @@ async def _arm(session, url, prefill, n: int, rate: float, rng: random.Random) -
     return [a for a, _ in out], [b for _, b in out]
 
 
-async def measure(router: str, decode: str, prefill: str, *, requests: int, streams: int, rounds: int,
-                  duration_s: float, router_proc) -> dict:
-    """Alternate direct/router rounds at the arrival rate that keeps ``streams``
-    requests in flight on average (Little's law: rate = streams / duration)."""
+@dataclasses.dataclass
+class Arm:
+    """One way of sending the requests: straight to the fakes, or through a router."""
+
+    name: str
+    url: str
+    prefill: str | None = None  # set: the client pairs prefill and decode itself
+    proc: subprocess.Popen | None = None  # a router process, whose CPU is measured
+    ttft: list[float] = dataclasses.field(default_factory=list)
+    e2e: list[float] = dataclasses.field(default_factory=list)
+    cpu_s: float = 0.0
+    user_s: float = 0.0
+
+
+async def measure(arms: list[Arm], *, requests: int, streams: int, rounds: int, duration_s: float) -> dict:
+    """Rotate through the arms for ``rounds`` rounds at the arrival rate that keeps
+    ``streams`` requests in flight on average (Little's law: rate = streams / duration)."""
     import psutil
     from tqdm import tqdm
 
     rate = streams / duration_s
     rng = random.Random(streams)
-    res = {"direct": ([], []), "router": ([], [])}
     per = max(1, requests // rounds)
-    cpu = psutil.Process(router_proc.pid)
-    router_cpu_s = router_user_s = 0.0
+    for arm in arms:
+        arm.ttft, arm.e2e, arm.cpu_s, arm.user_s = [], [], 0.0, 0.0
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
-        await _arm(s, router, None, min(per, streams), rate, rng)  # warm both paths' connections
-        await _arm(s, decode, prefill, min(per, streams), rate, rng)
-        with tqdm(total=2 * rounds * per, desc=f"{streams} streams ({rate:.0f} req/s)", unit="req") as bar:
+        for arm in arms:  # warm every path's connections
+            await _arm(s, arm.url, arm.prefill, min(per, streams), rate, rng)
+        with tqdm(total=len(arms) * rounds * per, desc=f"{streams} streams ({rate:.0f} req/s)", unit="req") as bar:
             for r in range(rounds):
-                order = ("direct", "router") if r % 2 == 0 else ("router", "direct")
-                for arm in order:
-                    c0 = cpu.cpu_times()
-                    ttft, e2e = await _arm(s, router if arm == "router" else decode,
-                                           None if arm == "router" else prefill, per, rate, rng)
-                    if arm == "router":
-                        c1 = cpu.cpu_times()
-                        router_user_s += c1.user - c0.user
-                        router_cpu_s += c1.user + c1.system - c0.user - c0.system
-                    res[arm][0].extend(ttft)
-                    res[arm][1].extend(e2e)
+                for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+                    proc = psutil.Process(arm.proc.pid) if arm.proc else None
+                    c0 = proc.cpu_times() if proc else None
+                    ttft, e2e = await _arm(s, arm.url, arm.prefill, per, rate, rng)
+                    if proc:
+                        c1 = proc.cpu_times()
+                        arm.user_s += c1.user - c0.user
+                        arm.cpu_s += c1.user + c1.system - c0.user - c0.system
+                    arm.ttft.extend(ttft)
+                    arm.e2e.extend(e2e)
                     bar.update(per)
-    out = {"streams": streams, "rate_per_s": round(rate, 2), "requests_per_arm": rounds * per,
-           "router_cpu_ms_per_request": round(1e3 * router_cpu_s / (rounds * per), 3),
-           "router_user_cpu_ms_per_request": round(1e3 * router_user_s / (rounds * per), 3)}
-    for metric, i in (("ttft", 0), ("e2e", 1)):
-        for q in (50, 90, 99):
-            d, r = pct(res["direct"][i], q) * 1e3, pct(res["router"][i], q) * 1e3
-            out[f"{metric}_p{q}_direct_ms"] = round(d, 3)
-            out[f"{metric}_p{q}_router_ms"] = round(r, 3)
-            out[f"{metric}_p{q}_added_ms"] = round(r - d, 3)
+    n = rounds * per
+    out: dict = {"streams": streams, "rate_per_s": round(rate, 2), "requests_per_arm": n, "arms": {}}
+    direct = arms[0]
+    for arm in arms:
+        row: dict = {}
+        if arm.proc:
+            row["cpu_ms_per_request"] = round(1e3 * arm.cpu_s / n, 3)
+            row["user_cpu_ms_per_request"] = round(1e3 * arm.user_s / n, 3)
+        for metric in ("ttft", "e2e"):
+            for q in (50, 90, 99):
+                v = pct(getattr(arm, metric), q) * 1e3
+                row[f"{metric}_p{q}_ms"] = round(v, 3)
+                row[f"{metric}_p{q}_added_ms"] = round(v - pct(getattr(direct, metric), q) * 1e3, 3)
+        out["arms"][arm.name] = row
     return out
+
+
+def _start_router(kind: str, port: int, pp: int, dp: int, policy: str) -> subprocess.Popen:
+    if kind == "bana":
+        argv = [sys.executable, "-m", "bana_sglang.router", "--policy", policy, "--log-level", "WARNING"]
+    else:  # the stock Rust router, PD mode
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--log-level", "warn"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--prefill", f"http://127.0.0.1:{pp}", "1",
+             "--decode", f"http://127.0.0.1:{dp}"]
+    return subprocess.Popen(argv, env=compat.child_env(), stdout=subprocess.DEVNULL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,45 +163,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=16)
     p.add_argument("--chunk-delay", type=float, default=0.02)
     p.add_argument("--prefill-delay", type=float, default=0.005)
-    p.add_argument("--policy", default="bana")
+    p.add_argument("--policy", default="bana", help="our router's policy")
+    p.add_argument("--no-stock", dest="stock", action="store_false",
+                   help="skip the stock sglang_router arm (it is measured in the same run by default)")
     a = p.parse_args(argv)
     levels = [int(x) for x in a.streams.split(",") if x.strip()]
     duration = a.prefill_delay + a.chunks * a.chunk_delay
 
-    pp, dp, rp = free_port(), free_port(), free_port()
+    pp, dp = free_port(), free_port()
     fake = subprocess.Popen([sys.executable, "-m", "bench.fake_pd", "--prefill-port", str(pp),
                              "--decode-port", str(dp), "--chunks", str(a.chunks),
                              "--chunk-delay", str(a.chunk_delay), "--prefill-delay", str(a.prefill_delay)])
-    router = subprocess.Popen([sys.executable, "-m", "bana_sglang.router", "--port", str(rp),
-                               "--prefill", f"http://127.0.0.1:{pp}", "1", "--decode", f"http://127.0.0.1:{dp}",
-                               "--policy", a.policy, "--log-level", "WARNING"])
-    rurl, durl, purl = (f"http://127.0.0.1:{x}" for x in (rp, dp, pp))
+    arms = [Arm("direct", f"http://127.0.0.1:{dp}", prefill=f"http://127.0.0.1:{pp}")]
+    for kind in ("bana", "sglang") if a.stock else ("bana",):
+        port = free_port()
+        arms.append(Arm("bana router" if kind == "bana" else "stock sglang_router", f"http://127.0.0.1:{port}",
+                        proc=_start_router(kind, port, pp, dp, a.policy)))
+    procs = [arm.proc for arm in arms if arm.proc] + [fake]
     try:
-        deadline = time.monotonic() + 60
-        while not (http_ok(rurl + "/health") and http_ok(durl + "/health")):
-            if time.monotonic() > deadline or fake.poll() is not None or router.poll() is not None:
-                raise SystemExit("fake workers or router did not start")
+        deadline = time.monotonic() + 120
+        while not all(http_ok(arm.url + ("/health" if arm.proc is None else "/v1/models")) for arm in arms):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise SystemExit("fake workers or a router did not start")
             time.sleep(0.2)
-        rows = [asyncio.run(measure(rurl, durl, purl, requests=a.requests, streams=c, rounds=a.rounds,
-                                    duration_s=duration, router_proc=router)) for c in levels]
+        rows = [asyncio.run(measure(arms, requests=a.requests, streams=c, rounds=a.rounds, duration_s=duration))
+                for c in levels]
     finally:
-        for proc in (router, fake):
+        for proc in procs:
             proc.terminate()
-        for proc in (router, fake):
+        for proc in procs:
             proc.wait(timeout=30)
 
-    print(f"\nrouter overhead (policy {a.policy}; fake PD upstream: prefill {a.prefill_delay * 1e3:.0f} ms, "
-          f"{a.chunks} chunks x {a.chunk_delay * 1e3:.0f} ms)")
-    print(f"{'streams':>8} {'metric':>6} {'pct':>4} {'direct ms':>10} {'router ms':>10} {'added ms':>9}")
+    print(f"\nrouter overhead (our router's policy {a.policy}; fake PD upstream: prefill "
+          f"{a.prefill_delay * 1e3:.0f} ms, {a.chunks} chunks x {a.chunk_delay * 1e3:.0f} ms; open-loop arrivals)")
+    print(f"{'streams':>7} {'arm':<20} {'CPU ms/req':>10}  " + "  ".join(
+        f"{m} p{q} (+added)".rjust(20) for m in ("ttft", "e2e") for q in (50, 99)))
     for row in rows:
-        print(f"{row['streams']:>8} router CPU {row['router_cpu_ms_per_request']:.2f} ms per request "
-              f"({row['router_user_cpu_ms_per_request']:.2f} ms user, the rest in the kernel) "
-              f"at {row['rate_per_s']} req/s")
-        for metric in ("ttft", "e2e"):
-            for q in (50, 90, 99):
-                print(f"{row['streams']:>8} {metric:>6} {'p' + str(q):>4} "
-                      f"{row[f'{metric}_p{q}_direct_ms']:>10.2f} {row[f'{metric}_p{q}_router_ms']:>10.2f} "
-                      f"{row[f'{metric}_p{q}_added_ms']:>9.2f}")
+        for name, v in row["arms"].items():
+            cpu = f"{v['cpu_ms_per_request']:.2f}" if "cpu_ms_per_request" in v else "-"
+            cells = "  ".join(f"{v[f'{m}_p{q}_ms']:9.2f} ({v[f'{m}_p{q}_added_ms']:+7.2f})".rjust(20)
+                              for m in ("ttft", "e2e") for q in (50, 99))
+            print(f"{row['streams']:>7} {name:<20} {cpu:>10}  {cells}")
     RUNS.mkdir(exist_ok=True)
     out = RUNS / f"router-overhead-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     out.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))

@@ -17,7 +17,6 @@ import httpx
 import psutil
 import pytest
 
-from bana_sglang.procs import port_free
 from conftest import LaunchedCluster, launched_cluster
 
 pytestmark = pytest.mark.slow
@@ -153,6 +152,9 @@ def test_sigterm_stops_everything_and_frees_the_ports(cluster):
     time.sleep(1)
     alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [(p.pid, p.name()) for p in alive]
-    busy = [port for port in ports if not port_free("127.0.0.1", port)]
-    assert not busy
+    # Nothing listens on them any more. (Binding them again can still fail for a
+    # minute: the kernel keeps the killed processes' accepted connections in
+    # FIN_WAIT, and those share the listening port; that is not a leak.)
+    listening = {c.laddr.port for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    assert not ports & listening
     assert any("cluster stopped" in line for line in cluster.lines)

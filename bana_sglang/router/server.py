@@ -478,6 +478,27 @@ class Router:
             return cands[0]
         return self.by_id[wid]
 
+    def _pairs(self, route: RouteRequest, tried_p: set, tried_d: set):
+        """Up to ``max_attempts`` (prefill, decode) pairs, skipping workers that
+        already failed this request (the caller adds them to ``tried_*``)."""
+        for _ in range(self.cfg.max_attempts):
+            p = self._pick(Tier.PREFILL, route, tried_p)
+            d = self._pick(Tier.DECODE, route, tried_d)
+            if p is None or d is None:
+                return
+            yield p, d
+
+    def _start_pair(self, p: Worker, d: Worker, path: str, body: dict,
+                    route: RouteRequest) -> tuple[dict, int, asyncio.Task]:
+        """Count the pair, add the bootstrap fields and send the prefill half;
+        returns (body sent, decode tokens to release, prefill task)."""
+        bp = self._bootstrap(body, p)
+        p_tok = self._begin(p, route.num_tokens)
+        d_tok = self._begin(d, route.num_tokens + route.max_new_tokens)
+        p_task = asyncio.create_task(self._post(p, path, bp))
+        p_task.add_done_callback(lambda _t: p.end(p_tok))
+        return bp, d_tok, p_task
+
     def _begin(self, w: Worker, tokens: int) -> int:
         """Count a request sent to ``w`` (router's own load and metrics); returns ``tokens``."""
         w.begin(tokens)
@@ -549,15 +570,8 @@ class Router:
         tried_p: set = set()
         tried_d: set = set()
         last = "no worker"
-        for _ in range(self.cfg.max_attempts):
-            p = self._pick(Tier.PREFILL, route, tried_p)
-            d = self._pick(Tier.DECODE, route, tried_d)
-            if p is None or d is None:
-                break
-            bp = self._bootstrap(body, p)
-            p_tok, d_tok = self._begin(p, route.num_tokens), self._begin(d, route.num_tokens + route.max_new_tokens)
-            p_task = asyncio.create_task(self._post(p, path, bp))
-            p_task.add_done_callback(lambda _t, p=p: p.end(p_tok))
+        for p, d in self._pairs(route, tried_p, tried_d):
+            bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
             d_task = asyncio.create_task(self._post(d, path, bp))
             try:
                 # A failed prefill leaves its decode waiting for KV that never comes:
@@ -626,15 +640,8 @@ class Router:
         tried_p: set = set()
         tried_d: set = set()
         last = "no worker"
-        for _ in range(self.cfg.max_attempts):
-            p = self._pick(Tier.PREFILL, route, tried_p)
-            d = self._pick(Tier.DECODE, route, tried_d)
-            if p is None or d is None:
-                break
-            bp = self._bootstrap(body, p)
-            p_tok, d_tok = self._begin(p, route.num_tokens), self._begin(d, route.num_tokens + route.max_new_tokens)
-            p_task = asyncio.create_task(self._post(p, path, bp))
-            p_task.add_done_callback(lambda _t, p=p: p.end(p_tok))
+        for p, d in self._pairs(route, tried_p, tried_d):
+            bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
             resp: aiohttp.ClientResponse | None = None
             try:
                 # ---- before the first byte: failures are retried elsewhere
