@@ -12,7 +12,9 @@ They speak the part of the PD contract a router depends on:
 - a prefill answer carries SGLang 0.5.23's logprob window shape: the first
   entry of a ``logprob_start_len`` window is ``None``;
 - ``mode`` injects faults: ``refuse`` (nothing listens), ``error500``,
-  ``break_stream`` (the connection drops after two stream chunks).
+  ``break_stream`` (the connection drops after two stream chunks);
+  ``loads_delay_s`` makes ``/v1/loads`` slow, as a CPU worker busy in a long
+  prefill is.
 
 Rooms are shared by the fakes of one process. ``python -m bench.fake_pd``
 runs a prefill and a decode fake as a separate process (benchmarks).
@@ -50,7 +52,7 @@ class FakeWorker:
     rooms: dict[int, asyncio.Event] = {}
 
     def __init__(self, role: str, mode: str = "ok", *, port: int | None = None, chunks: int = 4,
-                 chunk_delay_s: float = 0.01, prefill_delay_s: float = 0.0) -> None:
+                 chunk_delay_s: float = 0.01, prefill_delay_s: float = 0.0, loads_delay_s: float = 0.0) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role, self.mode = role, mode
@@ -58,6 +60,7 @@ class FakeWorker:
         self.url = f"http://127.0.0.1:{self.port}"
         self.boot = free_port()
         self.chunks, self.chunk_delay_s, self.prefill_delay_s = chunks, chunk_delay_s, prefill_delay_s
+        self.loads_delay_s = loads_delay_s  # a busy worker answers /v1/loads late
         self.bodies: list[dict] = []
         self.runner: web.AppRunner | None = None
 
@@ -70,8 +73,7 @@ class FakeWorker:
         app = web.Application()
         app.router.add_get("/health", _answer({}))
         app.router.add_get("/v1/models", _answer({"object": "list", "data": [{"id": MODEL}]}))
-        app.router.add_get("/v1/loads", _answer(
-            {"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0, "max_total_num_tokens": 1000}]}))
+        app.router.add_get("/v1/loads", self.loads)
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self.handle)
         # SGLang aborts a request whose client went away: so do the fakes.
@@ -82,6 +84,12 @@ class FakeWorker:
     async def stop(self) -> None:
         if self.runner:
             await self.runner.cleanup()
+
+    async def loads(self, request: web.Request) -> web.Response:
+        if self.loads_delay_s:
+            await asyncio.sleep(self.loads_delay_s)
+        return web.json_response(
+            {"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0, "max_total_num_tokens": 1000}]})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

@@ -152,6 +152,26 @@ def test_refused_and_5xx_prefill_workers_are_retried_elsewhere_and_marked_down()
     run(go())
 
 
+def test_a_slow_load_answer_does_not_take_a_worker_out_of_routing(monkeypatch):
+    """A busy CPU worker answers /v1/loads late: it stays routable (slow is not
+    dead), and the other workers' snapshots keep coming (one poller per worker)."""
+    import bana_sglang.router.server as server
+
+    monkeypatch.setattr(server, "LOADS_TIMEOUT_S", 0.2)
+
+    async def go():
+        slow, fast, d = FakeWorker("prefill", loads_delay_s=1.0), FakeWorker("prefill"), FakeWorker("decode")
+        async with running([slow, fast], [d], policy="round_robin") as (router, c):
+            await asyncio.sleep(0.6)  # several polls of the slow worker time out
+            assert all(w.healthy for w in router.workers)
+            for i in range(4):
+                async with c.post("/v1/completions", json={"prompt": f"q{i}", "max_tokens": 2}) as r:
+                    assert r.status == 200
+            assert len(slow.bodies) == 2 and len(fast.bodies) == 2
+            assert fast.url in {w.url for w in router.prefill if w.reported.at > 0}  # not held up
+    run(go())
+
+
 def test_all_prefill_workers_failing_gives_502_not_a_hang():
     async def go():
         async with running([FakeWorker("prefill", "error500")], [FakeWorker("decode")]) as (router, c):

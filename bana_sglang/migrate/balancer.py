@@ -274,7 +274,7 @@ class BanaBalancer(Balancer):
     # -- one donor/peer pair -------------------------------------------------------
     def _pair_action(self, hot: WorkerLoad, cold: WorkerLoad, u: dict[WorkerId, float],
                      budget: float, running: Sequence[RunningRequest]) -> Action | None:
-        cfg, shape = self.config, self.shape
+        cfg = self.config
         uh, uc = u[hot.worker_id], u[cold.worker_id]
         if uh <= 0 or uh - uc < 2 * cfg.min_gain:
             return None

@@ -65,6 +65,8 @@ from bana_sglang.router.workers import Reported, Worker
 logger = logging.getLogger(__name__)
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST
+LOADS_TIMEOUT_S = 2.0  # a load poll answered later than this is skipped (the worker stays up)
+PROBE_TIMEOUT_S = 5.0  # /health of a worker marked down
 _JSON = "application/json"
 
 
@@ -176,7 +178,9 @@ class Router:
             json_serialize=lambda o: orjson.dumps(o).decode(),
             auto_decompress=False,  # bytes are relayed as they come
         )
-        self._tasks.append(asyncio.create_task(self._poll_loop(), name="bana-router-poll"))
+        self._tasks.append(asyncio.create_task(self._poll_loop(), name="bana-router-gauges"))
+        self._tasks += [asyncio.create_task(self._worker_loop(w), name=f"bana-router-poll {w.url}")
+                        for w in self.workers]
         logger.info("router on http://%s:%d: policy %s, %d prefill + %d decode workers, tokenizer %s",
                     self.cfg.host, self.cfg.port, self.cfg.policy, len(self.prefill), len(self.decode),
                     "exact" if self.prompts.exact else "estimated from bytes")
@@ -201,11 +205,8 @@ class Router:
 
     # ------------------------------------------------------------------ loads & health
     async def _poll_loop(self) -> None:
-        """Refresh every worker's load (healthy ones) or probe it (down ones, with backoff)."""
+        """Model list (until known) and per-worker gauges; each worker has its own poller."""
         while True:
-            started = time.monotonic()
-            await asyncio.gather(*(self._poll_one(w, started) for w in self.workers),
-                                 return_exceptions=True)
             if self.models_json is None:
                 await self._fetch_models()
             for w in self.workers:
@@ -215,16 +216,27 @@ class Router:
                 self.metrics.queued.labels(*labels).set(w.reported.waiting)
                 self.metrics.kv_usage.labels(*labels).set(
                     w.reported.used_tokens / w.reported.total_tokens if w.reported.total_tokens else 0)
+            await asyncio.sleep(self.cfg.poll_interval_s)
+
+    async def _worker_loop(self, w: Worker) -> None:
+        """Refresh one worker's load (healthy) or probe it (down, with backoff);
+        one loop per worker, so a slow worker never delays the others' snapshots."""
+        while True:
+            started = time.monotonic()
+            try:
+                await self._poll_one(w, started)
+            except Exception:  # never let one bad answer stop the loop
+                logger.exception("load poll of %s failed unexpectedly", w.url)
             await asyncio.sleep(max(0.0, self.cfg.poll_interval_s - (time.monotonic() - started)))
 
     async def _poll_one(self, w: Worker, now: float) -> None:
         assert self.session is not None
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.cfg.poll_interval_s * 4))
         if not w.healthy:
             if not w.due_for_probe(now):
                 return
             try:
-                async with self.session.get(w.url + "/health", timeout=timeout) as resp:
+                async with self.session.get(w.url + "/health",
+                                            timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
                     ok = resp.status == 200
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 ok = False
@@ -238,15 +250,19 @@ class Router:
             return
         try:
             async with self.session.get(w.url + "/v1/loads", params={"include": "core"},
-                                        timeout=timeout) as resp:
+                                        timeout=aiohttp.ClientTimeout(total=LOADS_TIMEOUT_S)) as resp:
                 if resp.status != 200:
                     return  # an old worker without /v1/loads: the router's own counts remain
                 body = await resp.json(loads=orjson.loads)
             w.reported = Reported.from_loads_json(body, time.monotonic())
+        except asyncio.TimeoutError as e:
+            # Slow is not dead: a CPU worker deep in a long prefill answers late.
+            # (Caught before connection errors: aiohttp's socket timeouts are both.)
+            logger.debug("load poll of %s timed out: %s", w.url, e)
         except (aiohttp.ClientConnectionError, ConnectionError) as e:
             if w.mark_down(f"load poll: {type(e).__name__}: {e}"):
                 self.metrics.worker_failures.labels(w.url, w.tier.value).inc()
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        except (aiohttp.ClientError, ValueError) as e:
             logger.debug("load poll of %s failed: %s", w.url, e)
 
     async def _fetch_models(self) -> None:
