@@ -141,6 +141,7 @@ def test_fixes_reach_spawned_children(on_cpu, tmp_path):
     assert result["standin"] is True
     assert result["torchvision"]
     assert result["fixes"] == ["MooncakeKVSender.supports_host_tensor_indices=False",
+                               "allocation.get_last_loc uses torch",
                                f"IdleSleeper.maybe_sleep polls {compat.DEFAULT_IDLE_POLL_MS} ms"]
 
 

@@ -28,7 +28,10 @@ pool needs an NVIDIA driver).
 
 In-process (:func:`apply_in_process_fixes`, run by the SGLang plugin in every
 SGLang process): ``MooncakeKVSender.supports_host_tensor_indices = False``,
-else prefill uses pinned memory and ``torch.cuda.Event``.
+else prefill uses pinned memory and ``torch.cuda.Event``; and
+``mem_cache.allocation.get_last_loc`` always takes its torch path (SGLang picks
+it only for the ``torch_native``/``ascend`` backends, so ``bana_cpu`` with
+``--page-size > 1`` would launch a Triton kernel).
 
 Idle CPU (measured: an idle tiny-model server takes a whole core, ~100% CPU,
 because the scheduler loop spins; four of them on a two-core machine slow
@@ -173,6 +176,16 @@ def apply_in_process_fixes() -> list[str]:
     else:
         mooncake_conn.MooncakeKVSender.supports_host_tensor_indices = False
         applied.append("MooncakeKVSender.supports_host_tensor_indices=False")
+    try:
+        from sglang.srt.mem_cache import allocation
+    except ImportError:
+        logger.info("SGLang's allocation module moved; paged KV on CPU may reach Triton", exc_info=True)
+    else:
+        # get_last_loc takes its torch path only for the "torch_native" and "ascend"
+        # backends; with bana_cpu (and --page-size > 1) it would launch a Triton kernel.
+        allocation.get_last_loc = lambda req_to_token, req_pool_indices, prefix_lens: \
+            allocation.get_last_loc_torch(req_to_token, req_pool_indices, prefix_lens)
+        applied.append("allocation.get_last_loc uses torch")
     ms = idle_poll_ms()
     if ms > 0:
         try:
