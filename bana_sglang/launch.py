@@ -28,7 +28,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bana_sglang import compat
+from bana_sglang import _cli, compat
 from bana_sglang.router.policy import LIVE_POLICIES
 from bana_sglang.procs import (
     ManagedProcess,
@@ -431,13 +431,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = config_from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
+    args, cfg = _cli.parse(build_parser(), argv, config_from_args)
     plan = plan_cluster(cfg)
     if args.dry_run:
         print(f"endpoint: {plan.endpoint}  model: {plan.served_model_name} ({plan.model_path})")

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 
+from bana_sglang import _cli
 from bana_sglang.router.policy import DEFAULT_POLICY, LIVE_POLICIES
 from bana_sglang.router.server import RouterConfig, default_tokenizer, serve
 from bana_sglang.router.workers import parse_prefill_spec
@@ -70,13 +71,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = config_from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
+    _, cfg = _cli.parse(build_parser(), argv, config_from_args)
     try:
         import uvloop
         uvloop.install()
