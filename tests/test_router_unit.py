@@ -155,9 +155,9 @@ def test_refused_and_5xx_prefill_workers_are_retried_elsewhere_and_marked_down()
 def test_a_slow_load_answer_does_not_take_a_worker_out_of_routing(monkeypatch):
     """A busy CPU worker answers /v1/loads late: it stays routable (slow is not
     dead), and the other workers' snapshots keep coming (one poller per worker)."""
-    import bana_sglang.router.server as server
+    from bana_sglang.router import monitor
 
-    monkeypatch.setattr(server, "LOADS_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(monitor, "LOADS_TIMEOUT_S", 0.2)
 
     async def go():
         slow, fast, d = FakeWorker("prefill", loads_delay_s=1.0), FakeWorker("prefill"), FakeWorker("decode")

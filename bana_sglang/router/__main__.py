@@ -15,11 +15,37 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
+
+from aiohttp import web
 
 from bana_sglang import _cli
 from bana_sglang.router.policy import DEFAULT_POLICY, LIVE_POLICIES
-from bana_sglang.router.server import RouterConfig, default_tokenizer, serve
+from bana_sglang.router.server import Router, RouterConfig
 from bana_sglang.router.workers import parse_prefill_spec
+
+
+async def serve(cfg: RouterConfig, *, ready: asyncio.Event | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run the router until ``stop`` is set (or forever)."""
+    router = Router(cfg)
+    runner = web.AppRunner(router.build_app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+    await site.start()
+    print(f"bana-router ready on http://{cfg.host}:{cfg.port}", flush=True)
+    if ready is not None:
+        ready.set()
+    try:
+        await (stop.wait() if stop is not None else asyncio.Event().wait())
+    finally:
+        await runner.cleanup()
+
+
+def default_tokenizer(model_path: str | Path | None) -> str | None:
+    if model_path and (Path(model_path) / "tokenizer.json").is_file():
+        return str(model_path)
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,13 +14,8 @@ chunk by chunk as it arrives.
 
 **Prompt-only requests** (``/generate`` with ``max_new_tokens: 0``: what the
 frontend's ``select``/``choices`` send) go to one prefill worker alone, with
-SGLang's fake bootstrap host, so no decode worker waits for KV nobody will use.
-List prompts are fanned out one request per item and gathered in order.
-SGLang 0.5.23 returns ``None`` as the first logprob of a ``logprob_start_len``
-window (the logit before the window is not kept); the router asks for one more
-position and drops it, so every logprob in the window is a number. The
-prompt's very first token has no context at all; its logprob is reported as
-0.0 (it is given, not predicted).
+SGLang's fake bootstrap host; batches are fanned out per item and logprob
+windows fixed (:mod:`.generate`).
 
 **Faults.** Before the first byte reaches the client nothing is committed: a
 worker that refuses the connection or answers 5xx is marked down and the
@@ -44,7 +39,6 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import aiohttp
 import orjson
@@ -60,13 +54,14 @@ from bana_sglang.router.policy import (
     get_policy,
 )
 from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
-from bana_sglang.router.workers import Reported, Worker
+from bana_sglang.router.errors import ClientError, UpstreamError, error_body, error_response, sse_error
+from bana_sglang.router.generate import fix_logprob_window, merge_input_logprobs, split_generate
+from bana_sglang.router.monitor import WorkerMonitor
+from bana_sglang.router.workers import Worker
 
 logger = logging.getLogger(__name__)
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST
-LOADS_TIMEOUT_S = 2.0  # a load poll answered later than this is skipped (the worker stays up)
-PROBE_TIMEOUT_S = 5.0  # /health of a worker marked down
 _JSON = "application/json"
 
 
@@ -100,34 +95,6 @@ class RouterConfig:
             raise ValueError("poll_interval_s must be positive")
 
 
-class UpstreamError(Exception):
-    """A worker failed: connection refused/reset, or a 5xx answer."""
-
-    def __init__(self, worker: Worker, reason: str, status: int | None = None, body: bytes = b""):
-        super().__init__(f"{worker.tier.value} worker {worker.url}: {reason}")
-        self.worker, self.reason, self.status, self.body = worker, reason, status, body
-
-
-class ClientError(Exception):
-    """A worker answered 4xx: pass it through to the client."""
-
-    def __init__(self, status: int, body: bytes, content_type: str | None):
-        super().__init__(f"worker answered {status}")
-        self.status, self.body, self.content_type = status, body, content_type
-
-
-def error_response(status: int, message: str, *, type_: str | None = None, param: str | None = None,
-                   code: str | int | None = None, headers: dict | None = None) -> web.Response:
-    type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code or status}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type=_JSON, headers=headers)
-
-
-def _sse_error(message: str, status: int = 502) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": status}}
-    return b"data: " + orjson.dumps(body) + b"\n\ndata: [DONE]\n\n"
-
-
 class Router:
     """State and handlers of one router process."""
 
@@ -144,8 +111,8 @@ class Router:
         self.policy = get_policy(cfg.policy, seed=cfg.seed)
         self.prompts = PromptView(cfg.tokenizer_path, page_tokens=cfg.page_tokens)
         self.metrics = RouterMetrics()
-        self.models_json: bytes | None = None
-        self.model_names: set[str] = set(cfg.model_names)
+        self.monitor = WorkerMonitor(self.workers, self.metrics, poll_interval_s=cfg.poll_interval_s,
+                                     model_names=cfg.model_names)
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         self._rooms = random.Random()
@@ -178,9 +145,7 @@ class Router:
             json_serialize=lambda o: orjson.dumps(o).decode(),
             auto_decompress=False,  # bytes are relayed as they come
         )
-        self._tasks.append(asyncio.create_task(self._poll_loop(), name="bana-router-gauges"))
-        self._tasks += [asyncio.create_task(self._worker_loop(w), name=f"bana-router-poll {w.url}")
-                        for w in self.workers]
+        self._tasks += self.monitor.start(self.session)
         logger.info("router on http://%s:%d: policy %s, %d prefill + %d decode workers, tokenizer %s",
                     self.cfg.host, self.cfg.port, self.cfg.policy, len(self.prefill), len(self.decode),
                     "exact" if self.prompts.exact else "estimated from bytes")
@@ -203,101 +168,18 @@ class Router:
                                       type_="authentication_error", code="invalid_api_key")
         return await handler(request)
 
-    # ------------------------------------------------------------------ loads & health
-    async def _poll_loop(self) -> None:
-        """Model list (until known) and per-worker gauges; each worker has its own poller."""
-        while True:
-            if self.models_json is None:
-                await self._fetch_models()
-            for w in self.workers:
-                labels = (w.url, w.tier.value)
-                self.metrics.healthy.labels(*labels).set(1 if w.healthy else 0)
-                self.metrics.inflight.labels(*labels).set(w.inflight)
-                self.metrics.queued.labels(*labels).set(w.reported.waiting)
-                self.metrics.kv_usage.labels(*labels).set(
-                    w.reported.used_tokens / w.reported.total_tokens if w.reported.total_tokens else 0)
-            await asyncio.sleep(self.cfg.poll_interval_s)
-
-    async def _worker_loop(self, w: Worker) -> None:
-        """Refresh one worker's load (healthy) or probe it (down, with backoff);
-        one loop per worker, so a slow worker never delays the others' snapshots."""
-        while True:
-            started = time.monotonic()
-            try:
-                await self._poll_one(w, started)
-            except Exception:  # never let one bad answer stop the loop
-                logger.exception("load poll of %s failed unexpectedly", w.url)
-            await asyncio.sleep(max(0.0, self.cfg.poll_interval_s - (time.monotonic() - started)))
-
-    async def _poll_one(self, w: Worker, now: float) -> None:
-        assert self.session is not None
-        if not w.healthy:
-            if not w.due_for_probe(now):
-                return
-            try:
-                async with self.session.get(w.url + "/health",
-                                            timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
-                    ok = resp.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                ok = False
-                reason = f"health probe failed: {type(e).__name__}"
-            else:
-                reason = f"health probe answered {resp.status}"
-            if ok:
-                w.mark_up()
-            else:
-                w.mark_down(reason, now)
-            return
-        try:
-            async with self.session.get(w.url + "/v1/loads", params={"include": "core"},
-                                        timeout=aiohttp.ClientTimeout(total=LOADS_TIMEOUT_S)) as resp:
-                if resp.status != 200:
-                    return  # an old worker without /v1/loads: the router's own counts remain
-                body = await resp.json(loads=orjson.loads)
-            w.reported = Reported.from_loads_json(body, time.monotonic())
-        except asyncio.TimeoutError as e:
-            # Slow is not dead: a CPU worker deep in a long prefill answers late.
-            # (Caught before connection errors: aiohttp's socket timeouts are both.)
-            logger.debug("load poll of %s timed out: %s", w.url, e)
-        except (aiohttp.ClientConnectionError, ConnectionError) as e:
-            if w.mark_down(f"load poll: {type(e).__name__}: {e}"):
-                self.metrics.worker_failures.labels(w.url, w.tier.value).inc()
-        except (aiohttp.ClientError, ValueError) as e:
-            logger.debug("load poll of %s failed: %s", w.url, e)
-
-    async def _fetch_models(self) -> None:
-        assert self.session is not None
-        for w in self.prefill + self.decode:
-            if not w.healthy:
-                continue
-            try:
-                async with self.session.get(w.url + "/v1/models",
-                                            timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                    if resp.status != 200:
-                        continue
-                    raw = await resp.read()
-                data = orjson.loads(raw)
-                names = {m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m}
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
-                continue
-            if names:
-                self.models_json = raw
-                self.model_names |= names
-                logger.info("serving model(s): %s", ", ".join(sorted(self.model_names)))
-                return
-
     # ------------------------------------------------------------------ simple endpoints
     async def handle_health(self, request: web.Request) -> web.Response:
         p = sum(w.healthy for w in self.prefill)
         d = sum(w.healthy for w in self.decode)
-        ok = p > 0 and d > 0 and self.models_json is not None
+        ok = p > 0 and d > 0 and self.monitor.models_json is not None
         return web.json_response({"status": "ok" if ok else "unavailable", "healthy_prefill": p,
                                   "healthy_decode": d}, status=200 if ok else 503, dumps=_dumps)
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        if self.models_json is None:
+        if self.monitor.models_json is None:
             return error_response(503, "no worker has answered /v1/models yet")
-        return web.Response(body=self.models_json, content_type=_JSON)
+        return web.Response(body=self.monitor.models_json, content_type=_JSON)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain",
@@ -339,14 +221,14 @@ class Router:
     def _check_model(self, body: dict) -> None:
         model = body.get("model")
         if model is None or model == "":
-            if self.model_names:
-                body["model"] = sorted(self.model_names)[0]
+            if self.monitor.model_names:
+                body["model"] = sorted(self.monitor.model_names)[0]
             return
         if not isinstance(model, str):
             raise BadRequest("'model' must be a string", param="model")
-        if self.model_names and model not in self.model_names:
+        if self.monitor.model_names and model not in self.monitor.model_names:
             raise BadRequest(f"The model '{model}' does not exist; served: "
-                             f"{', '.join(sorted(self.model_names))}", status=404, param="model",
+                             f"{', '.join(sorted(self.monitor.model_names))}", status=404, param="model",
                              code="model_not_found")
 
     def _route_request(self, ids: Sequence[int], max_new: int | None) -> RouteRequest:
@@ -399,7 +281,7 @@ class Router:
             body = await self._read_json(request)
             self._check_model(body)
             body.pop("model", None)  # /generate has no model field
-            items = self._generate_items(body)
+            items = split_generate(body, self.cfg.max_tokens_limit)
         except BadRequest as e:
             return self._refuse(e, label)
         if items is not None:  # a batch: one request per item, gathered in order
@@ -415,48 +297,6 @@ class Router:
         return await self._pd(request, "/generate", body, route, label, t0,
                               stream=bool(body.get("stream")),
                               merge_logprobs=bool(body.get("return_logprob")))
-
-    def _generate_items(self, body: dict) -> list[dict] | None:
-        """Validate a /generate body; for a batch, the per-item bodies (else None)."""
-        text, ids = body.get("text"), body.get("input_ids")
-        if (text is None) == (ids is None):
-            raise BadRequest("give exactly one of 'text' and 'input_ids'")
-        sp = body.get("sampling_params")
-        if sp is not None and not isinstance(sp, (dict, list)):
-            raise BadRequest("'sampling_params' must be an object (or a list of them)",
-                             param="sampling_params")
-        batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
-        if isinstance(text, list) and not all(isinstance(t, str) for t in text):
-            raise BadRequest("'text' must be a string or a list of strings", param="text")
-        if text is not None and not isinstance(text, (str, list)):
-            raise BadRequest("'text' must be a string or a list of strings", param="text")
-        n = len(text if text is not None else ids) if batch else 1
-        if batch and n == 0:
-            raise BadRequest("empty batch")
-        sps = sp if isinstance(sp, list) else [sp or {}] * n
-        if len(sps) != n:
-            raise BadRequest(f"{len(sps)} sampling_params for {n} prompts", param="sampling_params")
-        for s in sps:
-            if not isinstance(s, dict):
-                raise BadRequest("each sampling_params must be an object", param="sampling_params")
-            check_max_tokens(s.get("max_new_tokens"), name="max_new_tokens",
-                             limit=self.cfg.max_tokens_limit, allow_zero=True)
-        if not batch:
-            return None
-        if body.get("stream"):
-            raise BadRequest("streaming a batch of prompts is not supported by this router; "
-                             "send one request per prompt", param="stream")
-        out = []
-        for i in range(n):
-            item = {k: (v[i] if isinstance(v, list) and k in _PER_ITEM_FIELDS else v)
-                    for k, v in body.items() if k not in ("text", "input_ids", "sampling_params")}
-            if text is not None:
-                item["text"] = text[i]
-            else:
-                item["input_ids"] = ids[i]
-            item["sampling_params"] = sps[i]
-            out.append(item)
-        return out
 
     async def _generate_batch(self, request, items: list[dict], label: str, t0: float) -> web.Response:
         async def one(item: dict) -> tuple[int, bytes]:
@@ -573,12 +413,11 @@ class Router:
                 p.end(route.num_tokens)
             if body.get("return_logprob"):
                 out = orjson.loads(data)
-                _fix_logprob_window(out.get("meta_info", {}), shift=shift,
+                fix_logprob_window(out.get("meta_info", {}), shift=shift,
                                     from_start=not shift and start in (0, None))
                 data = orjson.dumps(out)
             return 200, data
-        return 502, orjson.dumps({"error": {"message": f"no prefill worker could serve the request: {last}",
-                                            "type": "server_error", "param": None, "code": 502}})
+        return 502, error_body(502, f"no prefill worker could serve the request: {last}")
 
     async def _pd_once_json(self, path: str, body: dict, route: RouteRequest, *,
                             merge_logprobs: bool) -> tuple[int, bytes]:
@@ -622,10 +461,9 @@ class Router:
             except ClientError:
                 p_data = None
             if merge_logprobs and p_data is not None:
-                d_data = _merge_input_logprobs(p_data, d_data)
+                d_data = merge_input_logprobs(p_data, d_data)
             return 200, d_data
-        return 502, orjson.dumps({"error": {"message": f"no worker pair could serve the request: {last}",
-                                            "type": "server_error", "param": None, "code": 502}})
+        return 502, error_body(502, f"no worker pair could serve the request: {last}")
 
     async def _blame(self, p: Worker, p_task: asyncio.Task, err: UpstreamError) -> Worker:
         """Decode failed: was it the prefill worker's fault? A decode worker whose
@@ -730,7 +568,7 @@ class Router:
                         self.metrics.stream_errors.inc()
                         if not isinstance(e, asyncio.TimeoutError):
                             self._fail(d, why)
-                        await out.write(_sse_error(why))
+                        await out.write(sse_error(why))
                         break
                     if not chunk:
                         drained = True
@@ -763,12 +601,6 @@ class Router:
         self.metrics.e2e_seconds.labels(label).observe(time.perf_counter() - t0)
 
 
-_PER_ITEM_FIELDS = frozenset({"rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                              "token_ids_logprob", "stream", "lora_path", "custom_logit_processor",
-                              "return_hidden_states", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-                              "data_parallel_rank"})
-
-
 def _swallow(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()
@@ -776,50 +608,3 @@ def _swallow(task: asyncio.Task) -> None:
 
 def _dumps(o) -> str:
     return orjson.dumps(o).decode()
-
-
-def _fix_logprob_window(meta: dict, *, shift: bool, from_start: bool) -> None:
-    """Make every input logprob of the window a number (see module docstring)."""
-    for key in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
-        vals = meta.get(key)
-        if shift and isinstance(vals, list) and vals:
-            meta[key] = vals[1:]
-    vals = meta.get("input_token_logprobs")
-    if from_start and isinstance(vals, list) and vals and isinstance(vals[0], list) and vals[0][0] is None:
-        vals[0][0] = 0.0
-
-
-def _merge_input_logprobs(p_data: bytes, d_data: bytes) -> bytes:
-    """Decode answers carry no prompt logprobs; take the prefill worker's."""
-    try:
-        p, d = orjson.loads(p_data), orjson.loads(d_data)
-        pm, dm = p.get("meta_info", {}), d.get("meta_info", {})
-        for key in ("input_token_logprobs", "input_top_logprobs"):
-            if key in pm:
-                dm[key] = pm[key] + (dm.get(key) or [])
-        return orjson.dumps(d)
-    except (ValueError, AttributeError, TypeError):
-        return d_data
-
-
-async def serve(cfg: RouterConfig, *, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None) -> None:
-    """Run the router until ``stop`` is set (or forever)."""
-    router = Router(cfg)
-    runner = web.AppRunner(router.build_app(), access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
-    await site.start()
-    print(f"bana-router ready on http://{cfg.host}:{cfg.port}", flush=True)
-    if ready is not None:
-        ready.set()
-    try:
-        await (stop.wait() if stop is not None else asyncio.Event().wait())
-    finally:
-        await runner.cleanup()
-
-
-def default_tokenizer(model_path: str | Path | None) -> str | None:
-    if model_path and (Path(model_path) / "tokenizer.json").is_file():
-        return str(model_path)
-    return None

@@ -1,0 +1,128 @@
+"""The router's background view of its workers: load polls, health probes, models.
+
+One poller per worker (a slow worker never delays the others' snapshots):
+a healthy worker's ``/v1/loads?include=core`` is read every ``poll_interval_s``
+into :attr:`Worker.reported`; a worker marked down is probed at ``/health``
+with its backoff and readmitted on a 200. A load poll that times out is
+skipped, not counted as a failure: a CPU worker deep in a long prefill answers
+late. The served model list is fetched from the first worker that answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import orjson
+
+from bana_sglang.router.metrics import RouterMetrics
+from bana_sglang.router.workers import Reported, Worker
+
+logger = logging.getLogger(__name__)
+
+LOADS_TIMEOUT_S = 2.0  # a load poll answered later than this is skipped (the worker stays up)
+PROBE_TIMEOUT_S = 5.0  # /health of a worker marked down
+
+
+class WorkerMonitor:
+    """Keeps every :class:`Worker`'s load and health fresh, and the model list."""
+
+    def __init__(self, workers: list[Worker], metrics: RouterMetrics, *, poll_interval_s: float,
+                 model_names: tuple[str, ...] = ()) -> None:
+        self.workers = workers
+        self.metrics = metrics
+        self.poll_interval_s = poll_interval_s
+        self.models_json: bytes | None = None  # a worker's /v1/models answer, once known
+        self.model_names: set[str] = set(model_names)
+        self.session: aiohttp.ClientSession | None = None
+
+    def start(self, session: aiohttp.ClientSession) -> list[asyncio.Task]:
+        """Start the pollers on ``session``; the caller cancels the returned tasks."""
+        self.session = session
+        return [asyncio.create_task(self._poll_loop(), name="bana-router-gauges"),
+                *(asyncio.create_task(self._worker_loop(w), name=f"bana-router-poll {w.url}")
+                  for w in self.workers)]
+
+    async def _poll_loop(self) -> None:
+        """Model list (until known) and per-worker gauges; each worker has its own poller."""
+        while True:
+            if self.models_json is None:
+                await self._fetch_models()
+            for w in self.workers:
+                labels = (w.url, w.tier.value)
+                self.metrics.healthy.labels(*labels).set(1 if w.healthy else 0)
+                self.metrics.inflight.labels(*labels).set(w.inflight)
+                self.metrics.queued.labels(*labels).set(w.reported.waiting)
+                self.metrics.kv_usage.labels(*labels).set(
+                    w.reported.used_tokens / w.reported.total_tokens if w.reported.total_tokens else 0)
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _worker_loop(self, w: Worker) -> None:
+        """Refresh one worker's load (healthy) or probe it (down, with backoff);
+        one loop per worker, so a slow worker never delays the others' snapshots."""
+        while True:
+            started = time.monotonic()
+            try:
+                await self._poll_one(w, started)
+            except Exception:  # never let one bad answer stop the loop
+                logger.exception("load poll of %s failed unexpectedly", w.url)
+            await asyncio.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - started)))
+
+    async def _poll_one(self, w: Worker, now: float) -> None:
+        assert self.session is not None
+        if not w.healthy:
+            if not w.due_for_probe(now):
+                return
+            try:
+                async with self.session.get(w.url + "/health",
+                                            timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
+                    ok = resp.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                ok = False
+                reason = f"health probe failed: {type(e).__name__}"
+            else:
+                reason = f"health probe answered {resp.status}"
+            if ok:
+                w.mark_up()
+            else:
+                w.mark_down(reason, now)
+            return
+        try:
+            async with self.session.get(w.url + "/v1/loads", params={"include": "core"},
+                                        timeout=aiohttp.ClientTimeout(total=LOADS_TIMEOUT_S)) as resp:
+                if resp.status != 200:
+                    return  # an old worker without /v1/loads: the router's own counts remain
+                body = await resp.json(loads=orjson.loads)
+            w.reported = Reported.from_loads_json(body, time.monotonic())
+        except asyncio.TimeoutError as e:
+            # Slow is not dead: a CPU worker deep in a long prefill answers late.
+            # (Caught before connection errors: aiohttp's socket timeouts are both.)
+            logger.debug("load poll of %s timed out: %s", w.url, e)
+        except (aiohttp.ClientConnectionError, ConnectionError) as e:
+            if w.mark_down(f"load poll: {type(e).__name__}: {e}"):
+                self.metrics.worker_failures.labels(w.url, w.tier.value).inc()
+        except (aiohttp.ClientError, ValueError) as e:
+            logger.debug("load poll of %s failed: %s", w.url, e)
+
+    async def _fetch_models(self) -> None:
+        assert self.session is not None
+        for w in self.workers:
+            if not w.healthy:
+                continue
+            try:
+                async with self.session.get(w.url + "/v1/models",
+                                            timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    if resp.status != 200:
+                        continue
+                    raw = await resp.read()
+                data = orjson.loads(raw)
+                names = {m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m}
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+                continue
+            if names:
+                self.models_json = raw
+                self.model_names |= names
+                logger.info("serving model(s): %s", ", ".join(sorted(self.model_names)))
+                return
