@@ -12,6 +12,18 @@ T = TypeVar("T")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def byte_size(text: str) -> int:
+    """``512M``, ``4G``, ``64KiB`` or plain bytes, for argparse ``type=``."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 512M, 4G)") from None
+
+
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None,
           to_config: Callable[[argparse.Namespace], T]) -> tuple[argparse.Namespace, T]:
     """Parse ``argv``, set up logging from ``--log-level``, and build the config;

@@ -1,8 +1,12 @@
 """``python -m bana_sglang.launch``: one command for a whole PD cluster.
 
-Starts, in order: a ``mooncake_master``; N prefill and M decode SGLang workers
-(real ``sglang.launch_server`` processes with the ``bana_sglang`` plugin
-loaded, PD over the Mooncake transfer engine); and a PD router in front. It
+Starts, in order: a ``mooncake_master``; the global KV cache store (a storage
+process holding the Mooncake segment and the global prefix index service);
+N prefill and M decode SGLang workers (real ``sglang.launch_server``
+processes with the ``bana_sglang`` plugin loaded, PD over the Mooncake
+transfer engine, the global store as their external cache linker); and a PD
+router in front. ``--no-global-store`` gives stock SGLang workers with their
+private prefix caches (the baseline). It
 waits until every part is healthy, prints the OpenAI-compatible endpoint,
 streams every part's log with a ``[name]`` prefix (or into ``--log-dir``), and
 on Ctrl-C/SIGTERM stops everything, leaving no child process or bound port.
@@ -29,7 +33,6 @@ import urllib.request
 from pathlib import Path
 
 from bana_sglang import _cli, compat
-from bana_sglang.router.policy import LIVE_POLICIES
 from bana_sglang.procs import (
     ManagedProcess,
     PortAllocator,
@@ -40,6 +43,7 @@ from bana_sglang.procs import (
     tcp_open,
     wait_until,
 )
+from bana_sglang.router.policy import LIVE_POLICIES
 
 logger = logging.getLogger("bana_sglang.launch")
 
@@ -68,6 +72,9 @@ class LaunchConfig:
     router: str = "bana"  # "bana": bana_sglang.router; "sglang": the stock sglang_router
     policy: str = "bana"
     api_key: str | None = None  # bana router only; passed by environment, never argv
+    global_store: bool = True  # storage process + index service + the linker on every worker
+    store_bytes: int = 1 << 30  # Mooncake segment of the storage process
+    store_page_size: int = 16  # --page-size of workers with the store (unless given)
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -82,6 +89,12 @@ class LaunchConfig:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.startup_timeout <= 0:
             raise ValueError("--startup-timeout must be positive")
+        if self.global_store and not self.mooncake_master:
+            raise ValueError("the global store needs the Mooncake master")
+        if self.store_bytes < 16 << 20:
+            raise ValueError(f"--store-bytes {self.store_bytes} is too small (at least 16M)")
+        if self.store_page_size < 1:
+            raise ValueError("--store-page-size must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +106,7 @@ class Part:
     health_url: str | None = None  # HTTP 2xx means ready
     tcp_port: int | None = None  # else: accepting TCP connections means ready
     env: tuple[tuple[str, str], ...] = ()  # added to the plan's environment for this part only
+    ready_line: str | None = None  # else: this text in its output means ready
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,10 +119,12 @@ class ClusterPlan:
     router: Part | None
     env: dict[str, str]
     api_key: str | None = None  # the endpoint's key, for readiness checks
+    store: tuple[Part, ...] = ()  # the global store's storage process and index service
 
     @property
     def parts(self) -> tuple[Part, ...]:
-        return ((self.master,) if self.master else ()) + self.workers + ((self.router,) if self.router else ())
+        return ((self.master,) if self.master else ()) + self.store + self.workers + \
+            ((self.router,) if self.router else ())
 
 
 def dtype_args(model_path: str, user_args: tuple[str, ...] | list[str]) -> list[str]:
@@ -162,6 +178,32 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
             tcp_port=rpc,
         )
 
+    store: list[Part] = []
+    store_flags: dict[str, list[str]] = {}
+    if cfg.global_store and master is not None:
+        from bana_sglang.radix_global import flags, service, storage_server
+
+        master_addr = f"{h}:{rpc}"
+        # The index removes pages itself (prefix-aware eviction); a short lease
+        # lets it remove a page soon after its last read.
+        master = dataclasses.replace(master, argv=(*master.argv, "-default_kv_lease_ttl=2000"))
+        index_port = ports.take()
+        index_endpoint = f"tcp://{h}:{index_port}"
+        store = [
+            Part(name="kv-storage", argv=(
+                py, "-m", "bana_sglang.radix_global.storage_server", "--master", master_addr,
+                "--segment-bytes", str(cfg.store_bytes), "--host", h, "--log-level", "WARNING"),
+                ready_line=storage_server.READY_LINE),
+            Part(name="kv-index", argv=(
+                py, "-m", "bana_sglang.radix_global.service", "--host", h, "--port", str(index_port),
+                # headroom below the segment: Mooncake allocates in its own granules
+                "--capacity-bytes", str(cfg.store_bytes * 9 // 10), "--master", master_addr),
+                ready_line=service.READY_LINE),
+        ]
+        for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
+            for i in range(count):
+                store_flags[f"{role}-{i}"] = flags.linker_args(index_endpoint, master_addr, owner=f"{role}-{i}")
+
     workers: list[Part] = []
     prefill_urls: list[tuple[str, int]] = []
     decode_urls: list[str] = []
@@ -184,7 +226,8 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
                 prefill_urls.append((url, boot))
             else:
                 decode_urls.append(url)
-            argv += compat.server_args(role, user_args=user) + dtype_args(model_path, user) + list(user)
+            argv += compat.server_args(role, user_args=user) + dtype_args(model_path, user)
+            argv += store_args(role, store_flags.get(f"{role}-{i}"), cfg.store_page_size, user) + list(user)
             workers.append(Part(name=f"{role}-{i}", argv=tuple(argv), health_url=url + "/health"))
 
     endpoint = f"http://{h}:{cfg.port}"
@@ -223,7 +266,28 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
     return ClusterPlan(
         endpoint=endpoint, model_path=model_path, served_model_name=served,
         master=master, workers=tuple(workers), router=router, env=env, api_key=cfg.api_key,
+        store=tuple(store),
     )
+
+
+def store_args(role: str, linker_flags: list[str] | None, page_size: int,
+               user_args: tuple[str, ...]) -> list[str]:
+    """Worker flags for the global store: the linker, a page size (the store's
+    unit; one index entry per page), SGLang's metrics (the store's counters
+    are exported through them) and, on decode workers, SGLang's radix cache
+    (off by default there; finished requests reach the store through it). A
+    flag the user gave wins."""
+    if not linker_flags:
+        return []
+    present = {a.split("=", 1)[0] for a in user_args if a.startswith("--")}
+    out = list(linker_flags)
+    if "--page-size" not in present:
+        out += ["--page-size", str(page_size)]
+    if "--enable-metrics" not in present:
+        out.append("--enable-metrics")
+    if role == "decode" and "--disaggregation-decode-enable-radix-cache" not in present:
+        out.append("--disaggregation-decode-enable-radix-cache")
+    return out
 
 
 def plan_single_server(
@@ -290,7 +354,11 @@ class Cluster:
 
     def _wait_ready(self, part: Part, proc: ManagedProcess, deadline: float) -> None:
         h = self.plan.endpoint.split("//", 1)[1].rsplit(":", 1)[0]
-        if part.health_url:
+        if part.ready_line:
+            line = part.ready_line
+            check = lambda: any(line in x for x in proc.tail())  # noqa: E731
+            what = f"the line {line!r}"
+        elif part.health_url:
             headers = auth_headers(self.plan.api_key) if part is self.plan.router else {}
             check = lambda: http_ok(part.health_url, headers=headers)  # noqa: E731
             what = f"healthy answer at {part.health_url}"
@@ -307,6 +375,8 @@ class Cluster:
         try:
             if self.plan.master:
                 self._wait_ready(self.plan.master, self._spawn(self.plan.master), deadline)
+            for part, proc in [(part, self._spawn(part)) for part in self.plan.store]:
+                self._wait_ready(part, proc, deadline)
             # Workers start together: their start-up is mostly imports and overlaps well.
             started = [(part, self._spawn(part)) for part in self.plan.workers]
             for part, proc in started:
@@ -399,6 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' at the endpoint (bana router; default: "
                         "$BANA_API_KEY, else none)")
+    p.add_argument("--global-store", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the global KV cache store (storage process, index service, the linker on "
+                        "every worker); --no-global-store: stock SGLang private prefix caches")
+    p.add_argument("--store-bytes", type=_cli.byte_size, default=1 << 30,
+                   help="memory of the store's Mooncake segment, e.g. 512M or 4G")
+    p.add_argument("--store-page-size", type=int, default=16,
+                   help="--page-size of workers with the global store (a page is the store's unit)")
     p.add_argument("--router-args", default="",
                    help="extra router flags as one string, e.g. \"--poll-interval 0.1\"")
     p.add_argument("--log-dir", type=Path, default=None,
@@ -427,6 +504,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         api_key=args.api_key or os.environ.get("BANA_API_KEY") or None,
         log_dir=args.log_dir,
         startup_timeout=args.startup_timeout,
+        global_store=args.global_store,
+        store_bytes=args.store_bytes,
+        store_page_size=args.store_page_size,
     )
 
 

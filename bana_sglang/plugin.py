@@ -21,7 +21,10 @@ def register() -> None:
     if _registered:
         return
     _registered = True
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
     from bana_sglang import compat, server_routes
+    from bana_sglang.radix_global.flags import init_cache_linker_hook
 
     applied = compat.apply_in_process_fixes()
     server_routes.APPLIED_FIXES[:] = applied
@@ -30,10 +33,12 @@ def register() -> None:
     if multiprocessing.parent_process() is None:
         # The HTTP server's process (SGLang children are spawned, so they have a
         # parent): add the extension's routes before uvicorn starts.
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
         HookRegistry.register("sglang.srt.entrypoints.http_server.launch_server",
                               server_routes.before_launch_server, HookType.BEFORE)
+    # The global store's linker needs SGLang's linker wrapper extended (the parent
+    # page of each offloaded node); installed for our linker only.
+    HookRegistry.register("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.init_cache_linker",
+                          init_cache_linker_hook, HookType.AROUND)
     if compat.cpu_mode():
         # The CPU attention backend: its name must pass argparse and reach the model runner.
         try:

@@ -311,3 +311,32 @@ class MooncakeKV:
             rcs = self._store.batch_get_into_multi_buffers(
                 list(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
             return self._codes("batch_get_into_multi_buffers", rcs)
+
+    # -- ranged reads (layer-wise loading)
+    def get_session_start(self, keys: Sequence[str]) -> list[int]:
+        """Open a read session over ``keys`` (needed by :meth:`get_ranges`); per-key codes."""
+        with self._lock:
+            self._gate("batch_get_session_start")
+            return self._codes("batch_get_session_start", self._store.batch_get_session_start(list(keys)))
+
+    def get_ranges(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
+                   offsets: Sequence[Sequence[int]]) -> list[int]:
+        """Zero-copy ranged read: object ``keys[i]`` from byte ``offsets[i][j]``, ``sizes[i][j]``
+        bytes, into ``ptrs[i][j]`` (registered memory). Per-key bytes read or code."""
+        with self._lock:
+            self._gate("batch_get_into_multi_buffer_ranges")
+            rcs = self._store.batch_get_into_multi_buffer_ranges(
+                list(keys), [list(p) for p in ptrs], [list(s) for s in sizes], [list(o) for o in offsets])
+            if isinstance(rcs, int):  # a whole-call failure
+                rcs = [rcs] * len(keys)
+            return self._codes("batch_get_into_multi_buffer_ranges", rcs)
+
+    def get_session_end(self, keys: Sequence[str]) -> None:
+        """Close a read session; best effort (a store that went away has no session left)."""
+        with self._lock:
+            if self._closed or not self._ready:
+                return
+            try:
+                self._store.batch_get_session_end(list(keys))
+            except Exception as e:  # noqa: BLE001  (cleanup never fails a load that landed)
+                logger.debug("batch_get_session_end: %s", e)

@@ -29,17 +29,11 @@ import threading
 import time
 from collections.abc import Sequence
 
+from bana_sglang import _cli
+
 logger = logging.getLogger(__name__)
 
 READY_LINE = "bana-storage ready"
-
-
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m bana_sglang.radix_global.storage_server",
         description="Contribute one global memory segment to the Mooncake store and keep it alive.")
     p.add_argument("--master", required=True, help="Mooncake master RPC address host:port")
-    p.add_argument("--segment-bytes", type=_size, default=1 << 30, help="segment size, e.g. 512M or 4G")
+    p.add_argument("--segment-bytes", type=_cli.byte_size, default=1 << 30, help="segment size, e.g. 512M or 4G")
     p.add_argument("--host", default="127.0.0.1", help="local hostname/address Mooncake binds (default 127.0.0.1)")
     p.add_argument("--metadata-server", default="P2PHANDSHAKE")
     p.add_argument("--protocol", default="tcp")

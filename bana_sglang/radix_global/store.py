@@ -44,7 +44,14 @@ import torch
 from bana_sglang.radix_global.errors import StoreError
 from bana_sglang.radix_global.keys import HASH_BYTES, KVLayout, PageHash
 from bana_sglang.radix_global.mooncake_kv import (  # noqa: F401  (re-exported)
-    HAS_LEASE, NOT_FOUND, RPC_FAIL, UNAVAILABLE, MooncakeKV, StoreConfig, describe, page_key,
+    HAS_LEASE,
+    NOT_FOUND,
+    RPC_FAIL,
+    UNAVAILABLE,
+    MooncakeKV,
+    StoreConfig,
+    describe,
+    page_key,
 )
 
 logger = logging.getLogger(__name__)
@@ -137,47 +144,69 @@ class PageStore:
         self.kv.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
     # -- header
-    def _header(self, page: PageHash, payload: memoryview) -> bytes:
+    def _header(self, page: PageHash, payload_crc: int) -> bytes:
         dims = list(self._shape) + [0] * (_MAX_DIMS - len(self._shape))
         body = _HDR.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, self._digest, bytes.fromhex(page),
-                         self._dtype_field, len(self._shape), *dims, len(payload),
-                         zlib.crc32(payload))
+                         self._dtype_field, len(self._shape), *dims, self._payload, payload_crc)
         return body + _HDR_CRC.pack(zlib.crc32(body))
 
-    def _verify(self, page: PageHash, header: bytes, payload: memoryview) -> Miss | None:
+    def _verify_header(self, page: PageHash, header: bytes) -> tuple[Miss | None, int]:
+        """Every header field but the payload checksum; (miss, stored payload CRC32)."""
         body = header[:_HDR.size]
         (crc,) = _HDR_CRC.unpack_from(header, _HDR.size)
         if zlib.crc32(body) != crc:
-            return Miss(page, "bad_header", "header checksum mismatch")
+            return Miss(page, "bad_header", "header checksum mismatch"), 0
         (magic, version, hsize, digest, phash, dtype, ndim, *rest) = _HDR.unpack(body)
         dims, length, pcrc = rest[:_MAX_DIMS], rest[_MAX_DIMS], rest[_MAX_DIMS + 1]
         if magic != MAGIC or version != FORMAT_VERSION or hsize != HEADER_SIZE:
-            return Miss(page, "bad_header", f"magic {magic!r} version {version} header {hsize}")
+            return Miss(page, "bad_header", f"magic {magic!r} version {version} header {hsize}"), 0
         if digest != self._digest:
-            return Miss(page, "layout_mismatch", f"stored layout {digest.hex()}")
+            return Miss(page, "layout_mismatch", f"stored layout {digest.hex()}"), 0
         if phash != bytes.fromhex(page):
-            return Miss(page, "page_mismatch", f"stored page {phash.hex()}")
+            return Miss(page, "page_mismatch", f"stored page {phash.hex()}"), 0
         if dtype != self._dtype_field or tuple(dims[:ndim]) != self._shape:
-            return Miss(page, "shape_mismatch", f"{dtype.rstrip(bytes(1)).decode()} {dims[:ndim]}")
-        if length != len(payload):
-            return Miss(page, "size_mismatch", f"stored {length} bytes, expected {len(payload)}")
+            return Miss(page, "shape_mismatch", f"{dtype.rstrip(bytes(1)).decode()} {dims[:ndim]}"), 0
+        if length != self._payload:
+            return Miss(page, "size_mismatch", f"stored {length} bytes, expected {self._payload}"), 0
+        return None, pcrc
+
+    def _verify(self, page: PageHash, header: bytes, payload: memoryview) -> Miss | None:
+        miss, pcrc = self._verify_header(page, header)
+        if miss is not None:
+            return miss
+        if len(payload) != self._payload:
+            return Miss(page, "size_mismatch", f"read {len(payload)} bytes, expected {self._payload}")
         if zlib.crc32(payload) != pcrc:
             return Miss(page, "checksum", "payload checksum mismatch")
         return None
 
-    def _check_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        if t.dtype != self._dtype or tuple(t.shape) != self._shape:
-            raise ValueError(f"page tensor must be {self.layout.dtype} {self._shape}, "
-                             f"got {t.dtype} {tuple(t.shape)}")
-        return t if t.is_contiguous() else t.contiguous()
-
     # -- puts
-    def put_pages(self, pages: Sequence[PageHash], tensors: Sequence[torch.Tensor]) -> PutResult:
+    def _check_payload(self, payload: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """A page payload as its parts: one tensor of the page shape, or tensors of the
+        layout's dtype whose concatenation (in order) is the page's bytes."""
+        if isinstance(payload, torch.Tensor):
+            if payload.dtype != self._dtype or tuple(payload.shape) != self._shape:
+                raise ValueError(f"page tensor must be {self.layout.dtype} {self._shape}, "
+                                 f"got {payload.dtype} {tuple(payload.shape)}")
+            return [payload if payload.is_contiguous() else payload.contiguous()]
+        parts = [t if t.is_contiguous() else t.contiguous() for t in payload]
+        if any(t.dtype != self._dtype for t in parts):
+            raise ValueError(f"page parts must be {self.layout.dtype}")
+        total = sum(t.numel() * t.element_size() for t in parts)
+        if total != self._payload:
+            raise ValueError(f"page parts hold {total} bytes, a page is {self._payload}")
+        return parts
+
+    def put_pages(self, pages: Sequence[PageHash],
+                  payloads: Sequence[torch.Tensor | Sequence[torch.Tensor]]) -> PutResult:
         """Store pages in order; stop at the first failure. Never raises for store
-        trouble (a wrong tensor shape/dtype is a caller bug and raises ValueError)."""
-        if len(pages) != len(tensors):
-            raise ValueError(f"{len(pages)} pages but {len(tensors)} tensors")
-        checked = [self._check_tensor(t) for t in tensors]
+        trouble (a wrong shape/dtype is a caller bug and raises ValueError).
+
+        A payload is a page tensor or a list of parts (see :meth:`_check_payload`);
+        parts in registered memory (e.g. KV pool slots) are written without a copy."""
+        if len(pages) != len(payloads):
+            raise ValueError(f"{len(pages)} pages but {len(payloads)} payloads")
+        checked = [self._check_payload(t) for t in payloads]
         written = 0
         with self._lock:
             for lo in range(0, len(pages), self._batch):
@@ -191,29 +220,39 @@ class PageStore:
     def put_page(self, page: PageHash, tensor: torch.Tensor) -> bool:
         return self.put_pages([page], [tensor]).written == 1
 
-    def _payload_ptr(self, t: torch.Tensor, slot: int, *, copy_in: bool) -> tuple[int, memoryview]:
-        """Where slot's payload lives for the native call, and a view for checksums."""
+    def _registered(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and self.kv.is_registered(t.data_ptr(), t.numel() * t.element_size())
+
+    def _payload_ptrs(self, parts: list[torch.Tensor], slot: int) -> tuple[list[int], list[int], int]:
+        """(pointers, sizes, payload CRC32) of one page's payload for a native put."""
+        if all(self._registered(t) for t in parts):
+            crc = 0
+            for t in parts:
+                crc = zlib.crc32(_as_bytes_view(t).numpy(), crc)
+            return [t.data_ptr() for t in parts], [t.numel() * t.element_size() for t in parts], crc
         nbytes = self._payload
-        if t.device.type == "cpu" and self.kv.is_registered(t.data_ptr(), nbytes):
-            return t.data_ptr(), memoryview(_as_bytes_view(t).numpy())
         stage = self._staging[slot * nbytes:(slot + 1) * nbytes]
         stage_np = stage.numpy()
-        if copy_in:
-            # numpy, not torch: a single-threaded memcpy (torch's copy_ of a small
-            # tensor cost ~15 ms under CPU contention on the shared 2-core machine)
-            stage_np[:] = _as_bytes_view(t.cpu() if t.device.type != "cpu" else t).numpy()
-        return stage.data_ptr(), memoryview(stage_np)
+        # numpy, not torch: a single-threaded memcpy (torch's copy_ of a small
+        # tensor cost ~15 ms under CPU contention on the shared 2-core machine)
+        pos = 0
+        for t in parts:
+            view = _as_bytes_view(t.cpu() if t.device.type != "cpu" else t).numpy()
+            stage_np[pos:pos + len(view)] = view
+            pos += len(view)
+        return [stage.data_ptr()], [nbytes], zlib.crc32(stage_np)
 
-    def _put_batch(self, pages: Sequence[PageHash], tensors: Sequence[torch.Tensor]) -> tuple[int, Miss | None]:
+    def _put_batch(self, pages: Sequence[PageHash], payloads: Sequence[list[torch.Tensor]]
+                   ) -> tuple[int, Miss | None]:
         keys, ptrs, sizes = [], [], []
-        for slot, (page, t) in enumerate(zip(pages, tensors)):
-            pptr, view = self._payload_ptr(t, slot, copy_in=True)
-            hdr = self._header(page, view)
+        for slot, (page, parts) in enumerate(zip(pages, payloads)):
+            pptrs, psizes, crc = self._payload_ptrs(parts, slot)
+            hdr = self._header(page, crc)
             hslot = self._headers[slot * HEADER_SIZE:(slot + 1) * HEADER_SIZE]
             self._headers_np[slot * HEADER_SIZE:slot * HEADER_SIZE + len(hdr)] = memoryview(hdr)
             keys.append(page_key(page))
-            ptrs.append([hslot.data_ptr(), pptr])
-            sizes.append([HEADER_SIZE, self._payload])
+            ptrs.append([hslot.data_ptr(), *pptrs])
+            sizes.append([HEADER_SIZE, *psizes])
         try:
             rcs = self.kv.put_multi(keys, ptrs, sizes)
         except StoreError as e:
@@ -230,7 +269,7 @@ class PageStore:
         miss may leave garbage in the ``out`` tensors from the missing page on."""
         if out is not None and len(out) != len(pages):
             raise ValueError(f"{len(pages)} pages but {len(out)} output tensors")
-        dests = [self._check_tensor(t) for t in out] if out is not None else None
+        dests = [self._check_payload(t)[0] for t in out] if out is not None else None
         loaded: list[torch.Tensor] = []
         with self._lock:
             for lo in range(0, len(pages), self._batch):
@@ -307,6 +346,10 @@ class PageStore:
             return Miss(page, "size_mismatch", f"object is {size} bytes, expected {self.object_size}")
         return Miss(page, "store_error", describe(rc))
 
+    def layerwise(self, pages: Sequence[PageHash]) -> LayerwiseRead:
+        """A layer-by-layer read of ``pages`` (see :class:`LayerwiseRead`)."""
+        return LayerwiseRead(self, pages)
+
     # -- housekeeping
     def remove(self, pages: Sequence[PageHash], *, force: bool = False) -> list[int]:
         """Native per-page codes (0 removed, -704 absent, -706 leased); raises
@@ -316,3 +359,143 @@ class PageStore:
     def exists_many(self, pages: Sequence[PageHash]) -> list[bool]:
         return self.kv.exists_many([page_key(p) for p in pages])
 
+
+
+class LayerwiseRead:
+    """Read pages layer by layer straight into scattered destinations (KV pool slots),
+    verifying them as they land.
+
+    The payload is layer-major (``page_shape`` starts with the layer), so layer
+    ``l`` of a page is one contiguous byte range: ``read_layer`` fetches that range
+    of every page in one batched ranged get (Mooncake ``batch_get_into_multi_buffer_ranges``
+    inside a get session). Verification is split accordingly:
+
+    - :meth:`start` verifies every header field except the payload checksum
+      (layout, page hash, dtype, shape, length) and keeps the leading pages
+      whose headers verify: what follows a bad or missing page is not read;
+    - every :meth:`read_layer` extends a running CRC32 per page (CRC32 chains,
+      so layer-major reads give the checksum of the whole payload);
+    - :meth:`finish` compares the running CRCs with the headers'. A mismatch
+      means the bytes already handed to compute were wrong: the caller must
+      discard what was computed from them (the SGLang linker fails the load,
+      and SGLang drops that request's output).
+
+    Never raises for store trouble: methods return a :class:`Miss`.
+    """
+
+    def __init__(self, store: PageStore, pages: Sequence[PageHash]):
+        self.store = store
+        self.pages = list(pages)
+        self._keys = [page_key(p) for p in self.pages]
+        self._crcs: list[int] = []
+        self._running: list[int] = []
+        self._session = False
+        layout = store.layout
+        self.layer_bytes = store._payload // layout.num_layers
+
+    def start(self) -> Miss | None:
+        """Open the session and verify headers; ``self.pages`` shrinks to the
+        verified prefix, and the returned miss says why it stopped (None: all)."""
+        st = self.store
+        if not self.pages:
+            return None
+        try:
+            codes = st.kv.get_session_start(self._keys)
+        except StoreError as e:
+            first = self.pages[0]
+            self.pages, self._keys = [], []
+            return Miss(first, _reason(e), str(e))
+        self._session = True
+        miss: Miss | None = None
+        keep = len(self.pages)
+        for i, rc in enumerate(codes):
+            if rc != 0:
+                keep = i
+                miss = Miss(self.pages[i], "missing" if rc == NOT_FOUND else "store_error",
+                            f"session: {describe(rc)}")
+                break
+        with st._lock:
+            for lo in range(0, keep, st._batch):
+                hi = min(keep, lo + st._batch)
+                keys = self._keys[lo:hi]
+                ptrs = [[st._headers[i * HEADER_SIZE:].data_ptr()] for i in range(hi - lo)]
+                try:
+                    rcs = st.kv.get_ranges(keys, ptrs, [[HEADER_SIZE]] * len(keys), [[0]] * len(keys))
+                except StoreError as e:
+                    keep, miss = lo, Miss(self.pages[lo], _reason(e), str(e))
+                    break
+                for i, rc in enumerate(rcs):
+                    page = self.pages[lo + i]
+                    if rc != HEADER_SIZE:
+                        bad = Miss(page, "missing" if rc == NOT_FOUND else "store_error", f"header read: {rc}")
+                    else:
+                        header = st._headers_np[i * HEADER_SIZE:(i + 1) * HEADER_SIZE].tobytes()
+                        bad, crc = st._verify_header(page, header)
+                    if bad is not None:
+                        keep, miss = lo + i, bad
+                        break
+                    self._crcs.append(crc)
+                if miss is not None and keep < hi:
+                    break
+        self._truncate(keep)
+        return miss
+
+    def _truncate(self, keep: int) -> None:
+        if keep < len(self.pages):
+            dropped = self._keys[keep:]
+            self.pages, self._keys = self.pages[:keep], self._keys[:keep]
+            self._crcs = self._crcs[:keep]
+            if self._session:
+                self.store.kv.get_session_end(dropped)
+        self._running = [0] * len(self.pages)
+
+    def read_layer(self, layer: int, dests: Sequence[Sequence[torch.Tensor]]) -> Miss | None:
+        """Read layer ``layer`` of every page: page i's bytes land in ``dests[i]``
+        (registered CPU tensors, filled in order, ``layer_bytes`` in total)."""
+        if len(dests) != len(self.pages):
+            raise ValueError(f"{len(self.pages)} pages but {len(dests)} destinations")
+        if not self.pages:
+            return None
+        off = HEADER_SIZE + layer * self.layer_bytes
+        ptrs, sizes, offsets = [], [], []
+        for parts in dests:
+            pos, p_ptrs, p_sizes, p_offs = off, [], [], []
+            for t in parts:
+                n = t.numel() * t.element_size()
+                p_ptrs.append(t.data_ptr())
+                p_sizes.append(n)
+                p_offs.append(pos)
+                pos += n
+            if pos - off != self.layer_bytes:
+                raise ValueError(f"destinations hold {pos - off} bytes, a layer of a page is {self.layer_bytes}")
+            ptrs.append(p_ptrs)
+            sizes.append(p_sizes)
+            offsets.append(p_offs)
+        try:
+            rcs = self.store.kv.get_ranges(self._keys, ptrs, sizes, offsets)
+        except StoreError as e:
+            return Miss(self.pages[0], _reason(e), str(e))
+        for i, rc in enumerate(rcs):
+            if rc != self.layer_bytes:
+                return Miss(self.pages[i], "missing" if rc == NOT_FOUND else "store_error",
+                            f"layer {layer} read: {rc if rc < 0 else f'{rc} bytes'}")
+        for i, parts in enumerate(dests):
+            crc = self._running[i]
+            for t in parts:
+                crc = zlib.crc32(_as_bytes_view(t).numpy(), crc)
+            self._running[i] = crc
+        return None
+
+    def finish(self) -> Miss | None:
+        """Close the session; the first page whose payload checksum does not match."""
+        if self._session:
+            self.store.kv.get_session_end(self._keys)
+            self._session = False
+        for page, want, got in zip(self.pages, self._crcs, self._running):
+            if want != got:
+                return Miss(page, "checksum", "payload checksum mismatch after a layer-wise read")
+        return None
+
+
+def _reason(e: StoreError) -> str:
+    return "unavailable" if e.code in (UNAVAILABLE, RPC_FAIL) else "store_error"

@@ -36,11 +36,19 @@ _NOT_LOSS = ("unavailable",)
 
 class PublishResult(NamedTuple):
     """``committed``: pages made visible now; ``written``: pages written to the
-    store; ``note``: why fewer than asked (empty when all were new and written)."""
+    store; ``present``: leading pages that were indexed already; ``total``: pages
+    offered; ``note``: why fewer than asked (empty when all were new and written)."""
 
     committed: int
     written: int
     note: str
+    present: int = 0
+    total: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """Every offered page is in the index now."""
+        return self.present + self.committed == self.total
 
 
 class GlobalKVCache:
@@ -67,20 +75,26 @@ class GlobalKVCache:
             self.index.report_loss([res.miss.page], self.owner)
         return res
 
-    def publish(self, chain: Sequence[PageHash], tensors: Sequence[torch.Tensor]) -> PublishResult:
-        """Publish ``tensors[i]`` as page ``chain[i]`` (pages already cached are skipped)."""
-        if len(chain) != len(tensors):
-            raise ValueError(f"{len(chain)} pages but {len(tensors)} tensors")
+    def publish(self, chain: Sequence[PageHash], payloads: Sequence[torch.Tensor | Sequence[torch.Tensor]],
+                *, parent: PageHash | None = None) -> PublishResult:
+        """Publish ``payloads[i]`` as page ``chain[i]`` (pages already cached are skipped).
+
+        A payload is a page tensor or its parts (see :meth:`PageStore.put_pages`);
+        ``parent``: the indexed page the chain continues (None: the chain starts
+        at the root)."""
+        n = len(chain)
+        if n != len(payloads):
+            raise ValueError(f"{n} pages but {len(payloads)} payloads")
         if not chain:
             return PublishResult(0, 0, "empty")
-        grant = self.index.publish_intent(chain, [self.store.object_size] * len(chain), self.owner)
+        grant = self.index.publish_intent(chain, [self.store.object_size] * n, self.owner, parent=parent)
         if grant is None:
-            return PublishResult(0, 0, "index unavailable")
+            return PublishResult(0, 0, "index unavailable", 0, n)
         if grant.start == grant.stop:
-            return PublishResult(0, 0, grant.note)
-        put = self.store.put_pages(chain[grant.start:grant.stop], tensors[grant.start:grant.stop])
+            return PublishResult(0, 0, grant.note, grant.start, n)
+        put = self.store.put_pages(chain[grant.start:grant.stop], payloads[grant.start:grant.stop])
         committed = self.index.commit(grant.intent, put.written)
         note = grant.note or (f"store: {put.failed.reason}" if put.failed else "")
         if committed is None:
-            return PublishResult(0, put.written, "commit not acknowledged")
-        return PublishResult(committed, put.written, note)
+            return PublishResult(0, put.written, "commit not acknowledged", grant.start, n)
+        return PublishResult(committed, put.written, note, grant.start, n)

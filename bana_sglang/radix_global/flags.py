@@ -1,0 +1,33 @@
+"""The SGLang flags that attach the global store to a worker (cheap to import:
+the launcher plans command lines without loading SGLang)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+LINKER_NAME = "BanaGlobalLinker"
+LINKER_MODULE = "bana_sglang.radix_global.linker"
+
+
+def linker_args(index_endpoint: str, master_addr: str, *, owner: str | None = None) -> list[str]:
+    """SGLang flags that put :class:`~bana_sglang.radix_global.linker.BanaGlobalLinker`
+    on a worker (page size and metrics not included)."""
+    extra: dict[str, Any] = {"index": index_endpoint, "master": master_addr}
+    if owner:
+        extra["owner"] = owner
+    cfg = {"linker": LINKER_NAME, "linker_module_path": LINKER_MODULE, "linker_extra_config": extra}
+    return ["--enable-unified-cache-external-linker",
+            "--unified-cache-external-linker-backend", "dynamic",
+            "--unified-cache-external-linker-config", json.dumps(cfg, separators=(",", ":"))]
+
+
+def init_cache_linker_hook(original, cache, cache_linker):
+    """AROUND hook on ``UnifiedRadixCache.init_cache_linker``; the work is in
+    :func:`bana_sglang.radix_global.linker.init_cache_linker_hook` (imported only
+    when a linker is attached, so stock processes never load it)."""
+    if type(cache_linker).__name__ != LINKER_NAME:
+        return original(cache, cache_linker)
+    from bana_sglang.radix_global.linker import init_cache_linker_hook as hook
+
+    return hook(original, cache, cache_linker)

@@ -1,0 +1,211 @@
+"""The global KV cache store end to end: real SGLang PD workers with the linker,
+a real ``mooncake_master``, the storage process and the index service.
+
+One 2P1D cluster (planned by the launcher, run in-process so that the test can
+kill and restart single parts). Requests go to a chosen prefill worker with
+SGLang's bootstrap protocol, the way a router sends them, so the test decides
+which worker computes and which one reuses.
+
+Checks:
+- a long prompt computed on prefill-0 is reused by prefill-1 (SGLang's
+  ``cached_tokens`` covers the shared pages; its own tree never saw them) and
+  the greedy float32 tokens equal a plain single worker's;
+- multi-turn: turn 2 (turn 1's prompt + answer + a new message) hits pages
+  that only the decode worker published (the answer), on the other prefill worker;
+- the store's Prometheus counters on each worker's ``/metrics``;
+- the Mooncake master killed while requests flow: every request completes
+  with the right tokens; after a restart, hits resume;
+- ``--no-global-store`` plans stock workers (no linker, no store parts).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
+from bana_sglang.procs import tcp_open, wait_until
+from conftest import free_port, free_port_block
+
+pytestmark = pytest.mark.slow
+
+PAGE = 16
+
+
+class PDCluster:
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        plan = cluster.plan
+        self.prefill: list[tuple[str, int]] = []
+        self.decode: list[str] = []
+        for part in plan.workers:
+            argv = list(part.argv)
+            url = part.health_url.removesuffix("/health")
+            if "prefill" in part.name:
+                self.prefill.append((url, int(argv[argv.index("--disaggregation-bootstrap-port") + 1])))
+            else:
+                self.decode.append(url)
+
+    def generate(self, prefill: int, ids: list[int], n: int = 8, *, timeout: float = 300) -> tuple[dict, dict]:
+        """One PD request through prefill worker ``prefill``; (decode reply, prefill reply)."""
+        url, boot = self.prefill[prefill]
+        body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n},
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": boot,
+                "bootstrap_room": random.getrandbits(63)}
+        out: dict[str, object] = {}
+
+        def send_prefill():
+            try:
+                out["p"] = httpx.post(url + "/generate", json=body, timeout=timeout)
+            except Exception as e:  # reported below
+                out["p"] = e
+
+        t = threading.Thread(target=send_prefill)
+        t.start()
+        d = httpx.post(self.decode[0] + "/generate", json=body, timeout=timeout)
+        t.join(timeout)
+        p = out.get("p")
+        assert d.status_code == 200, d.text
+        assert isinstance(p, httpx.Response) and p.status_code == 200, p
+        return d.json(), p.json()
+
+    def metrics(self, url: str) -> dict[str, float]:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("bana_store_") and "_total" in line:
+                name, value = line.rsplit(" ", 1)
+                key = name.split("{", 1)[0].removeprefix("bana_store_").removesuffix("_total")
+                out[key] = out.get(key, 0.0) + float(value)
+        return out
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory) -> Iterator[PDCluster]:
+    cfg = LaunchConfig(num_prefill=2, num_decode=1, port=free_port(), worker_base_port=free_port_block(40),
+                       log_dir=tmp_path_factory.mktemp("store-logs"), store_bytes=256 << 20)
+    with Cluster(plan_cluster(cfg), log_dir=cfg.log_dir, startup_timeout=900) as cluster:
+        yield PDCluster(cluster)
+
+
+def plain_tokens(single_server: str, ids: list[int], n: int) -> list[int]:
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n}}
+    r = httpx.post(single_server + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+def poll_until(check, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(0.2)
+
+
+def wait_published(pd: PDCluster, url: str, at_least: float, timeout: float = 30) -> None:
+    poll_until(lambda: pd.metrics(url).get("published_pages", 0) >= at_least,
+               f"{at_least} pages published by {url}", timeout)
+
+
+def test_prefix_computed_on_one_prefill_worker_is_reused_by_another(pd, single_server):
+    ids = prompt(1, 300)
+    p0, p1 = pd.prefill[0][0], pd.prefill[1][0]
+    before = pd.metrics(p0).get("published_pages", 0)
+    d0, pre0 = pd.generate(0, ids, n=12)
+    assert pre0["meta_info"]["cached_tokens"] == 0
+    wait_published(pd, p0, before + 300 // PAGE)
+
+    loaded_before = pd.metrics(p1).get("loaded_pages", 0)
+    d1, pre1 = pd.generate(1, ids, n=12)
+    # every full page of the prompt but the last token's (SGLang always computes >= 1 token)
+    assert pre1["meta_info"]["cached_tokens"] == (300 - 1) // PAGE * PAGE
+    assert d1["output_ids"] == d0["output_ids"] == plain_tokens(single_server, ids, 12)
+    m1 = pd.metrics(p1)
+    assert m1["loaded_pages"] - loaded_before == (300 - 1) // PAGE
+    assert m1["loaded_bytes"] > 0 and m1["load_seconds"] > 0
+
+
+def test_next_turn_hits_the_answer_published_by_the_decode_worker(pd, single_server):
+    turn1 = prompt(2, 200)
+    d1, _ = pd.generate(0, turn1, n=40)
+    answer = d1["output_ids"]
+    assert len(answer) == 40
+    full = (len(turn1) + len(answer) - 1) // PAGE  # pages the decode worker can publish
+    poll_until(lambda: pd.metrics(pd.decode[0]).get("published_pages", 0) > 0, "the decode worker publishing")
+    time.sleep(1.0)
+    turn2 = turn1 + answer + prompt(3, 30)
+    d2, pre2 = pd.generate(1, turn2, n=8)
+    cached = pre2["meta_info"]["cached_tokens"]
+    # more than the prompt alone: the answer's pages came from the decode worker
+    assert cached > len(turn1) // PAGE * PAGE, cached
+    assert cached >= full * PAGE - PAGE, (cached, full)
+    assert d2["output_ids"] == plain_tokens(single_server, turn2, 8)
+
+
+def test_metrics_and_counters_add_up(pd):
+    for url, _ in pd.prefill:
+        m = pd.metrics(url)
+        assert m.get("lookups", 0) >= 1
+        assert m.get("load_failures", 0) == 0
+        assert 0 <= m.get("load_wait_seconds", 0) <= m.get("load_seconds", 0) + 1e-6 or m.get("load_seconds", 0) == 0
+    assert pd.metrics(pd.decode[0]).get("published_pages", 0) > 0
+
+
+def test_master_down_then_back_requests_stay_correct_and_hits_resume(pd, single_server):
+    master = next(p for p in pd.cluster.procs if p.name == "mooncake-master")
+    part = pd.cluster.plan.master
+    rpc = int(next(a for a in part.argv if a.startswith("-rpc_port=")).split("=")[1])
+    master.kill()
+    master.reap()
+    pd.cluster.procs.remove(master)
+    try:
+        for seed in (4, 5):  # both workers, cold and "cached" prompts: misses, right tokens
+            ids = prompt(seed, 180)
+            want = plain_tokens(single_server, ids, 6)
+            for w in (0, 1):
+                d, _ = pd.generate(w, ids, n=6, timeout=120)
+                assert d["output_ids"] == want
+    finally:
+        proc = pd.cluster._spawn(part)
+        wait_until(lambda: tcp_open("127.0.0.1", rpc, 0.2), proc=proc, what="the master's port", timeout=60)
+    # the storage process re-mounts its segment, the index notices the empty store
+    # and forgets what it listed; publishing and hits resume on their own
+    ids = prompt(6, 260)
+    want = plain_tokens(single_server, ids, 6)
+
+    def reused() -> bool:
+        d0, _ = pd.generate(0, ids, n=6)
+        assert d0["output_ids"] == want
+        time.sleep(1.0)
+        d1, pre1 = pd.generate(1, ids, n=6)
+        assert d1["output_ids"] == want
+        return pre1["meta_info"]["cached_tokens"] > 0
+
+    # each try may still land in the recovery window; a fresh prompt per try
+    deadline = time.monotonic() + 120
+    while not reused():
+        assert time.monotonic() < deadline, "hits never resumed after the master restarted"
+        ids = prompt(int(time.monotonic() * 1000), 260)
+        want = plain_tokens(single_server, ids, 6)
+
+
+def test_no_global_store_plans_stock_workers():
+    plan = plan_cluster(LaunchConfig(port=free_port(), worker_base_port=free_port_block(20), global_store=False))
+    assert not plan.store
+    for part in plan.workers:
+        assert "--enable-unified-cache-external-linker" not in part.argv
+    plan = plan_cluster(LaunchConfig(port=free_port(), worker_base_port=free_port_block(20)))
+    assert [p.name for p in plan.store] == ["kv-storage", "kv-index"]
+    for part in plan.workers:
+        assert "--enable-unified-cache-external-linker" in part.argv
+        assert part.argv[part.argv.index("--page-size") + 1] == "16"
