@@ -241,6 +241,9 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
             router_argv += ["--prefill", url, str(boot)]
         for url in decode_urls:
             router_argv += ["--decode", url]
+        if store:
+            router_argv += ["--global-index", index_endpoint, "--store-page-size",
+                            str(page_size_of((*cfg.sglang_args, *cfg.prefill_args), cfg.store_page_size))]
         router_argv += list(cfg.router_args)
         # /health is 503 until a prefill and a decode worker answer and the model is known.
         router = Part(name="router", argv=tuple(router_argv), health_url=endpoint + "/health",
@@ -268,6 +271,16 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
         master=master, workers=tuple(workers), router=router, env=env, api_key=cfg.api_key,
         store=tuple(store),
     )
+
+
+def page_size_of(user_args: tuple[str, ...], default: int) -> int:
+    """The --page-size among SGLang flags, else ``default``."""
+    for i, a in enumerate(user_args):
+        if a == "--page-size" and i + 1 < len(user_args):
+            return int(user_args[i + 1])
+        if a.startswith("--page-size="):
+            return int(a.split("=", 1)[1])
+    return default
 
 
 def store_args(role: str, linker_flags: list[str] | None, page_size: int,
@@ -543,6 +556,11 @@ def main(argv: list[str] | None = None) -> int:
             logger.error("%s; stopping the cluster", why)
             code = 1
             break
+    if plan.store:
+        from bana_sglang.radix_global import summary
+
+        rows = [(w.name, summary.scrape(w.health_url.removesuffix("/health"), timeout=2.0)) for w in plan.workers]
+        logger.info("global KV store, per worker:\n%s", summary.table(rows))
     cluster.stop()
     logger.info("cluster stopped")
     return code

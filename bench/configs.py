@@ -126,12 +126,19 @@ def worker_urls(plan: ClusterPlan) -> dict[str, str]:
     return {p.name: p.health_url.rsplit("/health", 1)[0] for p in plan.workers if p.health_url}
 
 
-def _pd(router: str, policy: str) -> Callable[[Resources, PortAllocator], ClusterPlan]:
+def _pd(router: str, policy: str, global_store: bool = False) -> Callable[[Resources, PortAllocator], ClusterPlan]:
+    """PD workers behind ``router``. Without the global store the workers are stock
+    SGLang (private prefix caches) with the store's page size, so that both arms
+    of a store comparison cache in the same units."""
     def planner(res: Resources, ports: PortAllocator) -> ClusterPlan:
         port = ports.take()
+        args = res.worker_args()
+        if not global_store and "--page-size" not in args:
+            args = (*args, "--page-size", str(LaunchConfig.store_page_size))
         return plan_cluster(LaunchConfig(
             model_path=res.model_path, num_prefill=res.num_prefill, num_decode=res.num_decode, host=res.host,
-            port=port, worker_base_port=port + 10, sglang_args=res.worker_args(), router=router, policy=policy,
+            port=port, worker_base_port=port + 10, sglang_args=args, router=router, policy=policy,
+            global_store=global_store,
         ))
 
     return planner
@@ -158,8 +165,8 @@ def _colocated(policy: str) -> Callable[[Resources, PortAllocator], ClusterPlan]
     return planner
 
 
-register(ServingConfig("ours", "bana_sglang.launch defaults (PD + bana_sglang.router, policy bana)",
-                       _pd("bana", "bana"), baseline=False))
+register(ServingConfig("ours", "bana_sglang.launch defaults (PD + global KV store + bana_sglang.router, "
+                       "policy bana)", _pd("bana", "bana", global_store=True), baseline=False))
 register(ServingConfig("pd-cache-aware", "stock SGLang PD + sglang_router cache_aware",
                        _pd("sglang", "cache_aware")))
 register(ServingConfig("pd-round-robin", "stock SGLang PD + sglang_router round_robin",
@@ -172,6 +179,12 @@ register(ServingConfig("bana-cache-aware", "stock SGLang PD + bana_sglang.router
                        _pd("bana", "cache_aware")))
 register(ServingConfig("bana-round-robin", "stock SGLang PD + bana_sglang.router round_robin",
                        _pd("bana", "round_robin")))
+# The global store's comparison (bench/bench_global_store.py): the same router
+# and spreading policy, store on and off.
+register(ServingConfig("store-round-robin", "PD + global KV store + bana_sglang.router round_robin",
+                       _pd("bana", "round_robin", global_store=True), baseline=False))
+register(ServingConfig("nostore-round-robin", "stock SGLang PD (private prefix caches) + bana_sglang.router "
+                                              "round_robin", _pd("bana", "round_robin")))
 register(ServingConfig("colocated", "colocated stock SGLang servers (no PD) + sglang_router cache_aware",
                        _colocated("cache_aware")))
 register(ServingConfig("colocated-round-robin", "colocated stock SGLang servers (no PD) + sglang_router "

@@ -15,6 +15,8 @@ Checks:
 - the store's Prometheus counters on each worker's ``/metrics``;
 - the Mooncake master killed while requests flow: every request completes
   with the right tokens; after a restart, hits resume;
+- the router asks the index with SGLang's own page hashes (equal to SGLang's
+  function's) and counts only globally uncached tokens as prefill work;
 - ``--no-global-store`` plans stock workers (no linker, no store parts).
 """
 
@@ -27,10 +29,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from conftest import free_port, free_port_block
 
 from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
 from bana_sglang.procs import tcp_open, wait_until
-from conftest import free_port, free_port_block
+from bana_sglang.radix_global import summary
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +65,7 @@ class PDCluster:
         def send_prefill():
             try:
                 out["p"] = httpx.post(url + "/generate", json=body, timeout=timeout)
-            except Exception as e:  # reported below
+            except httpx.HTTPError as e:  # reported below
                 out["p"] = e
 
         t = threading.Thread(target=send_prefill)
@@ -75,14 +78,7 @@ class PDCluster:
         return d.json(), p.json()
 
     def metrics(self, url: str) -> dict[str, float]:
-        text = httpx.get(url + "/metrics", timeout=10).text
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("bana_store_") and "_total" in line:
-                name, value = line.rsplit(" ", 1)
-                key = name.split("{", 1)[0].removeprefix("bana_store_").removesuffix("_total")
-                out[key] = out.get(key, 0.0) + float(value)
-        return out
+        return summary.parse(httpx.get(url + "/metrics", timeout=10).text)
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +149,9 @@ def test_next_turn_hits_the_answer_published_by_the_decode_worker(pd, single_ser
 
 
 def test_metrics_and_counters_add_up(pd):
+    table = summary.table([(url, pd.metrics(url)) for url, _ in pd.prefill] + [("decode", pd.metrics(pd.decode[0]))])
+    print(table)
+    assert "(no answer)" not in table and len(table.splitlines()) == 4
     for url, _ in pd.prefill:
         m = pd.metrics(url)
         assert m.get("lookups", 0) >= 1
@@ -197,6 +196,59 @@ def test_master_down_then_back_requests_stay_correct_and_hits_resume(pd, single_
         assert time.monotonic() < deadline, "hits never resumed after the master restarted"
         ids = prompt(int(time.monotonic() * 1000), 260)
         want = plain_tokens(single_server, ids, 6)
+
+
+def test_router_counts_only_globally_uncached_tokens(pd, single_server):
+    """The router asks the index about each prompt with SGLang's own page hashes,
+    namespaced like the workers' (a mismatch anywhere would make this a miss)."""
+    router = pd.cluster.plan.endpoint
+    ids = prompt(7, 200)
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+
+    def counters() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for line in httpx.get(router + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("bana_router_global_"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    before = counters()
+    first = httpx.post(router + "/generate", json=body, timeout=300)
+    assert first.status_code == 200, first.text
+    poll_until(lambda: counters().get('bana_router_global_lookups_total{outcome="miss"}', 0)
+               > before.get('bana_router_global_lookups_total{outcome="miss"}', 0), "a miss counted")
+    time.sleep(1.5)  # the prefill worker publishes asynchronously
+    second = httpx.post(router + "/generate", json=body, timeout=300)
+    assert second.status_code == 200, second.text
+    after = counters()
+    assert after['bana_router_global_lookups_total{outcome="hit"}'] \
+        > before.get('bana_router_global_lookups_total{outcome="hit"}', 0)
+    assert after["bana_router_global_cached_tokens_total"] - before.get(
+        "bana_router_global_cached_tokens_total", 0) == (200 - 1) // PAGE * PAGE
+    assert second.json()["output_ids"] == first.json()["output_ids"] == plain_tokens(single_server, ids, 6)
+
+
+def test_router_page_hashes_equal_sglangs():
+    """keys.sglang_page_hashes against SGLang's own function, in an SGLang-ready process."""
+    import subprocess
+    import sys
+
+    from bana_sglang import compat
+
+    code = ("import random, json\n"
+            "from sglang.srt.mem_cache.utils import get_storage_hash_str\n"
+            "from sglang.srt.mem_cache.radix_cache import RadixKey\n"
+            "from bana_sglang.radix_global.keys import sglang_page_hashes\n"
+            "ids = [random.randrange(0, 2**32) for _ in range(80)]\n"
+            "ok = get_storage_hash_str(RadixKey(ids), None, page_size=16) == sglang_page_hashes(ids, 16)\n"
+            "salted = get_storage_hash_str(RadixKey(ids, extra_key='x', cache_salt='s'), None, page_size=16)\n"
+            "ok2 = salted == sglang_page_hashes(ids, 16, extra_key='x', cache_salt='s')\n"
+            "print(json.dumps([ok, ok2]))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=compat.child_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[true, true]"
 
 
 def test_no_global_store_plans_stock_workers():

@@ -17,7 +17,7 @@ def test_plan_2p1d_has_distinct_ports_and_pd_wiring(monkeypatch):
     monkeypatch.setenv("BANA_DEVICE", "cpu")
     plan = launch.plan_cluster(launch.LaunchConfig(num_prefill=2, num_decode=1, port=30500))
     names = [p.name for p in plan.parts]
-    assert names == ["mooncake-master", "prefill-0", "prefill-1", "decode-0", "router"]
+    assert names == ["mooncake-master", "kv-storage", "kv-index", "prefill-0", "prefill-1", "decode-0", "router"]
     ports = []
     for part in plan.workers:
         argv = list(part.argv)
@@ -31,6 +31,8 @@ def test_plan_2p1d_has_distinct_ports_and_pd_wiring(monkeypatch):
     router = list(plan.router.argv)
     assert router.count("--prefill") == 2 and router.count("--decode") == 1
     assert "30500" in router
+    index = list(plan.store[1].argv)
+    ports.append(int(index[index.index("--port") + 1]))
     assert len(ports) == len(set(ports)) and 30500 not in ports
     assert plan.env["SGLANG_USE_CPU_ENGINE"] == "1"
     # float32 checkpoints stay float32 (SGLang's "auto" would downcast to float16)

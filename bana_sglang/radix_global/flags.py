@@ -4,6 +4,8 @@ the launcher plans command lines without loading SGLang)."""
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from typing import Any
 
 LINKER_NAME = "BanaGlobalLinker"
@@ -31,3 +33,24 @@ def init_cache_linker_hook(original, cache, cache_linker):
     from bana_sglang.radix_global.linker import init_cache_linker_hook as hook
 
     return hook(original, cache, cache_linker)
+
+
+@dataclass(frozen=True)
+class LinkerConfig:
+    index: str
+    master: str
+    owner: str
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None, default_owner: str) -> LinkerConfig:
+        extra = dict(extra or {})
+        unknown = set(extra) - {"index", "master", "owner"}
+        if unknown:
+            raise ValueError(f"{LINKER_NAME}: unknown linker_extra_config keys {sorted(unknown)}; "
+                             "known: index, master, owner")
+        index = extra.get("index") or os.environ.get("BANA_INDEX_ENDPOINT")
+        master = extra.get("master") or os.environ.get("BANA_STORE_MASTER")
+        if not index or not master:
+            raise ValueError(f"{LINKER_NAME} needs linker_extra_config.index (tcp://host:port of "
+                             "the index service) and .master (host:port of mooncake_master)")
+        return cls(str(index), str(master), str(extra.get("owner") or default_owner))

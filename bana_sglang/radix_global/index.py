@@ -85,7 +85,7 @@ class IndexStats(NamedTuple):
 
 
 class _Node:
-    __slots__ = ("page", "parent", "depth", "size", "owner", "children", "last_use", "hits", "stamp")
+    __slots__ = ("children", "depth", "hits", "last_use", "owner", "page", "parent", "size", "stamp")
 
     def __init__(self, page: PageHash, parent: PageHash | None, depth: int, size: int,
                  owner: OwnerId, tick: int):

@@ -29,6 +29,7 @@ import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NewType
 
 #: A page's chained hash: 32 lowercase hex chars (128-bit BLAKE2b).
@@ -183,3 +184,56 @@ def namespaced(foreign_hash: str, layout: KVLayout, salt: str | bytes | None = N
     equal outputs in every process; the chain structure is preserved.
     """
     return PageHash(_h(_PAGE_TAG, namespace(layout, salt), b"foreign", foreign_hash.encode("utf-8")).hex())
+
+
+def model_identity(model_path: str) -> str:
+    """Model name plus a digest of its config and weights: KV of another model,
+    or of the same name with other weights, can never be served."""
+    root = Path(model_path)
+    h = hashlib.blake2b(digest_size=16)
+    files = sorted(p for p in root.glob("*") if p.suffix in (".json", ".safetensors", ".bin")) \
+        if root.is_dir() else []
+    for p in files:
+        if p.name.startswith("tokenizer") or p.name in ("special_tokens_map.json",):
+            continue
+        size = p.stat().st_size
+        h.update(p.name.encode() + b"\0" + str(size).encode() + b"\0")
+        with p.open("rb") as f:  # the whole file up to 256 MiB, else its two ends
+            if size <= 256 << 20:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            else:
+                h.update(f.read(8 << 20))
+                f.seek(size - (8 << 20))
+                h.update(f.read())
+    return f"{root.name or model_path}@{h.hexdigest()}"
+
+
+def sglang_page_hashes(token_ids: Sequence[int], page_size: int, *, extra_key: str | None = None,
+                       cache_salt: str | None = None) -> list[str]:
+    """SGLang 0.5.23's chained storage hashes of the full pages of ``token_ids``
+    (``mem_cache/utils.py: get_storage_hash_str`` from the root): SHA-256 of the
+    previous page's digest and the page's token ids as little-endian uint32,
+    seeded by ``extra_key``/``cache_salt`` when either is set. These are the keys
+    the linker receives for a prompt, so the router can ask the index about a
+    prompt without loading SGLang. Token ids must fit in uint32 (SGLang hashes
+    wider ids another way; not supported here). A live test compares them with
+    the hashes a real worker publishes."""
+    prev = b""
+    if extra_key is not None or cache_salt is not None:
+        seed = hashlib.sha256(b"sglang-cache-namespace-v1")
+        for part in (extra_key, cache_salt):
+            if part is None:
+                seed.update(b"\x00")
+            else:
+                raw = part.encode("utf-8")
+                seed.update(b"\x01" + len(raw).to_bytes(8, "little") + raw)
+        prev = seed.digest()
+    ids = [int(t) for t in token_ids]
+    if any(t < 0 or t > 0xFFFFFFFF for t in ids):
+        raise ValueError("token ids must fit in uint32")
+    out: list[str] = []
+    for start in range(0, len(ids) - page_size + 1, page_size):
+        prev = hashlib.sha256(prev + array.array("I", ids[start:start + page_size]).tobytes()).digest()
+        out.append(prev.hex())
+    return out

@@ -53,15 +53,11 @@ MLA/SWA/Mamba), TP size 1 per layout (TP rank is part of the key).
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -72,36 +68,13 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     UnifiedCacheLinkerWrapper,
 )
 
-from bana_sglang.radix_global.flags import LINKER_NAME
-from bana_sglang.radix_global.keys import KVLayout, PageHash, namespaced
+from bana_sglang.radix_global.flags import LINKER_NAME, LinkerConfig
+from bana_sglang.radix_global.keys import KVLayout, PageHash, model_identity, namespaced
 from bana_sglang.radix_global.service import IndexClient
 from bana_sglang.radix_global.store import PageStore, StoreConfig
 from bana_sglang.radix_global.worker_cache import GlobalKVCache
 
 logger = logging.getLogger(__name__)
-
-def model_identity(model_path: str) -> str:
-    """Model name plus a digest of its config and weights: KV of another model,
-    or of the same name with other weights, can never be served."""
-    root = Path(model_path)
-    h = hashlib.blake2b(digest_size=16)
-    files = sorted(p for p in root.glob("*") if p.suffix in (".json", ".safetensors", ".bin")) \
-        if root.is_dir() else []
-    for p in files:
-        if p.name.startswith("tokenizer") or p.name in ("special_tokens_map.json",):
-            continue
-        size = p.stat().st_size
-        h.update(p.name.encode() + b"\0" + str(size).encode() + b"\0")
-        with p.open("rb") as f:  # the whole file up to 256 MiB, else its two ends
-            if size <= 256 << 20:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            else:
-                h.update(f.read(8 << 20))
-                f.seek(size - (8 << 20))
-                h.update(f.read())
-    return f"{root.name or model_path}@{h.hexdigest()}"
-
 
 # ---------------------------------------------------------------------- metrics
 
@@ -176,27 +149,6 @@ class _TimedCounter(LayerWiseLoadCounter):
 
 
 # ---------------------------------------------------------------------- linker
-
-@dataclass(frozen=True)
-class LinkerConfig:
-    index: str
-    master: str
-    owner: str
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None, default_owner: str) -> LinkerConfig:
-        extra = dict(extra or {})
-        unknown = set(extra) - {"index", "master", "owner"}
-        if unknown:
-            raise ValueError(f"{LINKER_NAME}: unknown linker_extra_config keys {sorted(unknown)}; "
-                             "known: index, master, owner")
-        index = extra.get("index") or os.environ.get("BANA_INDEX_ENDPOINT")
-        master = extra.get("master") or os.environ.get("BANA_STORE_MASTER")
-        if not index or not master:
-            raise ValueError(f"{LINKER_NAME} needs linker_extra_config.index (tcp://host:port of "
-                             "the index service) and .master (host:port of mooncake_master)")
-        return cls(str(index), str(master), str(extra.get("owner") or default_owner))
-
 
 class _Load(NamedTuple):
     chain: list[PageHash]

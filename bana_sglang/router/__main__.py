@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker pairs tried per request before answering 502")
     p.add_argument("--read-timeout", type=float, default=600.0,
                    help="seconds of silence from a worker before the request fails")
+    p.add_argument("--global-index", default=None, metavar="tcp://HOST:PORT",
+                   help="the global KV store's index service: the bana policy then counts only a prompt's "
+                        "globally uncached tokens as prefill work (needs --model-path)")
+    p.add_argument("--store-page-size", type=int, default=16, help="the workers' --page-size (the store's unit)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -93,6 +97,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_key=args.api_key or os.environ.get("BANA_ROUTER_API_KEY") or None, max_body_bytes=args.max_body_bytes,
         max_tokens_limit=args.max_tokens_limit, poll_interval_s=args.poll_interval,
         max_attempts=args.max_attempts, read_timeout_s=args.read_timeout,
+        global_index=args.global_index, model_path=args.model_path,
+        store_page_size=args.store_page_size,
     )
 
 

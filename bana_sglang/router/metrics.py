@@ -35,6 +35,11 @@ class RouterMetrics:
                               ["worker", "role"], registry=r)
         self.queued = Gauge("bana_router_worker_queued_requests", "Waiting requests reported by the worker",
                             ["worker", "role"], registry=r)
+        self.global_lookups = Counter("bana_router_global_lookups_total",
+                                      "Prompts looked up in the global KV index, by outcome (hit, miss, unknown)",
+                                      ["outcome"], registry=r)
+        self.global_cached_tokens = Counter("bana_router_global_cached_tokens_total",
+                                            "Prompt tokens the global KV index reported cached", registry=r)
         self.route_seconds = Histogram("bana_router_routing_seconds", "Time to pick a worker pair",
                                        buckets=_FAST, registry=r)
         self.ttfb_seconds = Histogram("bana_router_first_byte_seconds",

@@ -101,6 +101,11 @@ class RouteRequest:
     # Leading tokens the global index holds, if the caller already asked it.
     global_cached_tokens: int | None = None
 
+    @property
+    def uncached_tokens(self) -> int:
+        """Prompt tokens a prefill worker computes (all, when the global index was not asked)."""
+        return self.num_tokens - (self.global_cached_tokens or 0)
+
     def cached_tokens(self, pages: int) -> int:
         """Tokens reusable from ``pages`` matched pages; the last prompt token is
         always computed (it yields the first output token)."""

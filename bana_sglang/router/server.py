@@ -85,6 +85,9 @@ class RouterConfig:
     read_timeout_s: float = 600.0
     probe_min_s: float = 0.5
     probe_max_s: float = 10.0
+    global_index: str | None = None  # tcp://host:port of the global store's index service
+    model_path: str | None = None  # for the store's KV layout (with global_index)
+    store_page_size: int = 16
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -93,6 +96,8 @@ class RouterConfig:
             raise ValueError("max_attempts must be >= 1")
         if self.poll_interval_s <= 0:
             raise ValueError("poll_interval_s must be positive")
+        if self.global_index and not self.model_path:
+            raise ValueError("--global-index needs --model-path (the store's keys depend on the model)")
 
 
 class Router:
@@ -110,6 +115,11 @@ class Router:
             raise ValueError("a worker URL is listed twice")
         self.policy = get_policy(cfg.policy, seed=cfg.seed)
         self.prompts = PromptView(cfg.tokenizer_path, page_tokens=cfg.page_tokens)
+        self.global_index = None
+        if cfg.global_index:
+            from bana_sglang.router.global_index import GlobalIndexView, layout_for
+
+            self.global_index = GlobalIndexView(cfg.global_index, layout_for(cfg.model_path, cfg.store_page_size))
         self.metrics = RouterMetrics()
         self.monitor = WorkerMonitor(self.workers, self.metrics, poll_interval_s=cfg.poll_interval_s,
                                      model_names=cfg.model_names)
@@ -156,6 +166,8 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+        if self.global_index is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.global_index.close)
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler):
@@ -231,10 +243,17 @@ class Router:
                              f"{', '.join(sorted(self.monitor.model_names))}", status=404, param="model",
                              code="model_not_found")
 
-    def _route_request(self, ids: Sequence[int], max_new: int | None) -> RouteRequest:
+    async def _route_request(self, ids: Sequence[int], max_new: int | None) -> RouteRequest:
+        cached = None
+        if self.global_index is not None and self.prompts.exact:
+            cached = await self.global_index.cached_tokens(ids)
+            self.metrics.global_lookups.labels("unknown" if cached is None else "hit" if cached else "miss").inc()
+            if cached:
+                self.metrics.global_cached_tokens.inc(cached)
         return RouteRequest(request_id=RequestId(f"r{self._rooms.getrandbits(32):08x}"),
                             num_tokens=max(1, len(ids)), page_hashes=self.prompts.page_hashes(ids),
-                            max_new_tokens=max_new or 0, page_size=self.prompts.page_tokens)
+                            max_new_tokens=max_new or 0, page_size=self.prompts.page_tokens,
+                            global_cached_tokens=cached)
 
     # ------------------------------------------------------------------ OpenAI endpoints
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
@@ -269,7 +288,7 @@ class Router:
                                      param="prompt")
         except BadRequest as e:
             return self._refuse(e, label)
-        route = self._route_request(ids, max_new)
+        route = await self._route_request(ids, max_new)
         return await self._pd(request, path, body, route, label, t0,
                               stream=bool(body.get("stream")), merge_logprobs=False)
 
@@ -289,7 +308,7 @@ class Router:
         sp = body.get("sampling_params") or {}
         max_new = sp.get("max_new_tokens")
         ids = body.get("input_ids") or self.prompts.tokens(body.get("text") or "")
-        route = self._route_request(ids, max_new)
+        route = await self._route_request(ids, max_new)
         if max_new == 0:
             status, payload = await self._prefill_only(body, route)
             self._count(label, status, t0)
@@ -302,7 +321,7 @@ class Router:
         async def one(item: dict) -> tuple[int, bytes]:
             sp = item["sampling_params"]
             ids = item.get("input_ids") or self.prompts.tokens(item.get("text") or "")
-            route = self._route_request(ids, sp.get("max_new_tokens"))
+            route = await self._route_request(ids, sp.get("max_new_tokens"))
             if sp.get("max_new_tokens") == 0:
                 return await self._prefill_only(item, route)
             return await self._pd_once_json("/generate", item, route,
@@ -349,7 +368,7 @@ class Router:
         """Count the pair, add the bootstrap fields and send the prefill half;
         returns (body sent, decode tokens to release, prefill task)."""
         bp = self._bootstrap(body, p)
-        p_tok = self._begin(p, route.num_tokens)
+        p_tok = self._begin(p, route.uncached_tokens)
         d_tok = self._begin(d, route.num_tokens + route.max_new_tokens)
         p_task = asyncio.create_task(self._post(p, path, bp))
         p_task.add_done_callback(lambda _t: p.end(p_tok))
@@ -399,7 +418,7 @@ class Router:
             if p is None:
                 break
             tried.add(p.id)
-            self._begin(p, route.num_tokens)
+            self._begin(p, route.uncached_tokens)
             try:
                 data = await self._post(p, "/generate", self._bootstrap(sent, p, fake=True))
             except UpstreamError as e:
@@ -410,7 +429,7 @@ class Router:
             except ClientError as e:
                 return e.status, e.body
             finally:
-                p.end(route.num_tokens)
+                p.end(route.uncached_tokens)
             if body.get("return_logprob"):
                 out = orjson.loads(data)
                 fix_logprob_window(out.get("meta_info", {}), shift=shift,

@@ -1,0 +1,248 @@
+"""The global KV cache store against stock private prefix caches, on the Mooncake trace.
+
+``python -m bench.bench_global_store`` replays one slice of
+``shared/data/traces/mooncake_conversation_trace.jsonl`` (lengths scaled to the
+model: a trace block of 512 tokens becomes ``512 * length_scale`` tokens, equal
+``hash_ids`` give equal token blocks) on 2 prefill + 1 decode workers with
+requests spread round-robin by our router, twice, one arm after the other:
+
+- ``store-round-robin``: the global store on (storage process, index, linker);
+- ``nostore-round-robin``: stock SGLang workers with private prefix caches
+  (same page size, same router and policy).
+
+It prints, for both arms, the prefix hit rate (SGLang's ``cached_tokens`` /
+prompt tokens), TTFT p50/p99 and throughput, and their ratios; the
+infinite-cache hit rate of the same slice (every page ever computed is kept
+and visible to every worker; SGLang computes at least one token); and, for
+the store arm, the load bandwidth the workers reached (bytes loaded / load
+time, layer by layer) against raw Mooncake bandwidth measured in the same run
+on the same store with the same page size (whole pages, batched), and the
+fraction of load time hidden under compute. Targets from issue 5: global hit
+rate >= 90% of the infinite-cache rate and >= 1.5x the stock local rate.
+
+Outputs go to ``bench/runs/global-store-<UTC time>/`` (records, summary.json,
+report.md, ``hit_rates.png``); ``--write-results`` also replaces the "Global
+KV store" section of ``docs/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bana_sglang import _cli
+from bana_sglang.launch import Cluster
+from bana_sglang.radix_global import summary as store_summary
+from bench import client, configs, metrics, workloads
+from bench.client import ClientConfig, LoadSampler
+from bench.sidebyside import ROOT, machine_description, warmup, write_results_section
+
+logger = logging.getLogger("bench.global_store")
+
+ARMS = ("store-round-robin", "nostore-round-robin")
+
+
+def infinite_cache_hits(wl: workloads.Workload, page: int) -> tuple[int, int]:
+    """(hit tokens, prompt tokens) if every page ever computed stayed visible to
+    every worker: a request reuses its longest page-aligned prefix seen before,
+    but never its last token (SGLang computes at least one)."""
+    seen: set[tuple[int, ...]] = set()
+    hit = total = 0
+    for r in sorted(wl.requests, key=lambda r: r.arrival_s):
+        p = list(r.prompt)
+        total += len(p)
+        n = 0
+        while (n + 1) * page <= len(p) - 1 and tuple(p[:(n + 1) * page]) in seen:
+            n += 1
+        hit += n * page
+        for k in range(1, len(p) // page + 1):
+            seen.add(tuple(p[:k * page]))
+    return hit, total
+
+
+def raw_bandwidth(master: str, page_nbytes: int, total_mb: int) -> tuple[float, float]:
+    """Whole-page batched put/get MB/s through the same store (registered, zero copy)."""
+    from bana_sglang.radix_global import bench_store
+
+    rows = bench_store.run(master, [page_nbytes], total_mb << 20, batch=16)
+    reg = [r for r in rows if r[0] == "registered"][0]
+    return reg[2], reg[3]
+
+
+@dataclasses.dataclass
+class ArmResult:
+    name: str
+    summary: metrics.Summary
+    store: dict[str, dict[str, float] | None]
+    raw_put_mbps: float | None = None
+    raw_get_mbps: float | None = None
+    page_nbytes: int | None = None
+
+
+def run_arm(name: str, wl: workloads.Workload, res: configs.Resources, space: workloads.TokenSpace,
+            out: Path, raw_mb: int) -> ArmResult:
+    cfg = configs.get(name)
+    plan = cfg.plan(res)
+    urls = configs.worker_urls(plan)
+    t0 = time.monotonic()
+    with Cluster(plan, log_dir=out / "logs" / name, startup_timeout=900):
+        logger.info("%s up in %.0fs", name, time.monotonic() - t0)
+        ccfg = ClientConfig(endpoint=plan.endpoint, model=plan.served_model_name, space=space, timeout_s=600)
+        warmup(ccfg, space, 2)
+        sampler = LoadSampler(urls, 0.5)
+        logger.info("%s: replaying %s", name, wl.describe())
+        records = client.replay(ccfg, wl, sampler)
+        summ = metrics.summarize(records, metrics.SLO(), sampler.samples)
+        with (out / f"{name}.records.jsonl").open("w") as f:
+            for r in records:
+                f.write(json.dumps(r.to_json()) + "\n")
+        print(metrics.format_summary(name, summ), flush=True)
+        result = ArmResult(name, summ, {w: store_summary.scrape(u) for w, u in urls.items()})
+        if plan.store and plan.master is not None:
+            rpc = next(a for a in plan.master.argv if a.startswith("-rpc_port=")).split("=")[1]
+            result.page_nbytes = _page_nbytes(plan.model_path)
+            result.raw_put_mbps, result.raw_get_mbps = raw_bandwidth(f"{res.host}:{rpc}", result.page_nbytes,
+                                                                     raw_mb)
+    return result
+
+
+def _page_nbytes(model_path: str) -> int:
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * 16 * heads * head_dim * 4  # float32, 16-token pages
+
+
+def _sum(store: dict[str, dict[str, float] | None], key: str) -> float:
+    return sum((m or {}).get(key, 0.0) for m in store.values())
+
+
+def report(arms: Sequence[ArmResult], inf_hit: float, wl: workloads.Workload, command: str) -> str:
+    by = {a.name: a for a in arms}
+    on, off = by.get("store-round-robin"), by.get("nostore-round-robin")
+    lines = [f"Command: `{command}`", "", f"Workload: {wl.describe()}", "", f"Machine: {machine_description()}", "",
+             "| arm | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | throughput (req/s) | out tok/s | errors |",
+             "|---|---|---|---|---|---|---|"]
+    for a in arms:
+        s = a.summary
+        hr = f"{s.prefix_hit_rate:.1%}" if s.prefix_hit_rate is not None else "n/a"
+        lines.append(f"| {a.name} | {hr} | {s.ttft.p50:.3f} | {s.ttft.p99:.3f} | {s.req_per_s:.3f} | "
+                     f"{s.out_tok_per_s:.1f} | {s.errors} |")
+    lines += ["", f"Infinite-cache hit rate of the same slice: {inf_hit:.1%}", ""]
+    if on and off and on.summary.prefix_hit_rate is not None and off.summary.prefix_hit_rate:
+        g, loc = on.summary.prefix_hit_rate, off.summary.prefix_hit_rate
+        lines += [
+            "| ratio | value | target |", "|---|---|---|",
+            f"| global hit / infinite-cache hit | {g / inf_hit:.2f} | >= 0.90 |" if inf_hit else "",
+            f"| global hit / stock local hit | {g / loc:.2f} | >= 1.5 |",
+            f"| TTFT p50, store / stock | {on.summary.ttft.p50 / off.summary.ttft.p50:.2f} | < 1 |",
+            f"| TTFT p99, store / stock | {on.summary.ttft.p99 / off.summary.ttft.p99:.2f} | < 1 |",
+            f"| throughput, store / stock | {on.summary.req_per_s / off.summary.req_per_s:.2f} | |",
+        ]
+    if on:
+        loaded, load_s, wait_s = (_sum(on.store, k) for k in ("loaded_bytes", "load_seconds", "load_wait_seconds"))
+        lines += ["", "Store counters of the store arm (per worker, from `/metrics`):", "", "```",
+                  store_summary.table(list(on.store.items())), "```", ""]
+        if load_s:
+            bw = loaded / load_s / 1e6
+            lines.append(f"- layer-wise load bandwidth reached: {bw:.1f} MB/s "
+                         f"({loaded / 1e6:.1f} MB in {load_s:.2f} s of load-thread time)")
+            if on.raw_get_mbps:
+                lines.append(f"- raw Mooncake get bandwidth, same store, {on.page_nbytes} B pages, batches of 16, "
+                             f"zero copy: {on.raw_get_mbps:.1f} MB/s (put {on.raw_put_mbps:.1f} MB/s); "
+                             f"ratio {bw / on.raw_get_mbps:.2f}")
+            lines.append(f"- load time hidden under compute: {1 - wait_s / load_s:.1%} "
+                         f"(forward waited {wait_s:.3f} s for layers to land)")
+    return "\n".join(x for x in lines if x is not None)
+
+
+def plot(arms: Sequence[ArmResult], inf_hit: float, out: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = [a.name for a in arms] + ["infinite cache"]
+    vals = [a.summary.prefix_hit_rate or 0.0 for a in arms] + [inf_hit]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    ax1.bar(names, vals, color=["tab:green", "tab:gray", "tab:blue"][:len(names)])
+    ax1.set_ylabel("prefix hit rate")
+    ax1.set_ylim(0, 1)
+    ax1.tick_params(axis="x", labelsize=7)
+    for a in arms:
+        recs = [json.loads(x) for x in (out / f"{a.name}.records.jsonl").read_text().splitlines()]
+        ttfts = sorted(r["ttft"] for r in recs if r.get("ttft") is not None)
+        if ttfts:
+            ax2.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=a.name)
+    ax2.set_xlabel("TTFT (s)")
+    ax2.set_ylabel("CDF")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "hit_rates.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.bench_global_store", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small", help="embedded model name or folder")
+    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--trace-offset", type=int, default=0)
+    p.add_argument("--rate", type=float, default=1.0, help="mean request rate of the replay (req/s)")
+    p.add_argument("--length-scale", type=float, default=1 / 16)
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated, from: " + ", ".join(ARMS))
+    p.add_argument("--kv-tokens-total", type=int, default=3 * 16384)
+    p.add_argument("--raw-mb", type=int, default=32, help="bytes moved by the raw bandwidth probe")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--write-results", action="store_true", help="replace the section in docs/RESULTS.md")
+    p.add_argument("--log-level", default="INFO")
+    args, _ = _cli.parse(p, list(argv) if argv is not None else None, lambda a: None)
+    arms = tuple(a for a in args.arms.split(",") if a)
+    for a in arms:
+        if a not in ARMS:
+            p.error(f"unknown arm {a!r}; choose from {', '.join(ARMS)}")
+    out = args.out or ROOT / "bench" / "runs" / time.strftime("global-store-%Y%m%d-%H%M%S", time.gmtime())
+    out.mkdir(parents=True, exist_ok=True)
+    model_path = str(configs.model_dir(args.model))
+    space = workloads.TokenSpace.from_model(model_path)
+    wl = workloads.build(workloads.WorkloadSpec(
+        name="mooncake", num_requests=args.num_requests, trace_offset=args.trace_offset,
+        request_rate=args.rate, length_scale=args.length_scale), space)
+    hit, total = infinite_cache_hits(wl, 16)
+    inf = hit / total if total else 0.0
+    logger.info("infinite-cache hit rate of the slice: %.1f%%", 100 * inf)
+    res = configs.Resources(model_path=model_path, kv_tokens_total=args.kv_tokens_total)
+    results = []
+    for name in arms:
+        try:
+            results.append(run_arm(name, wl, res, space, out, args.raw_mb))
+        except Exception:  # one broken arm must not lose the other's numbers
+            logger.exception("arm %s failed", name)
+    command = "python -m bench.bench_global_store " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = report(results, inf, wl, command.strip())
+    pic = plot(results, inf, out)
+    if pic:
+        text += f"\n\n![hit rates and TTFT]({pic.relative_to(ROOT)})"
+    (out / "report.md").write_text(text + "\n")
+    (out / "summary.json").write_text(json.dumps(
+        dict(infinite_cache_hit_rate=inf, arms=[dict(name=a.name, summary=a.summary.to_json(), store=a.store,
+                                                     raw_put_mbps=a.raw_put_mbps, raw_get_mbps=a.raw_get_mbps)
+                                                for a in results]), indent=1, default=str))
+    print(text)
+    if args.write_results:
+        write_results_section("Global KV store", "Global KV store (issue 5)", text)
+    return 0 if len(results) == len(arms) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Fast unit tests of the global store's wiring (no processes): the linker's
+configuration, the model identity in page keys, the worker flags the launcher
+adds, and the counters table."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from bana_sglang import launch
+from bana_sglang.radix_global import flags, summary
+from bana_sglang.radix_global.keys import KVLayout, model_identity, namespaced
+
+
+def test_linker_flags_are_what_sglang_parses():
+    args = flags.linker_args("tcp://127.0.0.1:5", "127.0.0.1:6", owner="prefill-0")
+    assert args[:3] == ["--enable-unified-cache-external-linker", "--unified-cache-external-linker-backend",
+                        "dynamic"]
+    cfg = json.loads(args[args.index("--unified-cache-external-linker-config") + 1])
+    assert cfg["linker"] == flags.LINKER_NAME and cfg["linker_module_path"] == flags.LINKER_MODULE
+    assert flags.LinkerConfig.from_extra(cfg["linker_extra_config"], "x") == flags.LinkerConfig(
+        "tcp://127.0.0.1:5", "127.0.0.1:6", "prefill-0")
+
+
+def test_linker_config_errors_name_the_problem(monkeypatch):
+    monkeypatch.delenv("BANA_INDEX_ENDPOINT", raising=False)
+    monkeypatch.delenv("BANA_STORE_MASTER", raising=False)
+    with pytest.raises(ValueError, match="index"):
+        flags.LinkerConfig.from_extra({"master": "h:1"}, "w")
+    with pytest.raises(ValueError, match="unknown linker_extra_config keys \\['indx'\\]"):
+        flags.LinkerConfig.from_extra({"indx": "tcp://h:1", "master": "h:1"}, "w")
+    monkeypatch.setenv("BANA_INDEX_ENDPOINT", "tcp://h:2")
+    assert flags.LinkerConfig.from_extra({"master": "h:1"}, "w").index == "tcp://h:2"
+
+
+def test_model_identity_follows_the_weights(tmp_path, tiny_model):
+    a = tmp_path / "a"
+    shutil.copytree(tiny_model, a)
+    b = tmp_path / "b" / a.name
+    shutil.copytree(tiny_model, b)
+    assert model_identity(str(a)) == model_identity(str(b))  # same name, same bytes
+    weights = next(b.glob("*.safetensors"))
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 1
+    weights.write_bytes(bytes(raw))
+    assert model_identity(str(a)) != model_identity(str(b))  # same name, other weights
+    # and so the namespaced page keys differ: KV of the other weights is never served
+    la = KVLayout(model_identity(str(a)), "float32", 16, 2, 16, 4)
+    lb = KVLayout(model_identity(str(b)), "float32", 16, 2, 16, 4)
+    assert namespaced("ab" * 32, la) != namespaced("ab" * 32, lb)
+
+
+def test_launcher_worker_flags_with_and_without_the_store():
+    linker = flags.linker_args("tcp://h:1", "h:2")
+    pre = launch.store_args("prefill", linker, 16, ())
+    assert pre[-3:] == ["--page-size", "16", "--enable-metrics"]
+    dec = launch.store_args("decode", linker, 16, ("--page-size", "32"))
+    assert "--page-size" not in dec  # the user's wins
+    assert "--disaggregation-decode-enable-radix-cache" in dec
+    assert launch.store_args("prefill", None, 16, ()) == []
+    with pytest.raises(ValueError, match="store-bytes"):
+        launch.LaunchConfig(store_bytes=1000)
+    with pytest.raises(ValueError, match="Mooncake master"):
+        launch.LaunchConfig(mooncake_master=False)
+
+
+def test_summary_parses_prometheus_text_and_formats_a_table():
+    text = "\n".join([
+        "# HELP bana_store_loaded_bytes_total Bytes loaded",
+        "bana_store_loaded_bytes_total 2000000.0",
+        'bana_store_load_seconds_total{pid="1"} 1.5',
+        'bana_store_load_seconds_total{pid="2"} 0.5',
+        "bana_store_load_wait_seconds_total 0.5",
+        "bana_store_global_hit_tokens_total 288",
+        "bana_store_loaded_bytes_created 1.7e9",
+        "sglang:num_running_reqs 3",
+    ])
+    m = summary.parse(text)
+    assert m == {"loaded_bytes": 2e6, "load_seconds": 2.0, "load_wait_seconds": 0.5, "global_hit_tokens": 288}
+    table = summary.table([("prefill-0", m), ("decode-0", None)])
+    assert "75%" in table  # 1 - 0.5 / 2.0 hidden
+    assert "decode-0     (no answer)" in table
