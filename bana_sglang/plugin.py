@@ -24,7 +24,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from bana_sglang import compat, server_routes
-    from bana_sglang.radix_global.flags import init_cache_linker_hook
+    from bana_sglang.radix_global.flags import decode_queue_hook, init_cache_linker_hook
 
     applied = compat.apply_in_process_fixes()
     server_routes.APPLIED_FIXES[:] = applied
@@ -39,6 +39,8 @@ def register() -> None:
     # page of each offloaded node); installed for our linker only.
     HookRegistry.register("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.init_cache_linker",
                           init_cache_linker_hook, HookType.AROUND)
+    HookRegistry.register("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue",
+                          decode_queue_hook, HookType.AROUND)
     if compat.cpu_mode():
         # The CPU attention backend: its name must pass argparse and reach the model runner.
         try:

@@ -66,6 +66,31 @@ def infinite_cache_hits(wl: workloads.Workload, page: int) -> tuple[int, int]:
     return hit, total
 
 
+def conversation_slice(n: int, scan_rows: int, per_conversation: int, out: Path) -> Path:
+    """A slice of the trace dense in conversations: rows whose conversation (trace
+    block 1, the first block after the shared system block 0) occurs at least
+    twice within the first ``scan_rows`` rows, whole conversations (up to
+    ``per_conversation`` turns each) in order of their first turn, until ``n``
+    rows; written in trace order with the original timestamps. A plain
+    ``n``-row slice holds almost no reuse (4% for the first 60 rows: turns of
+    one conversation lie ~600 rows apart in the trace)."""
+    rows = [json.loads(line) for _, line in zip(range(scan_rows), workloads.MOONCAKE_TRACE.open())]
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        if len(r["hash_ids"]) >= 2:
+            groups.setdefault(r["hash_ids"][1], []).append(i)
+    chosen: list[int] = []
+    for members in sorted((g for g in groups.values() if len(g) >= 2), key=lambda g: g[0]):
+        chosen += members[:per_conversation]
+        if len(chosen) >= n:
+            break
+    path = out / "conversation-slice.jsonl"
+    with path.open("w") as f:
+        for i in sorted(chosen)[:n]:
+            f.write(json.dumps(rows[i]) + "\n")
+    return path
+
+
 def raw_bandwidth(master: str, page_nbytes: int, total_mb: int) -> tuple[float, float]:
     """Whole-page batched put/get MB/s through the same store (registered, zero copy)."""
     from bana_sglang.radix_global import bench_store
@@ -197,7 +222,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small", help="embedded model name or folder")
     p.add_argument("--num-requests", type=int, default=60)
-    p.add_argument("--trace-offset", type=int, default=0)
+    p.add_argument("--trace-offset", type=int, default=0, help="with --slice plain: the first row")
+    p.add_argument("--slice", choices=("conversations", "plain"), default="conversations",
+                   help="conversations: whole multi-turn conversations from the first --scan-rows rows "
+                        "(see conversation_slice); plain: --num-requests rows from --trace-offset")
+    p.add_argument("--scan-rows", type=int, default=3000)
+    p.add_argument("--turns", type=int, default=4, help="at most this many turns per conversation")
     p.add_argument("--rate", type=float, default=1.0, help="mean request rate of the replay (req/s)")
     p.add_argument("--length-scale", type=float, default=1 / 16)
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated, from: " + ", ".join(ARMS))
@@ -215,9 +245,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_path = str(configs.model_dir(args.model))
     space = workloads.TokenSpace.from_model(model_path)
-    wl = workloads.build(workloads.WorkloadSpec(
-        name="mooncake", num_requests=args.num_requests, trace_offset=args.trace_offset,
-        request_rate=args.rate, length_scale=args.length_scale), space)
+    spec = workloads.WorkloadSpec(name="mooncake", num_requests=args.num_requests, request_rate=args.rate,
+                                  trace_offset=args.trace_offset if args.slice == "plain" else 0,
+                                  length_scale=args.length_scale)
+    if args.slice == "plain":
+        wl = workloads.build(spec, space)
+    else:
+        wl = workloads.mooncake_trace(spec, space, conversation_slice(args.num_requests, args.scan_rows,
+                                                                      args.turns, out))
     hit, total = infinite_cache_hits(wl, 16)
     inf = hit / total if total else 0.0
     logger.info("infinite-cache hit rate of the slice: %.1f%%", 100 * inf)

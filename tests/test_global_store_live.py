@@ -38,6 +38,7 @@ from bana_sglang.radix_global import summary
 pytestmark = pytest.mark.slow
 
 PAGE = 16
+DECODE_KV = 4096
 
 
 class PDCluster:
@@ -83,8 +84,10 @@ class PDCluster:
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory) -> Iterator[PDCluster]:
+    # a small decode KV pool: finished requests' pages must be released after publishing
     cfg = LaunchConfig(num_prefill=2, num_decode=1, port=free_port(), worker_base_port=free_port_block(40),
-                       log_dir=tmp_path_factory.mktemp("store-logs"), store_bytes=256 << 20)
+                       log_dir=tmp_path_factory.mktemp("store-logs"), store_bytes=256 << 20,
+                       decode_args=("--max-total-tokens", str(DECODE_KV)))
     with Cluster(plan_cluster(cfg), log_dir=cfg.log_dir, startup_timeout=900) as cluster:
         yield PDCluster(cluster)
 
@@ -158,6 +161,17 @@ def test_metrics_and_counters_add_up(pd):
         assert m.get("load_failures", 0) == 0
         assert 0 <= m.get("load_wait_seconds", 0) <= m.get("load_seconds", 0) + 1e-6 or m.get("load_seconds", 0) == 0
     assert pd.metrics(pd.decode[0]).get("published_pages", 0) > 0
+
+
+def test_decode_pool_is_released_after_publishing(pd):
+    """More finished requests than the decode worker's KV pool holds: each one's
+    pages are published, then released for eviction (SGLang's decode loop does not
+    acknowledge linker offloads by itself; without the plugin's hook this hangs)."""
+    n, length = 3 * DECODE_KV // 300 + 2, 300
+    for i in range(n):
+        d, _ = pd.generate(i % 2, prompt(100 + i, length), n=4, timeout=120)
+        assert d["output_ids"] and d["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+    assert pd.metrics(pd.decode[0]).get("published_pages", 0) >= n  # one new page per request at least
 
 
 def test_master_down_then_back_requests_stay_correct_and_hits_resume(pd, single_server):

@@ -24,6 +24,21 @@ def linker_args(index_endpoint: str, master_addr: str, *, owner: str | None = No
             "--unified-cache-external-linker-config", json.dumps(cfg, separators=(",", ":"))]
 
 
+def decode_queue_hook(original, scheduler, *args, **kwargs):
+    """AROUND hook on the PD decode scheduler's ``process_decode_queue``.
+
+    SGLang 0.5.23 polls the tree cache's transfer events on a decode worker only
+    with HiCache (``enable_decode_hicache``). With an external linker the
+    offloads of finished requests then complete but are never acknowledged:
+    their tree nodes stay locked and the decode KV pool fills until every new
+    request waits forever (seen: 92% KV usage, 24 requests stuck in
+    pre-allocation). Poll them here, once per decode-queue pass."""
+    if getattr(scheduler, "enable_unified_cache_external_linker", False) and \
+            not getattr(scheduler, "enable_decode_hicache", False):
+        scheduler.tree_cache.check_hicache_events()
+    return original(scheduler, *args, **kwargs)
+
+
 def init_cache_linker_hook(original, cache, cache_linker):
     """AROUND hook on ``UnifiedRadixCache.init_cache_linker``; the work is in
     :func:`bana_sglang.radix_global.linker.init_cache_linker_hook` (imported only

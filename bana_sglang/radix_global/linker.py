@@ -216,12 +216,19 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         self.pools = {PoolName.KV: kvcache}
         self.layer_done_counter = _TimedCounter(self.num_layers, self.metrics)
 
-        self.store = PageStore.connect(self.layout, StoreConfig.from_env(self.cfg.master))
+        # Two store clients: one for lookups and loads (the request path), one for
+        # publishing. A Mooncake client serialises its calls, and puts were seen to
+        # stall for up to Mooncake's 60 s transfer timeout on the overloaded 2-core
+        # machine: on a shared client every lookup would have waited behind them.
+        store_cfg = StoreConfig.from_env(self.cfg.master)
+        self.store = PageStore.connect(self.layout, store_cfg)
+        publish_store = PageStore.connect(self.layout, store_cfg)
         for buf in self.k_buffer + self.v_buffer:  # zero copy both ways
             self.store.register(buf)
+            publish_store.register(buf)
         self.index = IndexClient(self.cfg.index, name=f"{self.cfg.owner}/lookup")
         self._publisher = GlobalKVCache(self.layout, IndexClient(self.cfg.index, name=f"{self.cfg.owner}/publish"),
-                                        self.store, self.cfg.owner)
+                                        publish_store, self.cfg.owner)
         self._loss_index = IndexClient(self.cfg.index, name=f"{self.cfg.owner}/load")
 
         self.pending_loads: dict[str, _Load] = {}
@@ -423,6 +430,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         for client in (self.index, self._loss_index, self._publisher.index):
             client.close()
         self.store.kv.close()
+        self._publisher.store.kv.close()
 
 
 # ---------------------------------------------------------------------- wrapper
