@@ -96,7 +96,7 @@ def raw_bandwidth(master: str, page_nbytes: int, total_mb: int) -> tuple[float, 
     from bana_sglang.radix_global import bench_store
 
     rows = bench_store.run(master, [page_nbytes], total_mb << 20, batch=16)
-    reg = [r for r in rows if r[0] == "registered"][0]
+    reg = next(r for r in rows if r[0] == "registered")
     return reg[2], reg[3]
 
 

@@ -30,6 +30,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import json
+import os
 import random
 import subprocess
 import sys
@@ -142,14 +143,22 @@ async def measure(arms: list[Arm], *, requests: int, streams: int, rounds: int, 
     return out
 
 
-def _start_router(kind: str, port: int, pp: int, dp: int, policy: str) -> subprocess.Popen:
+def _pinned(cpus: set[int] | None):
+    """A ``preexec_fn`` that pins the child (and every thread it will start) to ``cpus``."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def _start_router(kind: str, port: int, pp: int, dp: int, policy: str,
+                  cpus: set[int] | None = None) -> subprocess.Popen:
     if kind == "bana":
         argv = [sys.executable, "-m", "bana_sglang.router", "--policy", policy, "--log-level", "WARNING"]
     else:  # the stock Rust router, PD mode
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--log-level", "warn"]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--prefill", f"http://127.0.0.1:{pp}", "1",
              "--decode", f"http://127.0.0.1:{dp}"]
-    return subprocess.Popen(argv, env=compat.child_env(), stdout=subprocess.DEVNULL)
+    return subprocess.Popen(argv, env=compat.child_env(), stdout=subprocess.DEVNULL, preexec_fn=_pinned(cpus))  # noqa: PLW1509  (no threads yet)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,19 +175,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="bana", help="our router's policy")
     p.add_argument("--no-stock", dest="stock", action="store_false",
                    help="skip the stock sglang_router arm (it is measured in the same run by default)")
+    p.add_argument("--pin", action="store_true",
+                   help="routers on CPU 0, the client and the fake workers on the other CPUs: the routers' "
+                        "own cost without competing with the load generator for a core")
     a = p.parse_args(argv)
     levels = [int(x) for x in a.streams.split(",") if x.strip()]
+    router_cpus = client_cpus = None
+    if a.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            p.error("--pin needs at least 2 CPUs")
+        router_cpus, client_cpus = {cpus[0]}, set(cpus[1:])
+        os.sched_setaffinity(0, client_cpus)
     duration = a.prefill_delay + a.chunks * a.chunk_delay
 
     pp, dp = free_port(), free_port()
     fake = subprocess.Popen([sys.executable, "-m", "bench.fake_pd", "--prefill-port", str(pp),
                              "--decode-port", str(dp), "--chunks", str(a.chunks),
-                             "--chunk-delay", str(a.chunk_delay), "--prefill-delay", str(a.prefill_delay)])
+                             "--chunk-delay", str(a.chunk_delay), "--prefill-delay", str(a.prefill_delay)],
+                            preexec_fn=_pinned(client_cpus))  # noqa: PLW1509
     arms = [Arm("direct", f"http://127.0.0.1:{dp}", prefill=f"http://127.0.0.1:{pp}")]
     for kind in ("bana", "sglang") if a.stock else ("bana",):
         port = free_port()
         arms.append(Arm("bana router" if kind == "bana" else "stock sglang_router", f"http://127.0.0.1:{port}",
-                        proc=_start_router(kind, port, pp, dp, a.policy)))
+                        proc=_start_router(kind, port, pp, dp, a.policy, router_cpus)))
     procs = [arm.proc for arm in arms if arm.proc] + [fake]
     try:
         deadline = time.monotonic() + 120
@@ -194,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         for proc in procs:
             proc.wait(timeout=30)
 
-    print(f"\nrouter overhead (our router's policy {a.policy}; fake PD upstream: prefill "
+    pinning = f"routers pinned to CPU {sorted(router_cpus)}, client and fakes to {sorted(client_cpus)}" \
+        if a.pin else "no pinning"
+    print(f"\nrouter overhead ({pinning}; our router's policy {a.policy}; fake PD upstream: prefill "
           f"{a.prefill_delay * 1e3:.0f} ms, {a.chunks} chunks x {a.chunk_delay * 1e3:.0f} ms; open-loop arrivals)")
     print(f"{'streams':>7} {'arm':<20} {'CPU ms/req':>10}  " + "  ".join(
         f"{m} p{q} (+added)".rjust(20) for m in ("ttft", "e2e") for q in (50, 99)))
