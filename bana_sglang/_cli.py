@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -22,6 +23,16 @@ def byte_size(text: str) -> int:
         return int(t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 512M, 4G)") from None
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise ``SystemExit`` so that ``with Cluster(...)`` blocks unwind
+    and stop every process they started (Python's default SIGTERM action exits
+    without running them, leaving SGLang's grandchildren orphaned)."""
+    def on_term(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None,

@@ -26,11 +26,11 @@ import json
 import logging
 import math
 import shlex
-import signal
 import sys
 import time
 from pathlib import Path
 
+from bana_sglang import _cli
 from bench import client, configs, crosscheck, metrics, sidebyside, workloads
 
 logger = logging.getLogger("bench")
@@ -284,10 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
 
-    def on_term(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)  # unwinds through Cluster.__exit__: every started process stops
-
-    signal.signal(signal.SIGTERM, on_term)
+    _cli.exit_on_sigterm()  # unwinds through Cluster.__exit__: every started process stops
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if a.cmd == "replay":

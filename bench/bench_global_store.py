@@ -237,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--write-results", action="store_true", help="replace the section in docs/RESULTS.md")
     p.add_argument("--log-level", default="INFO")
     args, _ = _cli.parse(p, list(argv) if argv is not None else None, lambda a: None)
+    _cli.exit_on_sigterm()  # a SIGTERM still stops the arm's cluster
     arms = tuple(a for a in args.arms.split(",") if a)
     for a in arms:
         if a not in ARMS:
