@@ -19,7 +19,8 @@ from aiohttp import web
 
 from bana_sglang.router.policy import Tier
 from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
-from bana_sglang.router.server import Router, RouterConfig
+from bana_sglang.router.config import RouterConfig
+from bana_sglang.router.server import Router
 from bana_sglang.router.workers import Reported, Worker, parse_prefill_spec
 from bench.fake_pd import MODEL, FakeWorker, free_port
 

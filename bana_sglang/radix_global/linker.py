@@ -237,8 +237,10 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         self.offload_results: queue.Queue[bool] = queue.Queue()
         self.next_offload_parent: str | None = None  # set by BanaLinkerWrapper per node
         self._threads = [
-            threading.Thread(target=self._load_loop, daemon=True, name="bana-store-load"),
-            threading.Thread(target=self._offload_loop, daemon=True, name="bana-store-publish"),
+            threading.Thread(target=self._serve, args=(self.load_queue, self._load_task), daemon=True,
+                             name="bana-store-load"),
+            threading.Thread(target=self._serve, args=(self.offload_queue, self._offload_task), daemon=True,
+                             name="bana-store-publish"),
         ]
         for t in self._threads:
             t.start()
@@ -274,7 +276,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         if n:
             read = self.store.layerwise(chain[:n])
             miss = read.start()
-            read.finish()  # closes the session; payloads are checked when they are loaded
+            read.close()  # headers only: payloads are checked when they are loaded
             if miss is not None:
                 n = len(read.pages)
                 self._report(miss, self.index)
@@ -292,15 +294,23 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         index.report_loss([miss.page], self.cfg.owner)
 
     # -- loads
-    def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
+    def _slots(self, transfers: list[PoolTransfer]) -> tuple[PoolTransfer, torch.Tensor] | None:
+        """The KV transfer and its slots, when it is a whole number of pages to move."""
         kv = self._kv(transfers)
         if kv is None or kv.device_indices is None or not kv.keys:
-            return False
-        if rid in self.pending_loads:
-            raise RuntimeError(f"a global-store load for rid={rid} is already queued")
+            return None
         slots = kv.device_indices.to(torch.int64).cpu()
         if slots.numel() != len(kv.keys) * self.page_size:
+            return None
+        return kv, slots
+
+    def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
+        if rid in self.pending_loads:
+            raise RuntimeError(f"a global-store load for rid={rid} is already queued")
+        got = self._slots(transfers)
+        if got is None:
             return False
+        kv, slots = got
         self.pending_loads[rid] = _Load(self._chain(kv.keys), slots)
         return True
 
@@ -321,20 +331,25 @@ class BanaGlobalLinker(UnifiedCacheLinker):
             self.metrics.add("load_failures")
         return landed
 
-    def _load_loop(self) -> None:
+    @staticmethod
+    def _serve(q: queue.Queue, handle) -> None:
+        """A worker thread: ``handle`` each task until None; ``join()`` works on ``q``."""
         while True:
-            task = self.load_queue.get()
+            task = q.get()
             try:
                 if task is None:
                     return
-                index, loads = task
-                try:
-                    self._load_batch(index, loads)
-                except BaseException as e:  # any failure fails the batch, never hangs it
-                    logger.exception("global store load batch failed")
-                    self.layer_done_counter.fail(index, e)
+                handle(task)
             finally:
-                self.load_queue.task_done()
+                q.task_done()
+
+    def _load_task(self, task: tuple[int, list[_Load]]) -> None:
+        index, loads = task
+        try:
+            self._load_batch(index, loads)
+        except BaseException as e:  # any failure fails the batch, never hangs it
+            logger.exception("global store load batch failed")
+            self.layer_done_counter.fail(index, e)
 
     def _load_batch(self, index: int, loads: list[_Load]) -> None:
         t0 = time.perf_counter()
@@ -343,14 +358,14 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         read = self.store.layerwise(chain)
         miss = read.start()
         if miss is not None:
-            read.finish()
+            read.close()
             self._report(miss, self._loss_index)
             raise LoadFailed(f"page {miss.page}: {miss.reason} {miss.detail}")
         last = self.num_layers - 1
         for layer in range(self.num_layers):
             miss = read.read_layer(layer, [self._parts(s, range(layer, layer + 1)) for s in starts])
             if miss is not None:
-                read.finish()
+                read.close()
                 self._report(miss, self._loss_index)
                 raise LoadFailed(f"layer {layer} of page {miss.page}: {miss.reason} {miss.detail}")
             if layer < last:  # the last layer is released once the checksums match
@@ -366,29 +381,22 @@ class BanaGlobalLinker(UnifiedCacheLinker):
 
     # -- offloads (publishing)
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
-        kv = self._kv(transfers)
         parent, self.next_offload_parent = self.next_offload_parent, None
-        if kv is None or kv.device_indices is None or not kv.keys:
+        got = self._slots(transfers)
+        if got is None:
             return False
-        slots = kv.device_indices.to(torch.int64).cpu()
-        if slots.numel() != len(kv.keys) * self.page_size:
-            return False
+        kv, slots = got
         self.offload_queue.put(_Offload(self._chain(kv.keys),
                                         namespaced(parent, self.layout) if parent else None, slots))
         return True
 
-    def _offload_loop(self) -> None:
-        while True:
-            task = self.offload_queue.get()
-            try:
-                if task is None:
-                    return
-                self.offload_results.put(self._publish(task))
-            except BaseException:  # a failed publish is a skipped publish
-                logger.exception("global store publish failed")
-                self.offload_results.put(False)
-            finally:
-                self.offload_queue.task_done()
+    def _offload_task(self, task: _Offload) -> None:
+        try:
+            ok = self._publish(task)
+        except BaseException:  # a failed publish is a skipped publish
+            logger.exception("global store publish failed")
+            ok = False
+        self.offload_results.put(ok)
 
     def _publish(self, task: _Offload) -> bool:
         t0 = time.perf_counter()

@@ -486,11 +486,15 @@ class LayerwiseRead:
             self._running[i] = crc
         return None
 
-    def finish(self) -> Miss | None:
-        """Close the session; the first page whose payload checksum does not match."""
+    def close(self) -> None:
+        """End the read session (idempotent)."""
         if self._session:
             self.store.kv.get_session_end(self._keys)
             self._session = False
+
+    def finish(self) -> Miss | None:
+        """Close the session; the first page whose payload checksum does not match."""
+        self.close()
         for page, want, got in zip(self.pages, self._crcs, self._running):
             if want != got:
                 return Miss(page, "checksum", "payload checksum mismatch after a layer-wise read")

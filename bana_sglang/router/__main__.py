@@ -21,7 +21,8 @@ from aiohttp import web
 
 from bana_sglang import _cli
 from bana_sglang.router.policy import DEFAULT_POLICY, LIVE_POLICIES
-from bana_sglang.router.server import Router, RouterConfig
+from bana_sglang.router.config import RouterConfig
+from bana_sglang.router.server import Router
 from bana_sglang.router.workers import parse_prefill_spec
 
 

@@ -52,8 +52,9 @@ def layout_for(model_path: str | Path, page_size: int, dtype: str | None = None)
 
 
 class GlobalIndexView:
-    def __init__(self, endpoint: str, layout: KVLayout, *, timeout_s: float = 0.1):
+    def __init__(self, endpoint: str, layout: KVLayout, *, timeout_s: float = 0.1, metrics=None):
         self.layout = layout
+        self.metrics = metrics  # RouterMetrics: lookups by outcome, cached tokens
         self.page_size = layout.page_size
         self._client = IndexClient(endpoint, timeout_s=timeout_s, name="router")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="global-index")
@@ -75,8 +76,14 @@ class GlobalIndexView:
     async def cached_tokens(self, ids: Sequence[int]) -> int | None:
         """Leading tokens of ``ids`` the store holds; None when the index cannot say."""
         if len(ids) < self.page_size:
-            return 0
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._lookup, list(ids))
+            cached: int | None = 0
+        else:
+            cached = await asyncio.get_running_loop().run_in_executor(self._pool, self._lookup, list(ids))
+        if self.metrics is not None:
+            self.metrics.global_lookups.labels("unknown" if cached is None else "hit" if cached else "miss").inc()
+            if cached:
+                self.metrics.global_cached_tokens.inc(cached)
+        return cached
 
     def close(self) -> None:
         self._pool.submit(self._client.close).result(timeout=5)

@@ -33,7 +33,6 @@ the API key when one is set (401, compared in constant time).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import logging
 import random
@@ -44,9 +43,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from bana_sglang.router.config import RouterConfig
 from bana_sglang.router.metrics import RouterMetrics
 from bana_sglang.router.policy import (
-    DEFAULT_POLICY,
     RouteRequest,
     RequestId,
     RoutingError,
@@ -65,41 +64,6 @@ FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRA
 _JSON = "application/json"
 
 
-@dataclasses.dataclass(frozen=True)
-class RouterConfig:
-    prefill: tuple[tuple[str, int], ...]  # (url, bootstrap port)
-    decode: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 30000
-    policy: str = DEFAULT_POLICY
-    seed: int = 0
-    model_names: tuple[str, ...] = ()  # empty: ask the workers' /v1/models
-    tokenizer_path: str | None = None
-    page_tokens: int = 16  # routing page size (cache_aware's prefix tree)
-    api_key: str | None = None
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_tokens_limit: int = 1 << 20
-    poll_interval_s: float = 0.25
-    max_attempts: int = 3
-    connect_timeout_s: float = 3.0
-    read_timeout_s: float = 600.0
-    probe_min_s: float = 0.5
-    probe_max_s: float = 10.0
-    global_index: str | None = None  # tcp://host:port of the global store's index service
-    model_path: str | None = None  # for the store's KV layout (with global_index)
-    store_page_size: int = 16
-
-    def __post_init__(self) -> None:
-        if not self.prefill or not self.decode:
-            raise ValueError("the router needs at least one prefill and one decode worker")
-        if self.max_attempts < 1:
-            raise ValueError("max_attempts must be >= 1")
-        if self.poll_interval_s <= 0:
-            raise ValueError("poll_interval_s must be positive")
-        if self.global_index and not self.model_path:
-            raise ValueError("--global-index needs --model-path (the store's keys depend on the model)")
-
-
 class Router:
     """State and handlers of one router process."""
 
@@ -115,12 +79,13 @@ class Router:
             raise ValueError("a worker URL is listed twice")
         self.policy = get_policy(cfg.policy, seed=cfg.seed)
         self.prompts = PromptView(cfg.tokenizer_path, page_tokens=cfg.page_tokens)
+        self.metrics = RouterMetrics()
         self.global_index = None
         if cfg.global_index:
             from bana_sglang.router.global_index import GlobalIndexView, layout_for
 
-            self.global_index = GlobalIndexView(cfg.global_index, layout_for(cfg.model_path, cfg.store_page_size))
-        self.metrics = RouterMetrics()
+            self.global_index = GlobalIndexView(cfg.global_index, layout_for(cfg.model_path, cfg.store_page_size),
+                                                metrics=self.metrics)
         self.monitor = WorkerMonitor(self.workers, self.metrics, poll_interval_s=cfg.poll_interval_s,
                                      model_names=cfg.model_names)
         self.session: aiohttp.ClientSession | None = None
@@ -247,9 +212,6 @@ class Router:
         cached = None
         if self.global_index is not None and self.prompts.exact:
             cached = await self.global_index.cached_tokens(ids)
-            self.metrics.global_lookups.labels("unknown" if cached is None else "hit" if cached else "miss").inc()
-            if cached:
-                self.metrics.global_cached_tokens.inc(cached)
         return RouteRequest(request_id=RequestId(f"r{self._rooms.getrandbits(32):08x}"),
                             num_tokens=max(1, len(ids)), page_hashes=self.prompts.page_hashes(ids),
                             max_new_tokens=max_new or 0, page_size=self.prompts.page_tokens,

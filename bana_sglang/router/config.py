@@ -1,0 +1,42 @@
+"""The router's configuration (built once from the command line, or by tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from bana_sglang.router.policy import DEFAULT_POLICY
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[tuple[str, int], ...]  # (url, bootstrap port)
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 30000
+    policy: str = DEFAULT_POLICY
+    seed: int = 0
+    model_names: tuple[str, ...] = ()  # empty: ask the workers' /v1/models
+    tokenizer_path: str | None = None
+    page_tokens: int = 16  # routing page size (cache_aware's prefix tree)
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_tokens_limit: int = 1 << 20
+    poll_interval_s: float = 0.25
+    max_attempts: int = 3
+    connect_timeout_s: float = 3.0
+    read_timeout_s: float = 600.0
+    probe_min_s: float = 0.5
+    probe_max_s: float = 10.0
+    global_index: str | None = None  # tcp://host:port of the global store's index service
+    model_path: str | None = None  # for the store's KV layout (with global_index)
+    store_page_size: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ValueError("the router needs at least one prefill and one decode worker")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        if self.poll_interval_s <= 0:
+            raise ValueError("poll_interval_s must be positive")
+        if self.global_index and not self.model_path:
+            raise ValueError("--global-index needs --model-path (the store's keys depend on the model)")
