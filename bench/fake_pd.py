@@ -11,7 +11,8 @@ They speak the part of the PD contract a router depends on:
   prefill got SGLang's fake bootstrap host (prompt-only requests);
 - a prefill answer carries SGLang 0.5.23's logprob window shape: the first
   entry of a ``logprob_start_len`` window is ``None``;
-- ``mode`` injects faults: ``refuse`` (nothing listens), ``error500``,
+- ``mode`` injects faults: ``refuse`` (nothing listens), ``hang`` (prefill:
+  accepts, never answers, sends no KV: an unreachable host), ``error500``,
   ``break_stream`` (the connection drops after two stream chunks);
   ``loads_delay_s`` makes ``/v1/loads`` slow, as a CPU worker busy in a long
   prefill is.
@@ -52,7 +53,8 @@ class FakeWorker:
     rooms: dict[int, asyncio.Event] = {}
 
     def __init__(self, role: str, mode: str = "ok", *, port: int | None = None, chunks: int = 4,
-                 chunk_delay_s: float = 0.01, prefill_delay_s: float = 0.0, loads_delay_s: float = 0.0) -> None:
+                 chunk_delay_s: float = 0.01, prefill_delay_s: float = 0.0, loads_delay_s: float = 0.0,
+                 kv_wait_s: float = 30.0) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role, self.mode = role, mode
@@ -61,6 +63,7 @@ class FakeWorker:
         self.boot = free_port()
         self.chunks, self.chunk_delay_s, self.prefill_delay_s = chunks, chunk_delay_s, prefill_delay_s
         self.loads_delay_s = loads_delay_s  # a busy worker answers /v1/loads late
+        self.kv_wait_s = kv_wait_s  # decode: how long to wait for the prefill's KV before a 500
         self.bodies: list[dict] = []
         self.runner: web.AppRunner | None = None
 
@@ -98,6 +101,8 @@ class FakeWorker:
             return web.json_response({"error": "boom"}, status=500)
         room = body.get("bootstrap_room")
         if self.role == "prefill":
+            if self.mode == "hang":  # an unreachable host: nothing comes back, no KV is sent
+                await asyncio.sleep(3600)
             if self.prefill_delay_s:
                 await asyncio.sleep(self.prefill_delay_s)
             if body.get("bootstrap_host") != FAKE_BOOTSTRAP_HOST:
@@ -107,7 +112,11 @@ class FakeWorker:
             lps = [[None if i == start else -1.0 - i, i, f"t{i}"] for i in range(start, n)]
             return web.json_response({"text": "p", "output_ids": [7],
                                       "meta_info": {"input_token_logprobs": lps, "prompt_tokens": n}})
-        await asyncio.wait_for(self._room(room).wait(), timeout=30)
+        try:
+            await asyncio.wait_for(self._room(room).wait(), timeout=self.kv_wait_s)
+        except asyncio.TimeoutError:  # what SGLang's decode answers when its prefill peer is gone
+            return web.json_response({"error": {"message": f"KVTransferError(bootstrap_room={room}): "
+                                                "Prefill instance could be dead"}}, status=500)
         FakeWorker.rooms.pop(room, None)
         if not body.get("stream"):
             return web.json_response({"text": "decoded", "output_ids": list(range(self.chunks)),

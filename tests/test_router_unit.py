@@ -153,6 +153,27 @@ def test_refused_and_5xx_prefill_workers_are_retried_elsewhere_and_marked_down()
     run(go())
 
 
+def test_a_decode_that_reports_missing_kv_blames_the_prefill_and_stays_routable():
+    """A prefill host cut off the network fails only at the connect timeout,
+    but its decode peer answers 500 "KVTransferError" first: the prefill is
+    blamed and the request retried on another pair, the (only) decode worker
+    stays up, and no request fails."""
+    async def go():
+        gone, good = FakeWorker("prefill", "hang"), FakeWorker("prefill")
+        d = FakeWorker("decode", kv_wait_s=0.3)
+        async with running([gone, good], [d], policy="round_robin") as (router, c):
+            for i in range(4):
+                async with c.post("/generate", json={"text": f"q {i}",
+                                                     "sampling_params": {"max_new_tokens": 2}}) as r:
+                    assert r.status == 200, await r.text()
+            state = {w.url: w for w in router.workers}
+            assert state[d.url].healthy
+            assert not state[gone.url].healthy
+            assert "could not receive the KV" in state[gone.url].down_reason
+            assert len(good.bodies) == 4
+    run(go())
+
+
 def test_a_slow_load_answer_does_not_take_a_worker_out_of_routing(monkeypatch):
     """A busy CPU worker answers /v1/loads late: it stays routable (slow is not
     dead), and the other workers' snapshots keep coming (one poller per worker)."""

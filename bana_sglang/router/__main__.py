@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the global KV store's index service: the bana policy then counts only a prompt's "
                         "globally uncached tokens as prefill work (needs --model-path)")
     p.add_argument("--store-page-size", type=int, default=16, help="the workers' --page-size (the store's unit)")
+    p.add_argument("--watch", action="append", default=[], metavar="NAME=HOST:PORT",
+                   help="another part of the cluster (Mooncake master, store index, ...) whose TCP "
+                        "reachability /health reports; repeatable; never gates routing")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -100,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_attempts=args.max_attempts, read_timeout_s=args.read_timeout,
         global_index=args.global_index, model_path=args.model_path,
         store_page_size=args.store_page_size,
+        watch=tuple(tuple(w.split("=", 1)) if "=" in w else ("", w) for w in args.watch),
     )
 
 

@@ -30,6 +30,9 @@ class RouterConfig:
     global_index: str | None = None  # tcp://host:port of the global store's index service
     model_path: str | None = None  # for the store's KV layout (with global_index)
     store_page_size: int = 16
+    watch: tuple[tuple[str, str], ...] = ()  # (name, host:port) of other parts reported by /health
+
+    # ``watch`` entries are checked by TCP connect; they never gate routing.
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -38,5 +41,9 @@ class RouterConfig:
             raise ValueError("max_attempts must be >= 1")
         if self.poll_interval_s <= 0:
             raise ValueError("poll_interval_s must be positive")
+        for name, addr in self.watch:
+            host, _, port = addr.rpartition(":")
+            if not name or not host or not port.isdigit():
+                raise ValueError(f"--watch {name}={addr}: expected NAME=HOST:PORT")
         if self.global_index and not self.model_path:
             raise ValueError("--global-index needs --model-path (the store's keys depend on the model)")

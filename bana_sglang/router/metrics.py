@@ -35,6 +35,8 @@ class RouterMetrics:
                               ["worker", "role"], registry=r)
         self.queued = Gauge("bana_router_worker_queued_requests", "Waiting requests reported by the worker",
                             ["worker", "role"], registry=r)
+        self.part_up = Gauge("bana_router_part_up", "1 if a watched cluster part (--watch) accepts TCP connections",
+                             ["part"], registry=r)
         self.global_lookups = Counter("bana_router_global_lookups_total",
                                       "Prompts looked up in the global KV index, by outcome (hit, miss, unknown)",
                                       ["outcome"], registry=r)

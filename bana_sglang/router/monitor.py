@@ -22,6 +22,8 @@ from bana_sglang.router.workers import Reported, Worker
 
 logger = logging.getLogger(__name__)
 
+WATCH_INTERVAL_S = 2.0  # TCP checks of watched parts
+WATCH_TIMEOUT_S = 1.0
 LOADS_TIMEOUT_S = 2.0  # a load poll answered later than this is skipped (the worker stays up)
 PROBE_TIMEOUT_S = 5.0  # /health of a worker marked down
 
@@ -30,8 +32,10 @@ class WorkerMonitor:
     """Keeps every :class:`Worker`'s load and health fresh, and the model list."""
 
     def __init__(self, workers: list[Worker], metrics: RouterMetrics, *, poll_interval_s: float,
-                 model_names: tuple[str, ...] = ()) -> None:
+                 model_names: tuple[str, ...] = (), watch: tuple[tuple[str, str], ...] = ()) -> None:
         self.workers = workers
+        self.watch = watch
+        self.watched_up: dict[str, bool] = {name: False for name, _ in watch}  # until the first check
         self.metrics = metrics
         self.poll_interval_s = poll_interval_s
         self.models_json: bytes | None = None  # a worker's /v1/models answer, once known
@@ -42,8 +46,25 @@ class WorkerMonitor:
         """Start the pollers on ``session``; the caller cancels the returned tasks."""
         self.session = session
         return [asyncio.create_task(self._poll_loop(), name="bana-router-gauges"),
+                *(asyncio.create_task(self._watch_loop(n, a), name=f"bana-router-watch {n}") for n, a in self.watch),
                 *(asyncio.create_task(self._worker_loop(w), name=f"bana-router-poll {w.url}")
                   for w in self.workers)]
+
+    async def _watch_loop(self, name: str, addr: str) -> None:
+        """TCP reachability of a watched part; changes are logged once."""
+        host, _, port = addr.rpartition(":")
+        while True:
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), WATCH_TIMEOUT_S)
+                writer.close()
+                up = True
+            except (OSError, asyncio.TimeoutError):
+                up = False
+            if up != self.watched_up[name]:
+                (logger.info if up else logger.warning)("%s at %s is %s", name, addr, "up" if up else "unreachable")
+            self.watched_up[name] = up
+            self.metrics.part_up.labels(name).set(1 if up else 0)
+            await asyncio.sleep(WATCH_INTERVAL_S)
 
     async def _poll_loop(self) -> None:
         """Model list (until known) and per-worker gauges; each worker has its own poller."""

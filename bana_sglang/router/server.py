@@ -36,6 +36,7 @@ import asyncio
 import hmac
 import logging
 import random
+import re
 import time
 from collections.abc import Sequence
 
@@ -64,6 +65,12 @@ FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRA
 _JSON = "application/json"
 
 
+# SGLang 0.5.23's decode-side errors when its prefill peer cannot be reached or
+# its KV never arrives (disaggregation/mooncake/conn.py, decode.py).
+_KV_TRANSFER_FAILURE = re.compile(r"KVTransferError|bootstrap|Prefill instance could be dead|"
+                                  r"remote mooncake session .* is not alive", re.IGNORECASE)
+
+
 class Router:
     """State and handlers of one router process."""
 
@@ -87,7 +94,7 @@ class Router:
             self.global_index = GlobalIndexView(cfg.global_index, layout_for(cfg.model_path, cfg.store_page_size),
                                                 metrics=self.metrics)
         self.monitor = WorkerMonitor(self.workers, self.metrics, poll_interval_s=cfg.poll_interval_s,
-                                     model_names=cfg.model_names)
+                                     model_names=cfg.model_names, watch=cfg.watch)
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         self._rooms = random.Random()
@@ -147,11 +154,24 @@ class Router:
 
     # ------------------------------------------------------------------ simple endpoints
     async def handle_health(self, request: web.Request) -> web.Response:
+        """200 ``ok`` when every part answers, 200 ``degraded`` when the cluster
+        serves with some missing, 503 ``unavailable`` when it cannot serve (no
+        healthy prefill or decode worker, or no model known yet). ``missing``
+        names what is down: workers by role and URL, watched parts by name."""
         p = sum(w.healthy for w in self.prefill)
         d = sum(w.healthy for w in self.decode)
-        ok = p > 0 and d > 0 and self.monitor.models_json is not None
-        return web.json_response({"status": "ok" if ok else "unavailable", "healthy_prefill": p,
-                                  "healthy_decode": d}, status=200 if ok else 503, dumps=_dumps)
+        serving = p > 0 and d > 0 and self.monitor.models_json is not None
+        parts = {f"{w.tier.value} {w.url}": {"up": w.healthy, **({} if w.healthy else {"reason": w.down_reason})}
+                 for w in self.workers}
+        parts.update({name: {"up": up, "address": addr}
+                      for name, addr in self.cfg.watch for up in [self.monitor.watched_up[name]]})
+        missing = [name for name, v in parts.items() if not v["up"]]
+        if self.monitor.models_json is None:
+            missing.append("model list (no worker answered /v1/models yet)")
+        status = "unavailable" if not serving else "degraded" if missing else "ok"
+        return web.json_response({"status": status, "healthy_prefill": p, "healthy_decode": d,
+                                  "parts": parts, "missing": missing},
+                                 status=200 if serving else 503, dumps=_dumps)
 
     async def handle_models(self, request: web.Request) -> web.Response:
         if self.monitor.models_json is None:
@@ -448,7 +468,17 @@ class Router:
 
     async def _blame(self, p: Worker, p_task: asyncio.Task, err: UpstreamError) -> Worker:
         """Decode failed: was it the prefill worker's fault? A decode worker whose
-        prefill peer died fails too, so wait briefly for the prefill's outcome."""
+        prefill peer died fails too, so wait briefly for the prefill's outcome.
+        A decode worker that *answered* that it could not receive the KV (SGLang's
+        KV transfer or bootstrap error) is alive: the prefill side is blamed, even
+        before its own request fails (an unreachable host only fails at the
+        connect timeout); a healthy prefill is readmitted by its next probe."""
+        if err.worker is not p and err.status is not None and _KV_TRANSFER_FAILURE.search(
+                err.body.decode(errors="replace") or err.reason):
+            if not p_task.done():
+                p_task.cancel()
+            p.down_reason = f"its decode peer could not receive the KV: {err.reason[:200]}"
+            return p
         try:
             await asyncio.wait_for(asyncio.shield(p_task), timeout=1.0)
         except UpstreamError as pe:
