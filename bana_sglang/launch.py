@@ -32,7 +32,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bana_sglang import _cli, compat
+from bana_sglang import _cli, compat, models
+from bana_sglang import spec as cluster_spec
 from bana_sglang.procs import (
     ManagedProcess,
     PortAllocator,
@@ -48,6 +49,7 @@ from bana_sglang.router.policy import LIVE_POLICIES
 logger = logging.getLogger("bana_sglang.launch")
 
 READY_MARK = "bana_sglang: cluster ready"
+NODE_READY_MARK = "bana_sglang: node ready:"
 ROUTERS = ("bana", "sglang")
 
 
@@ -105,8 +107,10 @@ class Part:
     argv: tuple[str, ...]
     health_url: str | None = None  # HTTP 2xx means ready
     tcp_port: int | None = None  # else: accepting TCP connections means ready
+    tcp_host: str | None = None  # where to check tcp_port (default: the endpoint's host)
     env: tuple[tuple[str, str], ...] = ()  # added to the plan's environment for this part only
     ready_line: str | None = None  # else: this text in its output means ready
+    needs: tuple[tuple[str, str], ...] = ()  # (name, host:port) on other nodes to wait for before starting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +124,7 @@ class ClusterPlan:
     env: dict[str, str]
     api_key: str | None = None  # the endpoint's key, for readiness checks
     store: tuple[Part, ...] = ()  # the global store's storage process and index service
+    node: str | None = None  # a cluster spec's node whose share this is; None: the whole cluster
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -160,97 +165,49 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
                        base, low, high, low)
     ports = PortAllocator(cfg.host, base, spacing=2)
     ports.taken.add(cfg.port)
-    py = sys.executable
     h = cfg.host
 
     master = None
+    store: list[Part] = []
+    index_endpoint = master_addr = None
     if cfg.mooncake_master:
         rpc, metrics = ports.take(), ports.take()
-        master = Part(
-            name="mooncake-master",
-            argv=(
-                str(Path(py).parent / "mooncake_master"),
-                f"-rpc_port={rpc}", f"-rpc_address={h}",
-                f"-metrics_port={metrics}", f"-metrics_host={h}",
-                "-enable_http_metadata_server=false",
-                "-minloglevel=1",  # its INFO lines are a metrics dump every 20 s
-            ),
-            tcp_port=rpc,
-        )
-
-    store: list[Part] = []
-    store_flags: dict[str, list[str]] = {}
-    if cfg.global_store and master is not None:
-        from bana_sglang.radix_global import flags, service, storage_server
-
+        master = master_part(h, rpc, metrics, for_store=cfg.global_store)
         master_addr = f"{h}:{rpc}"
-        # The index removes pages itself (prefix-aware eviction); a short lease
-        # lets it remove a page soon after its last read.
-        master = dataclasses.replace(master, argv=(*master.argv, "-default_kv_lease_ttl=2000"))
-        index_port = ports.take()
-        index_endpoint = f"tcp://{h}:{index_port}"
-        store = [
-            Part(name="kv-storage", argv=(
-                py, "-m", "bana_sglang.radix_global.storage_server", "--master", master_addr,
-                "--segment-bytes", str(cfg.store_bytes), "--host", h, "--log-level", "WARNING"),
-                ready_line=storage_server.READY_LINE),
-            Part(name="kv-index", argv=(
-                py, "-m", "bana_sglang.radix_global.service", "--host", h, "--port", str(index_port),
-                # headroom below the segment: Mooncake allocates in its own granules
-                "--capacity-bytes", str(cfg.store_bytes * 9 // 10), "--master", master_addr),
-                ready_line=service.READY_LINE),
-        ]
-        for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
-            for i in range(count):
-                store_flags[f"{role}-{i}"] = flags.linker_args(index_endpoint, master_addr, owner=f"{role}-{i}")
+        if cfg.global_store:
+            index_port = ports.take()
+            index_endpoint = f"tcp://{h}:{index_port}"
+            store = store_parts(h, h, master_addr, index_port, cfg.store_bytes)
 
     workers: list[Part] = []
     prefill_urls: list[tuple[str, int]] = []
     decode_urls: list[str] = []
-    for role, count, role_args in (("prefill", cfg.num_prefill, cfg.prefill_args),
-                                   ("decode", cfg.num_decode, cfg.decode_args)):
+    for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
         for i in range(count):
             port = ports.take()
-            user = (*cfg.sglang_args, *role_args)
-            argv = [
-                py, "-m", "sglang.launch_server",
-                "--model-path", model_path, "--served-model-name", served,
-                "--host", h, "--port", str(port),
-                "--disaggregation-mode", role,
-                "--disaggregation-transfer-backend", "mooncake",
-            ]
-            url = f"http://{h}:{port}"
-            if role == "prefill":
-                boot = ports.take()
-                argv += ["--disaggregation-bootstrap-port", str(boot)]
-                prefill_urls.append((url, boot))
+            boot = ports.take() if role == "prefill" else None
+            workers.append(worker_part(
+                f"{role}-{i}", role, model_path=model_path, served=served, bind=h, port=port,
+                bootstrap_port=boot,
+                user_args=(*cfg.sglang_args, *(cfg.prefill_args if role == "prefill" else cfg.decode_args)),
+                index_endpoint=index_endpoint, master_addr=master_addr, page_size=cfg.store_page_size))
+            if boot is not None:
+                prefill_urls.append((f"http://{h}:{port}", boot))
             else:
-                decode_urls.append(url)
-            argv += compat.server_args(role, user_args=user) + dtype_args(model_path, user)
-            argv += store_args(role, store_flags.get(f"{role}-{i}"), cfg.store_page_size, user) + list(user)
-            workers.append(Part(name=f"{role}-{i}", argv=tuple(argv), health_url=url + "/health"))
+                decode_urls.append(f"http://{h}:{port}")
 
     endpoint = f"http://{h}:{cfg.port}"
-    env = compat.child_env(host=h)
     if cfg.router == "bana":
-        router_argv = [
-            py, "-m", "bana_sglang.router", "--host", h, "--port", str(cfg.port),
-            "--policy", cfg.policy, "--model-path", model_path, "--served-model-name", served,
-        ]
-        for url, boot in prefill_urls:
-            router_argv += ["--prefill", url, str(boot)]
-        for url in decode_urls:
-            router_argv += ["--decode", url]
-        if store:
-            router_argv += ["--global-index", index_endpoint, "--store-page-size",
-                            str(page_size_of((*cfg.sglang_args, *cfg.prefill_args), cfg.store_page_size))]
-        router_argv += list(cfg.router_args)
-        # /health is 503 until a prefill and a decode worker answer and the model is known.
-        router = Part(name="router", argv=tuple(router_argv), health_url=endpoint + "/health",
-                      env=(("BANA_ROUTER_API_KEY", cfg.api_key),) if cfg.api_key else ())
+        watch = ([("mooncake-master", master_addr)] if master_addr else []) + \
+            ([("kv-index", index_endpoint.removeprefix("tcp://"))] if index_endpoint else [])
+        router = router_part(
+            bind=h, port=cfg.port, endpoint=endpoint, policy=cfg.policy, model_path=model_path, served=served,
+            prefill_urls=prefill_urls, decode_urls=decode_urls, index_endpoint=index_endpoint,
+            page_size=page_size_of((*cfg.sglang_args, *cfg.prefill_args), cfg.store_page_size),
+            watch=watch, user_args=cfg.router_args, api_key=cfg.api_key)
     else:
         router_argv = [
-            py, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
             "--host", h, "--port", str(cfg.port),
             "--prometheus-host", h, "--prometheus-port", str(ports.take()),
         ]
@@ -268,9 +225,183 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
         router = Part(name="router", argv=tuple(router_argv), health_url=endpoint + "/v1/models")
     return ClusterPlan(
         endpoint=endpoint, model_path=model_path, served_model_name=served,
-        master=master, workers=tuple(workers), router=router, env=env, api_key=cfg.api_key,
-        store=tuple(store),
+        master=master, workers=tuple(workers), router=router, env=compat.child_env(host=h),
+        api_key=cfg.api_key, store=tuple(store),
     )
+
+
+# ----------------------------------------------------------------- part builders
+# Shared by the single-machine plan above and the per-node plan of a cluster spec.
+
+def master_part(bind: str, rpc: int, metrics: int, *, for_store: bool, host: str | None = None) -> Part:
+    """``mooncake_master`` listening on ``bind``; ``host`` is where its readiness is checked."""
+    argv = [
+        str(Path(sys.executable).parent / "mooncake_master"),
+        f"-rpc_port={rpc}", f"-rpc_address={bind}",
+        f"-metrics_port={metrics}", f"-metrics_host={bind}",
+        "-enable_http_metadata_server=false",
+        "-minloglevel=1",  # its INFO lines are a metrics dump every 20 s
+    ]
+    if for_store:
+        # The index removes pages itself (prefix-aware eviction); a short lease
+        # lets it remove a page soon after its last read.
+        argv.append("-default_kv_lease_ttl=2000")
+    return Part(name="mooncake-master", argv=tuple(argv), tcp_port=rpc, tcp_host=host or bind)
+
+
+def store_parts(bind: str, address: str, master_addr: str, index_port: int, store_bytes: int, *,
+                protocol: str = "tcp", rdma_devices: str = "",
+                needs: tuple[tuple[str, str], ...] = ()) -> list[Part]:
+    """The global store: the storage process (the only Mooncake segment) and the index service."""
+    from bana_sglang.radix_global import service, storage_server
+
+    py = sys.executable
+    storage = [py, "-m", "bana_sglang.radix_global.storage_server", "--master", master_addr,
+               "--segment-bytes", str(store_bytes), "--host", address, "--protocol", protocol,
+               "--log-level", "WARNING"]
+    if rdma_devices:
+        storage += ["--rdma-devices", rdma_devices]
+    if needs:  # a master on another node may come up later: the launcher waits, then so can this
+        storage += ["--setup-timeout", "3600"]
+    return [
+        Part(name="kv-storage", argv=tuple(storage), ready_line=storage_server.READY_LINE, needs=needs),
+        Part(name="kv-index", argv=(
+            py, "-m", "bana_sglang.radix_global.service", "--host", bind, "--port", str(index_port),
+            # headroom below the segment: Mooncake allocates in its own granules
+            "--capacity-bytes", str(store_bytes * 9 // 10), "--master", master_addr),
+            ready_line=service.READY_LINE),
+    ]
+
+
+def worker_part(name: str, role: str, *, model_path: str, served: str, bind: str, port: int,
+                bootstrap_port: int | None, user_args: tuple[str, ...], index_endpoint: str | None,
+                master_addr: str | None, page_size: int, advertise: str | None = None) -> Part:
+    """One SGLang PD worker with the extension (and the global store's linker when there is one)."""
+    from bana_sglang.radix_global import flags
+
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", model_path, "--served-model-name", served,
+        "--host", bind, "--port", str(port),
+        "--disaggregation-mode", role,
+        "--disaggregation-transfer-backend", "mooncake",
+    ]
+    if bootstrap_port is not None:
+        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    linker = flags.linker_args(index_endpoint, master_addr, owner=name) if index_endpoint and master_addr else None
+    argv += compat.server_args(role, user_args=user_args) + dtype_args(model_path, user_args)
+    argv += store_args(role, linker, page_size, user_args) + list(user_args)
+    url = f"http://{advertise or bind}:{port}"
+    return Part(name=name, argv=tuple(argv), health_url=url + "/health")
+
+
+def router_part(*, bind: str, port: int, endpoint: str, policy: str, model_path: str, served: str,
+                prefill_urls: list[tuple[str, int]], decode_urls: list[str], index_endpoint: str | None,
+                page_size: int, watch: list[tuple[str, str]], user_args: tuple[str, ...],
+                api_key: str | None) -> Part:
+    """The bana router in front of the workers; it also watches the store's parts for ``/health``."""
+    argv = [
+        sys.executable, "-m", "bana_sglang.router", "--host", bind, "--port", str(port),
+        "--policy", policy, "--model-path", model_path, "--served-model-name", served,
+    ]
+    for url, boot in prefill_urls:
+        argv += ["--prefill", url, str(boot)]
+    for url in decode_urls:
+        argv += ["--decode", url]
+    if index_endpoint:
+        argv += ["--global-index", index_endpoint, "--store-page-size", str(page_size)]
+    for name, addr in watch:
+        argv += ["--watch", f"{name}={addr}"]
+    argv += list(user_args)
+    # /health is 503 until a prefill and a decode worker answer and the model is known.
+    return Part(name="router", argv=tuple(argv), health_url=endpoint + "/health",
+                env=(("BANA_ROUTER_API_KEY", api_key),) if api_key else ())
+
+
+def plan_spec(spec: cluster_spec.ClusterSpec, node: str | None, *, dry_run: bool = False) -> ClusterPlan:
+    """The share of ``node`` in a cluster spec (``None``: every node's parts, for --dry-run).
+
+    ``dry_run`` takes a model folder as written and does not ask for the API
+    key's variable (a dry run on a machine that is not the node); starting a
+    node checks both. Flags that depend on the machine (the CPU layer's) are
+    this machine's."""
+    from bana_sglang import models
+
+    if node is not None:
+        spec.node(node)  # a clear error for an unknown name
+    model_path = str(models.resolve(spec.model)) if not dry_run or spec.model in models.SPECS or \
+        spec.model is None else spec.model
+    served = spec.served_model_name or Path(model_path).name
+    nodes = {n.name: n for n in spec.nodes}
+    mnode = nodes[spec.master.node]
+    master_addr = f"{mnode.address}:{spec.master.rpc_port}"
+    parts: list[tuple[str, Part]] = [(mnode.name, master_part(
+        mnode.bind_address, spec.master.rpc_port, spec.master.metrics_port, for_store=spec.store is not None,
+        host=mnode.address))]
+    index_endpoint = None
+    store: list[tuple[str, Part]] = []
+    if spec.store:
+        snode = nodes[spec.store.node]
+        index_endpoint = f"tcp://{snode.address}:{spec.store.index_port}"
+        needs = (("mooncake-master", master_addr),) if snode.name != mnode.name else ()
+        store = [(snode.name, p) for p in store_parts(
+            snode.bind_address, snode.address, master_addr, spec.store.index_port, spec.store.bytes,
+            protocol=cluster_spec.resolve_transport(snode), rdma_devices=snode.rdma_devices, needs=needs)]
+    page_size = spec.store.page_size if spec.store else 16
+    workers: list[tuple[str, Part]] = []
+    prefill_urls: list[tuple[str, int]] = []
+    decode_urls: list[str] = []
+    for (n, name), w in zip(spec.workers(), [w for node_ in spec.nodes for w in node_.workers]):
+        user = (*spec.sglang_args, *(spec.prefill_args if w.role == "prefill" else spec.decode_args),
+                *device_args(w.device, cluster_spec.resolve_transport(n), n.rdma_devices), *w.args)
+        workers.append((n.name, worker_part(
+            name, w.role, model_path=model_path, served=served, bind=n.bind_address, port=w.port,
+            bootstrap_port=w.bootstrap_port, user_args=user, index_endpoint=index_endpoint,
+            master_addr=master_addr if index_endpoint else None, page_size=page_size, advertise=n.address)))
+        url = f"http://{n.address}:{w.port}"
+        if w.role == "prefill":
+            prefill_urls.append((url, w.bootstrap_port))
+        else:
+            decode_urls.append(url)
+    rnode = nodes[spec.router.node]
+    endpoint = f"http://{rnode.address}:{spec.router.port}"
+    api_key = os.environ.get(spec.router.api_key_env) if spec.router.api_key_env else None
+    if spec.router.api_key_env and node == rnode.name and not api_key and not dry_run:
+        raise cluster_spec.SpecError(f"router.api_key_env: ${spec.router.api_key_env} is not set on this node")
+    watch = [("mooncake-master", master_addr)]
+    if index_endpoint:
+        watch.append(("kv-index", index_endpoint.removeprefix("tcp://")))
+    router = (rnode.name, router_part(
+        bind=rnode.bind_address, port=spec.router.port, endpoint=endpoint, policy=spec.router.policy,
+        model_path=model_path, served=served, prefill_urls=prefill_urls, decode_urls=decode_urls,
+        index_endpoint=index_endpoint, page_size=page_size, watch=watch, user_args=tuple(spec.router.args),
+        api_key=api_key))
+
+    def mine(items: list[tuple[str, Part]]) -> list[Part]:
+        return [p for n, p in items if node is None or n == node]
+
+    env_node = nodes[node] if node is not None else None
+    env = compat.child_env() if env_node is None else \
+        compat.child_env({**os.environ, **cluster_spec.node_env(env_node)}, host=env_node.address)
+    return ClusterPlan(
+        endpoint=endpoint, model_path=model_path, served_model_name=served,
+        master=(mine(parts) or [None])[0], workers=tuple(mine(workers)), router=(mine([router]) or [None])[0],
+        env=env, api_key=api_key, store=tuple(mine(store)), node=node,
+    )
+
+
+def device_args(device: str, transport: str, rdma_devices: str) -> list[str]:
+    """SGLang flags for a spec worker's ``device`` and its node's transport."""
+    out: list[str] = []
+    if device == "cpu":
+        out += ["--device", "cpu"]
+    elif device.startswith("cuda"):
+        out += ["--device", "cuda"]
+        if ":" in device:
+            out += ["--base-gpu-id", device.split(":", 1)[1]]
+    if transport == "rdma" and rdma_devices:
+        out += ["--disaggregation-ib-device", rdma_devices]
+    return out
 
 
 def page_size_of(user_args: tuple[str, ...], default: int) -> int:
@@ -347,6 +478,33 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+class _RouterHealth:
+    """Readiness of the router; while it is not ready, says every 15 s which
+    parts its ``/health`` reports missing (on a multi-node cluster: what this
+    node is waiting for elsewhere)."""
+
+    def __init__(self, url: str, headers: dict[str, str], note_every: float = 15.0):
+        self.url, self.headers, self.note_every = url, headers, note_every
+        self.next_note = time.monotonic() + note_every
+
+    def __call__(self) -> bool:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(self.url, headers=self.headers), timeout=2.0) as r:
+                return 200 <= r.status < 300
+        except urllib.error.HTTPError as e:
+            try:
+                missing = json.loads(e.read()).get("missing") or []
+            except (ValueError, OSError, AttributeError):
+                missing = []
+            now = time.monotonic()
+            if missing and now >= self.next_note:
+                logger.info("router waits for: %s", ", ".join(missing))
+                self.next_note = now + self.note_every
+            return False
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+
 class Cluster:
     """Runs a :class:`ClusterPlan`: start in order, wait for health, stop everything."""
 
@@ -357,8 +515,28 @@ class Cluster:
         self.procs: list[ManagedProcess] = []
         self.stop_event = threading.Event()
         self._reported_dead: set[str] = set()
+        self._deadline = time.monotonic() + startup_timeout
+
+    def _wait_needs(self, part: Part) -> None:
+        """Wait for the parts on other nodes that ``part`` needs (TCP), with backoff,
+        saying what it waits for."""
+        for name, addr in part.needs:
+            host, _, port = addr.rpartition(":")
+            t0 = next_note = time.monotonic()
+            attempt = 0
+            while not tcp_open(host, int(port)):
+                now = time.monotonic()
+                if now >= next_note:
+                    logger.info("%s waits for %s at %s (%.0fs so far)", part.name, name, addr, now - t0)
+                    next_note = now + 10.0
+                if now > self._deadline:
+                    raise ProcessStartError(part.name, f"{name} at {addr} never came up")
+                if self.stop_event.wait(min(2.0, 0.1 * 2 ** attempt)):
+                    raise ProcessStartError(part.name, f"interrupted while waiting for {name}")
+                attempt += 1
 
     def _spawn(self, part: Part) -> ManagedProcess:
+        self._wait_needs(part)
         proc = ManagedProcess(part.name, part.argv, {**self.plan.env, **dict(part.env)}, log_dir=self.log_dir)
         proc.start()
         self.procs.append(proc)
@@ -371,20 +549,23 @@ class Cluster:
             line = part.ready_line
             check = lambda: any(line in x for x in proc.tail())  # noqa: E731
             what = f"the line {line!r}"
+        elif part.health_url and part is self.plan.router:
+            check = _RouterHealth(part.health_url, auth_headers(self.plan.api_key))
+            what = f"healthy answer at {part.health_url}"
         elif part.health_url:
-            headers = auth_headers(self.plan.api_key) if part is self.plan.router else {}
-            check = lambda: http_ok(part.health_url, headers=headers)  # noqa: E731
+            check = lambda: http_ok(part.health_url)  # noqa: E731
             what = f"healthy answer at {part.health_url}"
         else:
-            check = lambda: tcp_open(h, part.tcp_port)  # noqa: E731
-            what = f"listening socket on port {part.tcp_port}"
+            host = part.tcp_host or h
+            check = lambda: tcp_open(host, part.tcp_port)  # noqa: E731
+            what = f"listening socket on {host}:{part.tcp_port}"
         wait_until(check, proc=proc, what=what, timeout=max(1.0, deadline - time.monotonic()),
                    stop=self.stop_event)
         logger.info("%s is ready", part.name)
 
     def start(self) -> None:
         """Start every part; raises :class:`ProcessStartError` (after stopping all) on failure."""
-        deadline = time.monotonic() + self.startup_timeout
+        deadline = self._deadline = time.monotonic() + self.startup_timeout
         try:
             if self.plan.master:
                 self._wait_ready(self.plan.master, self._spawn(self.plan.master), deadline)
@@ -413,6 +594,8 @@ class Cluster:
         A worker that dies is logged and left to the router (it marks the worker
         down and retries elsewhere) while one prefill and one decode worker are
         still alive; the router or the Mooncake master dying stops everything.
+        A node of a cluster spec stops when every one of its parts has exited
+        (its workers' peers are elsewhere: the router decides what is left).
         """
         for p in self.procs:
             if p.poll() is not None and p.name not in self._reported_dead:
@@ -423,6 +606,9 @@ class Cluster:
         vital = {part.name for part in (self.plan.master, self.plan.router) if part}
         if dead & vital:
             return f"{', '.join(sorted(dead & vital))} exited"
+        if self.plan.node is not None:
+            names = {p.name for p in self.plan.parts}
+            return f"every part of node {self.plan.node} exited" if names and names <= dead else None
         for role in ("prefill", "decode"):
             names = {w.name for w in self.plan.workers if w.name.startswith(role + "-")}
             if names and names <= dead:
@@ -491,6 +677,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--page-size of workers with the global store (a page is the store's unit)")
     p.add_argument("--router-args", default="",
                    help="extra router flags as one string, e.g. \"--poll-interval 0.1\"")
+    p.add_argument("--spec", type=Path, default=None, metavar="FILE",
+                   help="a cluster spec (YAML/TOML: hosts, workers, ports, where the master, store and "
+                        "router run); with --node, start that node's share. The spec replaces the "
+                        "cluster flags above. See docs/specs/")
+    p.add_argument("--node", default=None,
+                   help="the spec node to start (default: the only node of a one-node spec)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="write each part's log to DIR/NAME.log instead of the prefixed console stream")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the whole cluster to become healthy")
@@ -523,17 +715,65 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     )
 
 
+# Flags a cluster spec replaces: giving one with --spec is an error, not silently ignored.
+SPEC_REPLACES = ("model_path", "served_model_name", "num_prefill", "num_decode", "host", "port",
+                 "worker_base_port", "sglang_args", "prefill_args", "decode_args", "router", "policy",
+                 "api_key", "global_store", "store_bytes", "store_page_size", "router_args")
+
+
+def _plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                    cfg: LaunchConfig | None) -> ClusterPlan:
+    if args.spec is None:
+        if args.node is not None:
+            parser.error("--node needs --spec")
+        return plan_cluster(cfg)
+    given = [d for d in SPEC_REPLACES if getattr(args, d) != parser.get_default(d)]
+    if given:
+        parser.error(f"--spec replaces {', '.join('--' + d.replace('_', '-') for d in given)}: "
+                     "set these in the spec file")
+    try:
+        spec = cluster_spec.load(args.spec)
+        node = args.node
+        if node is None and not args.dry_run:
+            if len(spec.nodes) != 1:
+                raise cluster_spec.SpecError(
+                    f"{args.spec} has {len(spec.nodes)} nodes: say which to start with --node "
+                    f"({', '.join(n.name for n in spec.nodes)})")
+            node = spec.nodes[0].name
+        return plan_spec(spec, node, dry_run=args.dry_run)
+    except (cluster_spec.SpecError, models.ModelBuildError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        raise  # unreachable
+
+
+def _parts_by_node(spec_path: Path | None, plan: ClusterPlan) -> list[tuple[str | None, Part]]:
+    """The plan's parts, each with its spec node when the whole spec is shown."""
+    if spec_path is None or plan.node is not None:
+        return [(f"[{plan.node}]" if plan.node else None, p) for p in plan.parts]
+    spec = cluster_spec.load(spec_path)
+    out = []
+    for n in spec.nodes:
+        share = plan_spec(spec, n.name, dry_run=True)
+        out += [(f"[{n.name}]", p) for p in share.parts]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, cfg = _cli.parse(build_parser(), argv, config_from_args)
-    plan = plan_cluster(cfg)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format=_cli.LOG_FORMAT)
+    cfg = None
+    if args.spec is None:
+        args, cfg = _cli.parse(parser, argv, config_from_args)
+    plan = _plan_from_args(parser, args, cfg)
     if args.dry_run:
         print(f"endpoint: {plan.endpoint}  model: {plan.served_model_name} ({plan.model_path})")
         print(f"cpu layer: {'on' if compat.cpu_mode() else 'off'}")
-        for part in plan.parts:
-            print(f"{part.name}: {shlex.join(part.argv)}")
+        for node, part in _parts_by_node(args.spec, plan):
+            print(f"{node + ' ' if node else ''}{part.name}: {shlex.join(part.argv)}")
         return 0
 
-    cluster = Cluster(plan, log_dir=cfg.log_dir, startup_timeout=cfg.startup_timeout)
+    cluster = Cluster(plan, log_dir=args.log_dir, startup_timeout=args.startup_timeout)
 
     def on_signal(signum, _frame):
         logger.info("received %s: shutting down", signal.Signals(signum).name)
@@ -547,8 +787,16 @@ def main(argv: list[str] | None = None) -> int:
     except ProcessStartError as e:
         logger.error("cluster failed to start: %s", e)
         return 1
-    print(f"{READY_MARK}: {plan.endpoint} (OpenAI-compatible; model {plan.served_model_name!r}; "
-          f"{cfg.num_prefill}P{cfg.num_decode}D; up in {time.monotonic() - t0:.0f}s)", flush=True)
+    if plan.node is not None:
+        print(f"{NODE_READY_MARK} {plan.node}: {', '.join(p.name for p in plan.parts)} "
+              f"(up in {time.monotonic() - t0:.0f}s)", flush=True)
+    if plan.router is not None:
+        roles = [w.argv[w.argv.index("--disaggregation-mode") + 1] for w in plan.workers
+                 if "--disaggregation-mode" in w.argv]
+        shape = f"{roles.count('prefill')}P{roles.count('decode')}D" if plan.node is None else \
+            f"node {plan.node}"
+        print(f"{READY_MARK}: {plan.endpoint} (OpenAI-compatible; model {plan.served_model_name!r}; "
+              f"{shape}; up in {time.monotonic() - t0:.0f}s)", flush=True)
     code = 0
     while not cluster.stop_event.wait(1.0):
         why = cluster.check_parts()

@@ -93,6 +93,7 @@ class StoreConfig:
     local_hostname: str = "127.0.0.1"
     metadata_server: str = "P2PHANDSHAKE"
     protocol: str = "tcp"
+    rdma_devices: str = ""                # with protocol "rdma", e.g. "mlx5_0"; "": Mooncake picks
     global_segment_size: int = 0
     local_buffer_size: int = 16 << 20
     staging_bytes: int = 32 << 20         # registered staging buffer for unregistered tensors
@@ -108,11 +109,14 @@ class StoreConfig:
 
     @classmethod
     def from_env(cls, master_addr: str | None = None, **overrides: object) -> StoreConfig:
-        """Read ``BANA_STORE_MASTER``, ``BANA_STORE_HOST``, ``BANA_STORE_STAGING_BYTES``,
-        ``BANA_STORE_PROBE_INTERVAL_S`` (explicit arguments win)."""
+        """Read ``BANA_STORE_MASTER``, ``BANA_STORE_HOST``, ``BANA_STORE_PROTOCOL``,
+        ``BANA_STORE_RDMA_DEVICES``, ``BANA_STORE_STAGING_BYTES``, ``BANA_STORE_PROBE_INTERVAL_S``
+        (explicit arguments win)."""
         kw: dict[str, object] = {
             "master_addr": master_addr or os.environ.get("BANA_STORE_MASTER", "127.0.0.1:50051"),
             "local_hostname": os.environ.get("BANA_STORE_HOST", "127.0.0.1"),
+            "protocol": os.environ.get("BANA_STORE_PROTOCOL", "tcp"),
+            "rdma_devices": os.environ.get("BANA_STORE_RDMA_DEVICES", ""),
             "staging_bytes": _env_int("BANA_STORE_STAGING_BYTES", 32 << 20),
             "probe_interval_s": _env_float("BANA_STORE_PROBE_INTERVAL_S", 0.5),
         }
@@ -162,7 +166,7 @@ class MooncakeKV:
                 return False
             c = self.config
             rc = self._store.setup(c.local_hostname, c.metadata_server, c.global_segment_size,
-                                   c.local_buffer_size, c.protocol, "", c.master_addr)
+                                   c.local_buffer_size, c.protocol, c.rdma_devices, c.master_addr)
             if rc != 0:
                 self._enter_outage("setup", f"setup returned {rc}")
                 return False
