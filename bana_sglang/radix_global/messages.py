@@ -1,20 +1,13 @@
 """Typed, versioned messages of the index channel (worker/router <-> index service).
 
-Wire format: one ZMQ frame per message, msgpack-encoded :mod:`msgspec` structs,
-tagged by a ``type`` field. No pickle, no positional frames.
-
-Every request carries ``id`` (chosen by the client, echoed in the reply), ``v``
-(the protocol version) and ``deadline`` (absolute Unix time in seconds, from the
-sender's clock; all parties run on hosts with synchronised clocks). Every
+The envelope (one msgpack frame per message, ``id``/``v``/``deadline`` on every
+request, an :class:`Error` reply for malformed, unknown-type, unsupported-version
+and stale requests) is :mod:`bana_sglang.wire`'s; deadlines are from the
+sender's clock (all parties run on hosts with synchronised clocks). Every
 request gets exactly one reply: its result, or an :class:`Error` whose
-``reason`` says why (one of :data:`ERROR_REASONS`):
+``reason`` says why (one of :data:`ERROR_REASONS`); besides the envelope's
+(a page hash that is not 32 lowercase hex chars is ``malformed``):
 
-- ``malformed``: not msgpack, not a map, a field missing or of the wrong type,
-  a page hash that is not 32 lowercase hex chars;
-- ``unknown_type``: a ``type`` this service does not know;
-- ``unsupported_version``: ``v`` differs from :data:`PROTOCOL_VERSION`;
-- ``stale_deadline``: the deadline had passed when the service read it (the
-  client has given up; the request is not executed);
 - ``invalid``: well-formed but inconsistent (e.g. sizes/chain length mismatch);
 - ``unknown_intent``: a commit for an intent that expired or never existed;
 - ``internal``: a bug in the service (logged there with a traceback).
@@ -29,10 +22,12 @@ store.
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Union
 
 import msgspec
+
+from bana_sglang import wire
+from bana_sglang.wire import Error, encode
 
 PROTOCOL_VERSION = 1
 
@@ -43,9 +38,7 @@ PageHashField = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
 Size = Annotated[int, msgspec.Meta(ge=1)]
 
 
-class _Request(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
-    id: int
-    deadline: float
+class _Request(wire.Request, kw_only=True, frozen=True):
     v: int = PROTOCOL_VERSION
 
 
@@ -93,8 +86,7 @@ Request = Union[Lookup, PublishIntent, Commit, ReportLoss, Stats]
 REQUEST_TYPES = ("lookup", "publish_intent", "commit", "report_loss", "stats")
 
 
-class _Reply(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
-    id: int
+_Reply = wire.Reply
 
 
 class LookupResult(_Reply, tag="lookup_result"):
@@ -142,57 +134,9 @@ class StatsResult(_Reply, tag="stats_result"):
     store_attached: bool
 
 
-class Error(_Reply, tag="error"):
-    reason: str
-    detail: str = ""
-
-
 Reply = Union[LookupResult, IntentResult, Ok, StatsResult, Error]
 
-
-class _Envelope(msgspec.Struct):
-    """The fields every request has, read before the full decode so that an
-    unknown type or version gets a precise error (unknown fields are ignored)."""
-
-    type: str
-    id: int = 0
-    v: int = -1
-
-
-_request_decoder = msgspec.msgpack.Decoder(Request)
-_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
-_reply_decoder = msgspec.msgpack.Decoder(Reply)
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode_request(data: bytes, *, now: float | None = None) -> Request | Error:
-    """Decode and validate one request frame; every failure becomes an :class:`Error`
-    reply (with the request id when it could be read)."""
-    try:
-        env = _envelope_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        return Error(id=0, reason="malformed", detail=str(e))
-    if env.type not in REQUEST_TYPES:
-        return Error(id=env.id, reason="unknown_type",
-                     detail=f"type {env.type!r}; known: {', '.join(REQUEST_TYPES)}")
-    if env.v != PROTOCOL_VERSION:
-        return Error(id=env.id, reason="unsupported_version",
-                     detail=f"got v={env.v}, this service speaks v={PROTOCOL_VERSION}")
-    try:
-        req = _request_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        return Error(id=env.id, reason="malformed", detail=str(e))
-    now = time.time() if now is None else now
-    if req.deadline < now:
-        return Error(id=req.id, reason="stale_deadline",
-                     detail=f"deadline passed {now - req.deadline:.3f}s before the service read it")
-    return req
-
-
-def decode_reply(data: bytes) -> Reply:
-    """Decode a reply; raises ``msgspec.DecodeError``/``ValidationError`` if malformed."""
-    return _reply_decoder.decode(data)
+CHANNEL = wire.Channel("the index service", PROTOCOL_VERSION, Request, Reply, REQUEST_TYPES)
+decode_request = CHANNEL.decode_request
+decode_reply = CHANNEL.decode_reply
+__all__ = ["Error", "decode_reply", "decode_request", "encode"]
