@@ -186,9 +186,10 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
         for i in range(count):
             port = ports.take()
             boot = ports.take() if role == "prefill" else None
+            agent_port = ports.take()
             workers.append(worker_part(
                 f"{role}-{i}", role, model_path=model_path, served=served, bind=h, port=port,
-                bootstrap_port=boot,
+                bootstrap_port=boot, agent_port=agent_port,
                 user_args=(*cfg.sglang_args, *(cfg.prefill_args if role == "prefill" else cfg.decode_args)),
                 index_endpoint=index_endpoint, master_addr=master_addr, page_size=cfg.store_page_size))
             if boot is not None:
@@ -204,7 +205,8 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
             bind=h, port=cfg.port, endpoint=endpoint, policy=cfg.policy, model_path=model_path, served=served,
             prefill_urls=prefill_urls, decode_urls=decode_urls, index_endpoint=index_endpoint,
             page_size=page_size_of((*cfg.sglang_args, *cfg.prefill_args), cfg.store_page_size),
-            watch=watch, user_args=cfg.router_args, api_key=cfg.api_key)
+            watch=watch, user_args=cfg.router_args, api_key=cfg.api_key,
+            agents=[(w.health_url.removesuffix("/health"), dict(w.env)["BANA_AGENT_ENDPOINT"]) for w in workers])
     else:
         router_argv = [
             sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -275,8 +277,10 @@ def store_parts(bind: str, address: str, master_addr: str, index_port: int, stor
 
 def worker_part(name: str, role: str, *, model_path: str, served: str, bind: str, port: int,
                 bootstrap_port: int | None, user_args: tuple[str, ...], index_endpoint: str | None,
-                master_addr: str | None, page_size: int, advertise: str | None = None) -> Part:
-    """One SGLang PD worker with the extension (and the global store's linker when there is one)."""
+                master_addr: str | None, page_size: int, advertise: str | None = None,
+                agent_port: int | None = None) -> Part:
+    """One SGLang PD worker with the extension (and the global store's linker when there is one,
+    and the migration agent on ``agent_port``)."""
     from bana_sglang.radix_global import flags
 
     argv = [
@@ -292,13 +296,17 @@ def worker_part(name: str, role: str, *, model_path: str, served: str, bind: str
     argv += compat.server_args(role, user_args=user_args) + dtype_args(model_path, user_args)
     argv += store_args(role, linker, page_size, user_args) + list(user_args)
     url = f"http://{advertise or bind}:{port}"
-    return Part(name=name, argv=tuple(argv), health_url=url + "/health")
+    env: tuple[tuple[str, str], ...] = ()
+    if agent_port is not None:
+        env = (("BANA_AGENT_ENDPOINT", f"tcp://{bind}:{agent_port}"), ("BANA_WORKER_NAME", name),
+               ("BANA_AGENT_HOST", advertise or bind))
+    return Part(name=name, argv=tuple(argv), health_url=url + "/health", env=env)
 
 
 def router_part(*, bind: str, port: int, endpoint: str, policy: str, model_path: str, served: str,
                 prefill_urls: list[tuple[str, int]], decode_urls: list[str], index_endpoint: str | None,
                 page_size: int, watch: list[tuple[str, str]], user_args: tuple[str, ...],
-                api_key: str | None) -> Part:
+                api_key: str | None, agents: list[tuple[str, str]] = ()) -> Part:
     """The bana router in front of the workers; it also watches the store's parts for ``/health``."""
     argv = [
         sys.executable, "-m", "bana_sglang.router", "--host", bind, "--port", str(port),
@@ -312,6 +320,8 @@ def router_part(*, bind: str, port: int, endpoint: str, policy: str, model_path:
         argv += ["--global-index", index_endpoint, "--store-page-size", str(page_size)]
     for name, addr in watch:
         argv += ["--watch", f"{name}={addr}"]
+    for url, agent in agents:  # the workers' migration agents (admin endpoints)
+        argv += ["--agent", f"{url}={agent}"]
     argv += list(user_args)
     # /health is 503 until a prefill and a decode worker answer and the model is known.
     return Part(name="router", argv=tuple(argv), health_url=endpoint + "/health",
@@ -348,6 +358,7 @@ def plan_spec(spec: cluster_spec.ClusterSpec, node: str | None, *, dry_run: bool
             snode.bind_address, snode.address, master_addr, spec.store.index_port, spec.store.bytes,
             protocol=cluster_spec.resolve_transport(snode), rdma_devices=snode.rdma_devices, needs=needs)]
     page_size = spec.store.page_size if spec.store else 16
+    agents: list[tuple[str, str]] = []
     workers: list[tuple[str, Part]] = []
     prefill_urls: list[tuple[str, int]] = []
     decode_urls: list[str] = []
@@ -357,7 +368,10 @@ def plan_spec(spec: cluster_spec.ClusterSpec, node: str | None, *, dry_run: bool
         workers.append((n.name, worker_part(
             name, w.role, model_path=model_path, served=served, bind=n.bind_address, port=w.port,
             bootstrap_port=w.bootstrap_port, user_args=user, index_endpoint=index_endpoint,
-            master_addr=master_addr if index_endpoint else None, page_size=page_size, advertise=n.address)))
+            master_addr=master_addr if index_endpoint else None, page_size=page_size, advertise=n.address,
+            agent_port=w.agent_port)))
+        if w.agent_port is not None:
+            agents.append((f"http://{n.address}:{w.port}", f"tcp://{n.address}:{w.agent_port}"))
         url = f"http://{n.address}:{w.port}"
         if w.role == "prefill":
             prefill_urls.append((url, w.bootstrap_port))
@@ -375,7 +389,7 @@ def plan_spec(spec: cluster_spec.ClusterSpec, node: str | None, *, dry_run: bool
         bind=rnode.bind_address, port=spec.router.port, endpoint=endpoint, policy=spec.router.policy,
         model_path=model_path, served=served, prefill_urls=prefill_urls, decode_urls=decode_urls,
         index_endpoint=index_endpoint, page_size=page_size, watch=watch, user_args=tuple(spec.router.args),
-        api_key=api_key))
+        api_key=api_key, agents=agents))
 
     def mine(items: list[tuple[str, Part]]) -> list[Part]:
         return [p for n, p in items if node is None or n == node]

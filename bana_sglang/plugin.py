@@ -41,6 +41,11 @@ def register() -> None:
                           init_cache_linker_hook, HookType.AROUND)
     HookRegistry.register("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue",
                           decode_queue_hook, HookType.AROUND)
+    # The migration agent answers its ZMQ requests at every batch boundary.
+    from bana_sglang.migrate.hooks import scheduler_hook
+
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.process_input_requests",
+                          scheduler_hook, HookType.AROUND)
     if compat.cpu_mode():
         # The CPU attention backend: its name must pass argparse and reach the model runner.
         try:

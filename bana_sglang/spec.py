@@ -84,6 +84,7 @@ class WorkerSpec(_Strict):
     role: Literal["prefill", "decode"]
     port: Port
     bootstrap_port: Port | None = None  # prefill only (SGLang's PD bootstrap server)
+    agent_port: Port | None = None  # the migration agent's ZMQ port; None: no agent on this worker
     name: str | None = None  # default: ROLE-i, numbered across the whole spec
     device: str = "auto"  # auto | cpu | cuda | cuda:N (N: the first GPU of this worker)
     args: Args = []  # extra SGLang flags for this worker
@@ -203,6 +204,8 @@ class ClusterSpec(_Strict):
                 out.append((n.name, w.port, f"nodes.{ni}.workers.{wi}.port"))
                 if w.bootstrap_port is not None:
                     out.append((n.name, w.bootstrap_port, f"nodes.{ni}.workers.{wi}.bootstrap_port"))
+                if w.agent_port is not None:
+                    out.append((n.name, w.agent_port, f"nodes.{ni}.workers.{wi}.agent_port"))
         return out
 
     # -- queries

@@ -23,7 +23,7 @@ def two_hosts() -> dict:
         "model": "tiny",
         "nodes": [
             {"name": "a", "address": "10.9.0.1", "workers": [
-                {"role": "prefill", "port": 30100, "bootstrap_port": 30101}]},
+                {"role": "prefill", "port": 30100, "bootstrap_port": 30101, "agent_port": 30103}]},
             {"name": "b", "address": "10.9.0.2", "workers": [
                 {"role": "prefill", "port": 30100, "bootstrap_port": 30101},
                 {"role": "decode", "port": 30102}]},
@@ -82,6 +82,23 @@ def test_node_plan_advertises_addresses_and_binds_only_its_own(tmp_path):
     assert b.env["SGLANG_HOST_IP"] == "10.9.0.2" and b.env["BANA_STORE_HOST"] == "10.9.0.2"
     assert b.env["MC_TCP_BIND_ADDRESS"] == "10.9.0.2" and b.env["MOONCAKE_PROTOCOL"] == "tcp"
     assert a.endpoint == b.endpoint == "http://10.9.0.1:30000"
+    assert a.router.health_url == "http://10.9.0.1:30000/health"
+    # the migration agent where the spec asks for one, and the router knows it
+    assert dict(a.workers[0].env)["BANA_AGENT_ENDPOINT"] == "tcp://10.9.0.1:30103"
+    assert "http://10.9.0.1:30100=tcp://10.9.0.1:30103" in router
+    assert not b.workers[0].env
+
+
+def test_single_machine_plan_gives_every_worker_an_agent():
+    from bana_sglang.launch import LaunchConfig, plan_cluster
+
+    plan = plan_cluster(LaunchConfig(num_prefill=2, num_decode=1, port=30000, worker_base_port=30100))
+    assert plan.router.health_url == "http://127.0.0.1:30000/health"
+    endpoints = [dict(w.env)["BANA_AGENT_ENDPOINT"] for w in plan.workers]
+    assert len(set(endpoints)) == 3
+    argv = list(plan.router.argv)
+    assert [argv[i + 1] for i, x in enumerate(argv) if x == "--agent"] == [
+        f"{w.health_url.removesuffix('/health')}={e}" for w, e in zip(plan.workers, endpoints)]
 
 
 def test_bind_differs_from_advertised_address(tmp_path):

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="append", default=[], metavar="NAME=HOST:PORT",
                    help="another part of the cluster (Mooncake master, store index, ...) whose TCP "
                         "reachability /health reports; repeatable; never gates routing")
+    p.add_argument("--agent", action="append", default=[], metavar="WORKER_URL=tcp://HOST:PORT",
+                   help="a worker's migration agent, for the admin endpoints (/bana/admin/...); repeatable")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -104,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         global_index=args.global_index, model_path=args.model_path,
         store_page_size=args.store_page_size,
         watch=tuple(tuple(w.split("=", 1)) if "=" in w else ("", w) for w in args.watch),
+        agents=tuple(tuple(a.split("=", 1)) if "=" in a else (a, "") for a in args.agent),
     )
 
 

@@ -31,6 +31,7 @@ class RouterConfig:
     model_path: str | None = None  # for the store's KV layout (with global_index)
     store_page_size: int = 16
     watch: tuple[tuple[str, str], ...] = ()  # (name, host:port) of other parts reported by /health
+    agents: tuple[tuple[str, str], ...] = ()  # (worker url, tcp://host:port of its migration agent)
 
     # ``watch`` entries are checked by TCP connect; they never gate routing.
 
@@ -45,5 +46,8 @@ class RouterConfig:
             host, _, port = addr.rpartition(":")
             if not name or not host or not port.isdigit():
                 raise ValueError(f"--watch {name}={addr}: expected NAME=HOST:PORT")
+        for url, endpoint in self.agents:
+            if not url.startswith("http") or not endpoint.startswith("tcp://"):
+                raise ValueError(f"--agent {url}={endpoint}: expected WORKER_URL=tcp://HOST:PORT")
         if self.global_index and not self.model_path:
             raise ValueError("--global-index needs --model-path (the store's keys depend on the model)")

@@ -44,6 +44,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from bana_sglang.router.admin import AdminAPI
 from bana_sglang.router.config import RouterConfig
 from bana_sglang.router.metrics import RouterMetrics
 from bana_sglang.router.policy import (
@@ -93,6 +94,7 @@ class Router:
 
             self.global_index = GlobalIndexView(cfg.global_index, layout_for(cfg.model_path, cfg.store_page_size),
                                                 metrics=self.metrics)
+        self.admin = AdminAPI(cfg.agents)
         self.monitor = WorkerMonitor(self.workers, self.metrics, poll_interval_s=cfg.poll_interval_s,
                                      model_names=cfg.model_names, watch=cfg.watch)
         self.session: aiohttp.ClientSession | None = None
@@ -113,6 +115,7 @@ class Router:
         r.add_get("/health_generate", self.handle_health)
         r.add_get("/metrics", self.handle_metrics)
         r.add_get("/bana/router/workers", self.handle_workers)
+        self.admin.add_routes(r)
         for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
             r.add_get(path, self.handle_info)
         app.on_startup.append(self._on_startup)
@@ -138,6 +141,7 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+        self.admin.close()
         if self.global_index is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.global_index.close)
 

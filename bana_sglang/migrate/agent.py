@@ -1,0 +1,430 @@
+"""The per-worker migration agent: a ZMQ endpoint inside the SGLang scheduler.
+
+The scheduler calls :meth:`MigrationAgent.poll` once per loop iteration (a
+plugin hook on ``Scheduler.process_input_requests``, i.e. at every batch
+boundary). ``poll`` answers every waiting request without blocking: commands
+are validated and recorded there, and bulk work (checksums, transfer-engine
+reads) runs on the agent's own worker thread, whose progress later polls and
+``Watch`` requests read. The scheduler loop never waits on a transfer.
+
+Layer migration, as far as it goes today (``MigrateLayers`` X -> Y):
+1. X checksums (CRC32) every parameter of layers ``[start, stop)`` and
+   registers their memory with its Mooncake transfer engine;
+2. X offers them to Y (:class:`~.messages.HostLayers`: addresses, sizes,
+   checksums; no bytes through ZMQ);
+3. Y allocates a guest area shaped like its own copy of those layers (same
+   architecture), reads X's bytes into it through the transfer engine, and
+   verifies every CRC32;
+4. X follows Y's progress; the migration ends ``staged`` (Y holds a verified
+   copy) or ``failed`` with a reason; ``Cancel`` makes Y drop its copy.
+X never stops using its own layers: switching the execution of the staged
+layers to Y (hidden states over the wire, guest KV) is not built yet, so
+:meth:`placement` always reports X executing all its layers.
+
+Invariants: every request gets exactly one reply; an exception while handling
+one becomes an ``internal`` error reply (logged with its traceback) and the
+agent keeps running; a guest area is freed (and unregistered) exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from bana_sglang.migrate import messages as m
+from bana_sglang.migrate.client import AgentClient, AgentUnavailable
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.2  # how often a source polls its peer during a transfer
+PEER_TIMEOUT_S = 5.0  # a peer silent this long fails the migration
+MAX_PER_POLL = 64  # requests answered per scheduler iteration
+
+
+class TransferEngine:
+    """This agent's Mooncake transfer engine (TCP or RDMA), started on first use."""
+
+    def __init__(self, host: str, protocol: str = "tcp", device: str = ""):
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        from mooncake.engine import TransferEngine as _TE
+
+        self._te = _TE()
+        rc = self._te.initialize(host, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, {protocol!r}) returned {rc}")
+        self.session = f"{host}:{self._te.get_rpc_port()}"
+        self._registered: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def register(self, t: torch.Tensor) -> None:
+        ptr, n = t.data_ptr(), t.numel() * t.element_size()
+        with self._lock:
+            if ptr in self._registered or n == 0:
+                return
+            rc = self._te.register_memory(ptr, n)
+            if rc != 0:
+                raise RuntimeError(f"register_memory({n} bytes) returned {rc}")
+            self._registered[ptr] = n
+
+    def unregister(self, t: torch.Tensor) -> None:
+        with self._lock:
+            if self._registered.pop(t.data_ptr(), None) is not None:
+                self._te.unregister_memory(t.data_ptr())
+
+    def read(self, session: str, dst: list[torch.Tensor], src_addrs: list[int]) -> None:
+        """Read ``src_addrs`` of the engine at ``session`` into ``dst`` (registered)."""
+        lens = [t.numel() * t.element_size() for t in dst]
+        rc = self._te.batch_transfer_sync_read(session, [t.data_ptr() for t in dst], src_addrs, lens)
+        if rc != 0:
+            raise RuntimeError(f"batch_transfer_sync_read from {session} returned {rc}")
+
+
+def crc32(t: torch.Tensor) -> int:
+    """CRC32 of a contiguous CPU tensor's bytes."""
+    return zlib.crc32(t.detach().contiguous().view(torch.uint8).numpy()) & 0xFFFFFFFF
+
+
+@dataclass
+class _Migration:
+    migration: str
+    side: str  # "source" | "guest"
+    peer: str
+    start: int
+    stop: int
+    state: str
+    bytes_total: int = 0
+    bytes_done: int = 0
+    t0: float = field(default_factory=time.monotonic)
+    t_end: float | None = None
+    reason: str = ""
+    detail: str = ""
+    crc: list[int] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    guest: list[torch.Tensor] = field(default_factory=list)  # guest side: the guest area
+
+    @property
+    def seconds(self) -> float:
+        return (self.t_end or time.monotonic()) - self.t0
+
+    def finish(self, state: str, reason: str = "", detail: str = "") -> None:
+        self.state, self.reason, self.detail = state, reason, detail
+        self.t_end = time.monotonic()
+
+    def info(self) -> m.MigrationInfo:
+        return m.MigrationInfo(migration=self.migration, side=self.side, peer=self.peer, start=self.start,
+                               stop=self.stop, state=self.state, bytes_done=self.bytes_done,
+                               bytes_total=self.bytes_total, seconds=round(self.seconds, 4),
+                               reason=self.reason, detail=self.detail, crc32=list(self.crc),
+                               tensors=list(self.names))
+
+    def reply(self, rid: int) -> m.Reply:
+        if self.state == "failed" or self.state == "cancelled":
+            return m.Failed(id=rid, migration=self.migration, reason=self.reason or self.state, detail=self.detail)
+        if self.state in m.TERMINAL:
+            return m.Done(id=rid, migration=self.migration, state=self.state, bytes=self.bytes_done,
+                          seconds=round(self.seconds, 4))
+        return m.Progress(id=rid, migration=self.migration, state=self.state, bytes_done=self.bytes_done,
+                          bytes_total=self.bytes_total)
+
+
+class MigrationAgent:
+    """One worker's agent; see the module doc. ``layers`` is the model's list of
+    decoder layers (``model.model.layers`` for SGLang's Llama)."""
+
+    def __init__(self, name: str, role: str, layers: torch.nn.ModuleList, endpoint: str, *,
+                 te_host: str = "127.0.0.1", protocol: str = "tcp", device: str = ""):
+        self.name, self.role, self.layers = name, role, layers
+        self.num_layers = len(layers)
+        self.te_host, self.protocol, self.device = te_host, protocol, device
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._te: TransferEngine | None = None
+        self._te_lock = threading.Lock()
+        self._work = ThreadPoolExecutor(1, thread_name_prefix=f"bana-migrate-{name}")
+        self._lock = threading.Lock()
+        self.migrations: dict[str, _Migration] = {}
+        self._closed = False
+        logger.info("migration agent of %s (%s, %d layers) on %s", name, role, self.num_layers, self.endpoint)
+
+    # ------------------------------------------------------------------ loop
+    def poll(self) -> int:
+        """Answer every waiting request (at most MAX_PER_POLL); never blocks."""
+        n = 0
+        while n < MAX_PER_POLL:
+            try:
+                ident, frame = self._sock.recv_multipart(zmq.NOBLOCK)[:2]
+            except zmq.Again:
+                break
+            except ValueError:  # a message of one frame: nothing to answer to
+                continue
+            n += 1
+            req = m.decode_request(frame)
+            if isinstance(req, m.Error):
+                logger.warning("rejected a request (%s): %s", req.reason, req.detail)
+                reply = req
+            else:
+                try:
+                    reply = self.handle(req)
+                except Exception as e:  # a bug: answer, log, keep serving
+                    logger.exception("migration agent: %s failed", type(req).__name__)
+                    reply = m.Error(id=req.id, reason="internal", detail=f"{type(e).__name__}: {e}")
+            self._sock.send_multipart([ident, m.encode(reply)])
+        return n
+
+    def serve_forever(self, stop: threading.Event, interval_s: float = 0.005) -> None:
+        """Run :meth:`poll` on the calling thread until ``stop`` (tests, tools)."""
+        while not stop.is_set():
+            if not self.poll():
+                stop.wait(interval_s)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for mig in list(self.migrations.values()):
+            mig.cancel.set()
+        self._work.shutdown(wait=True, cancel_futures=True)
+        for mig in list(self.migrations.values()):
+            self._free_guest(mig)
+        self._sock.close(0)
+
+    # ------------------------------------------------------------------ handlers
+    def handle(self, req: m.Request) -> m.Reply:
+        if isinstance(req, m.Ping):
+            return m.Pong(id=req.id, worker=self.name, role=self.role, num_layers=self.num_layers, pid=os.getpid())
+        if isinstance(req, m.Status):
+            return self.status(req.id)
+        if isinstance(req, m.MigrateLayers):
+            return self._migrate(req)
+        if isinstance(req, m.Watch):
+            mig = self.migrations.get(req.migration)
+            return mig.reply(req.id) if mig else self._unknown(req.id, req.migration)
+        if isinstance(req, m.Cancel):
+            return self._cancel(req)
+        if isinstance(req, m.HostLayers):
+            return self._host(req)
+        if isinstance(req, m.DropGuest):
+            mig = self.migrations.get(req.migration)
+            if mig is None or mig.side != "guest":
+                return self._unknown(req.id, req.migration)
+            mig.cancel.set()
+            if mig.state == "pulling":  # the worker thread frees it when it stops
+                return m.Ok(id=req.id, note="dropping after the current read")
+            self._free_guest(mig)
+            mig.finish("dropped", "cancelled", "dropped by its owner")
+            return m.Ok(id=req.id, note="dropped")
+        return m.Error(id=req.id, reason="unknown_type", detail=type(req).__name__)
+
+    @staticmethod
+    def _unknown(rid: int, migration: str) -> m.Error:
+        return m.Error(id=rid, reason="invalid", detail=f"no migration {migration!r} here")
+
+    def placement(self) -> list[m.Placement]:
+        return [m.Placement(start=0, stop=self.num_layers, executor=self.name)] if self.num_layers else []
+
+    def status(self, rid: int) -> m.StatusResult:
+        with self._lock:
+            infos = [mig.info() for mig in self.migrations.values()]
+            guest = sum(t.numel() * t.element_size() for mig in self.migrations.values() for t in mig.guest)
+        return m.StatusResult(id=rid, worker=self.name, role=self.role, num_layers=self.num_layers,
+                              placement=self.placement(), migrations=infos, guest_bytes=guest,
+                              transfer_session=self._te.session if self._te else "")
+
+    def _engine(self) -> TransferEngine:
+        with self._te_lock:
+            if self._te is None:
+                self._te = TransferEngine(self.te_host, self.protocol, self.device)
+                logger.info("migration agent of %s: transfer engine %s (%s)", self.name, self._te.session,
+                            self.protocol)
+            return self._te
+
+    # -- source side
+    def _migrate(self, req: m.MigrateLayers) -> m.Reply:
+        if not req.start < req.stop <= self.num_layers:
+            return m.Error(id=req.id, reason="invalid",
+                           detail=f"layers [{req.start}, {req.stop}) are not a non-empty range of this "
+                                  f"worker's {self.num_layers} layers")
+        if req.migration in self.migrations:
+            return m.Error(id=req.id, reason="invalid", detail=f"migration id {req.migration!r} is taken")
+        busy = [x for x in self.migrations.values() if x.side == "source" and x.state not in ("failed", "cancelled")
+                and x.start < req.stop and req.start < x.stop]
+        if busy:
+            return m.Error(id=req.id, reason="invalid",
+                           detail=f"layers overlap migration {busy[0].migration!r} "
+                                  f"[{busy[0].start}, {busy[0].stop}) ({busy[0].state})")
+        mig = _Migration(req.migration, "source", req.peer, req.start, req.stop, "accepted")
+        with self._lock:
+            self.migrations[req.migration] = mig
+        self._work.submit(self._run_source, mig, req.peer)
+        logger.info("migration %s: layers [%d, %d) of %s -> %s accepted", mig.migration, mig.start, mig.stop,
+                    self.name, req.peer)
+        return m.Accepted(id=req.id, migration=req.migration)
+
+    def _layer_tensors(self, start: int, stop: int) -> list[tuple[int, str, torch.Tensor]]:
+        """The layers' parameters. Buffers (e.g. a rotary cos/sin cache) are derived
+        from the config, which the peer shares, so they do not travel."""
+        return [(i, name, p.data) for i in range(start, stop) for name, p in self.layers[i].named_parameters()]
+
+    def _run_source(self, mig: _Migration, peer: str) -> None:
+        client = AgentClient(peer, timeout_s=PEER_TIMEOUT_S, ctx=self._ctx)
+        try:
+            mig.state = "checksumming"
+            tensors = self._layer_tensors(mig.start, mig.stop)
+            if any(t.device.type != "cpu" or not t.is_contiguous() for _, _, t in tensors):
+                raise _Fail("invalid", "layer migration reads CPU, contiguous parameters only (this worker's "
+                                       "are not); the CUDA path needs the CUDA transfer engine")
+            te = self._engine()
+            descs = []
+            for layer, name, t in tensors:
+                te.register(t)
+                descs.append(m.TensorDesc(layer=layer, name=name, dtype=str(t.dtype).removeprefix("torch."),
+                                          shape=list(t.shape), addr=t.data_ptr(),
+                                          nbytes=t.numel() * t.element_size(), crc32=crc32(t)))
+            mig.crc = [d.crc32 for d in descs]
+            mig.names = [f"{d.layer}.{d.name}" for d in descs]
+            mig.bytes_total = sum(d.nbytes for d in descs)
+            if mig.cancel.is_set():
+                raise _Fail("cancelled", "cancelled before the offer")
+            mig.state = "offered"
+            reply = self._ask(client, m.HostLayers, migration=mig.migration, owner=self.name,
+                              session=te.session, start=mig.start, stop=mig.stop, tensors=descs)
+            if not isinstance(reply, m.Accepted):
+                raise _Fail("peer_refused", _describe(reply))
+            mig.state = "transferring"
+            while True:
+                if mig.cancel.is_set():
+                    self._drop_at_peer(client, mig)
+                    raise _Fail("cancelled", "cancelled during the transfer")
+                reply = self._ask(client, m.Watch, migration=mig.migration)
+                if isinstance(reply, m.Progress):
+                    mig.bytes_done = reply.bytes_done
+                elif isinstance(reply, m.Done):
+                    mig.bytes_done = reply.bytes
+                    break
+                else:
+                    raise _Fail(reply.reason if isinstance(reply, (m.Failed, m.Error)) else "internal",
+                                "peer: " + _describe(reply))
+                time.sleep(WATCH_INTERVAL_S)
+            mig.finish("staged")
+            logger.info("migration %s: layers [%d, %d) staged on %s: %.1f MB verified in %.2fs (%.1f MB/s)",
+                        mig.migration, mig.start, mig.stop, mig.peer, mig.bytes_done / 1e6, mig.seconds,
+                        mig.bytes_done / 1e6 / max(mig.seconds, 1e-9))
+        except _Fail as f:
+            mig.finish("cancelled" if f.reason == "cancelled" else "failed", f.reason, f.detail)
+            logger.warning("migration %s %s: %s %s", mig.migration, mig.state, f.reason, f.detail)
+        except Exception as e:
+            mig.finish("failed", "internal", f"{type(e).__name__}: {e}")
+            logger.exception("migration %s failed", mig.migration)
+        finally:
+            client.close()
+
+    def _ask(self, client: AgentClient, make, **fields) -> m.Reply:
+        try:
+            return client.call(make, **fields)
+        except AgentUnavailable as e:
+            raise _Fail("peer_unreachable", str(e)) from None
+
+    def _drop_at_peer(self, client: AgentClient, mig: _Migration) -> None:
+        with contextlib.suppress(_Fail):
+            self._ask(client, m.DropGuest, migration=mig.migration)
+
+    def _cancel(self, req: m.Cancel) -> m.Reply:
+        mig = self.migrations.get(req.migration)
+        if mig is None or mig.side != "source":
+            return self._unknown(req.id, req.migration)
+        if mig.state in ("failed", "cancelled"):
+            return m.Ok(id=req.id, note=f"already {mig.state}")
+        mig.cancel.set()
+        if mig.state == "staged":  # done: ask the peer to free its copy, off the scheduler thread
+            def drop() -> None:
+                client = AgentClient(mig.peer, timeout_s=PEER_TIMEOUT_S, ctx=self._ctx)
+                try:
+                    self._drop_at_peer(client, mig)
+                finally:
+                    client.close()
+            mig.finish("cancelled", "cancelled", "cancelled after staging; the peer drops its copy")
+            self._work.submit(drop)
+        return m.Ok(id=req.id, note="cancelling")
+
+    # -- guest side
+    def _host(self, req: m.HostLayers) -> m.Reply:
+        if req.migration in self.migrations:
+            return m.Error(id=req.id, reason="invalid", detail=f"migration id {req.migration!r} is taken")
+        if not req.start < req.stop <= self.num_layers:
+            return m.Error(id=req.id, reason="invalid",
+                           detail=f"layers [{req.start}, {req.stop}) do not exist in this worker's model")
+        mine = {(i, n): t for i, n, t in self._layer_tensors(req.start, req.stop)}
+        for d in req.tensors:
+            own = mine.get((d.layer, d.name))
+            if own is None or list(own.shape) != d.shape or str(own.dtype).removeprefix("torch.") != d.dtype:
+                return m.Error(id=req.id, reason="invalid",
+                               detail=f"layer {d.layer} {d.name} {d.dtype}{d.shape} does not match this worker's "
+                                      "model (layer migration needs the same architecture)")
+        mig = _Migration(req.migration, "guest", req.owner, req.start, req.stop, "pulling",
+                         bytes_total=sum(d.nbytes for d in req.tensors),
+                         names=[f"{d.layer}.{d.name}" for d in req.tensors])
+        with self._lock:
+            self.migrations[req.migration] = mig
+        self._work.submit(self._run_guest, mig, req)
+        return m.Accepted(id=req.id, migration=req.migration)
+
+    def _run_guest(self, mig: _Migration, req: m.HostLayers) -> None:
+        try:
+            te = self._engine()
+            area = [torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in req.tensors]
+            mig.guest = area
+            for t in area:
+                te.register(t)
+            # one batched read per layer: progress is visible between layers
+            for layer in range(req.start, req.stop):
+                if mig.cancel.is_set():
+                    raise _Fail("cancelled", "dropped by its owner during the transfer")
+                idx = [i for i, d in enumerate(req.tensors) if d.layer == layer and d.nbytes]
+                if idx:
+                    te.read(req.session, [area[i] for i in idx], [req.tensors[i].addr for i in idx])
+                    mig.bytes_done += sum(req.tensors[i].nbytes for i in idx)
+            mig.crc = [crc32(t) for t in area]
+            bad = [d.name for d, got in zip(req.tensors, mig.crc) if got != d.crc32]
+            if bad:
+                raise _Fail("checksum", f"{len(bad)} tensors differ from the owner's checksum, e.g. {bad[0]}")
+            mig.finish("verified")
+            logger.info("guest layers [%d, %d) of %s verified: %.1f MB in %.2fs", req.start, req.stop,
+                        req.owner, mig.bytes_done / 1e6, mig.seconds)
+        except _Fail as f:
+            self._free_guest(mig)
+            mig.finish("dropped" if f.reason == "cancelled" else "failed", f.reason, f.detail)
+        except Exception as e:
+            self._free_guest(mig)
+            mig.finish("failed", "transfer", f"{type(e).__name__}: {e}")
+            logger.warning("guest layers of %s (%s) failed: %s", req.owner, mig.migration, e)
+
+    def _free_guest(self, mig: _Migration) -> None:
+        area, mig.guest = mig.guest, []
+        if area and self._te is not None:
+            for t in area:
+                self._te.unregister(t)
+
+
+class _Fail(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+def _describe(reply: m.Reply) -> str:
+    if isinstance(reply, (m.Failed, m.Error)):
+        return f"{reply.reason}: {reply.detail}"
+    return type(reply).__name__

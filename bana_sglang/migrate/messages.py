@@ -1,0 +1,190 @@
+"""Typed, versioned messages of the migration control channel.
+
+Operator (CLI, router admin endpoints) -> a worker's agent, and agent -> agent.
+The envelope is :mod:`bana_sglang.wire`'s (one msgpack frame, ``id``/``v``/
+``deadline`` on every request, exactly one reply per request). Bulk bytes
+(weights, KV) never travel here: a :class:`HostLayers` offer carries only the
+addresses, sizes and CRC32 of the tensors, which the peer then reads through
+the Mooncake transfer engine.
+
+Long operations answer at once (:class:`Accepted`) and are followed with
+:class:`Watch`, which answers :class:`Progress`, :class:`Done` or
+:class:`Failed` (with a reason). Reasons besides the envelope's: ``invalid``
+(well-formed but not executable: a layer range outside the model, an
+overlapping migration, an unknown migration id), ``peer_unreachable``,
+``transfer``, ``checksum``, ``cancelled``, ``internal``.
+
+Migration states on the source worker: ``accepted`` -> ``checksumming`` ->
+``offered`` -> ``transferring`` -> ``staged`` (the peer holds a verified copy
+of the layers' weights in its guest area); terminal: ``staged``, ``failed``,
+``cancelled``. On the peer (guest side): ``pulling`` -> ``verified``, or
+``failed``/``dropped``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+
+from bana_sglang import wire
+from bana_sglang.wire import Error, encode
+
+PROTOCOL_VERSION = 1
+
+MigrationId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+Endpoint = Annotated[str, msgspec.Meta(pattern=r"^tcp://[^:/\s]+:[0-9]{1,5}$")]
+LayerIndex = Annotated[int, msgspec.Meta(ge=0)]
+
+SOURCE_STATES = ("accepted", "checksumming", "offered", "transferring", "staged", "failed", "cancelled")
+GUEST_STATES = ("pulling", "verified", "failed", "dropped")
+TERMINAL = ("staged", "failed", "cancelled", "verified", "dropped")
+
+
+class _Request(wire.Request, kw_only=True, frozen=True):
+    v: int = PROTOCOL_VERSION
+
+
+class Ping(_Request, tag="ping"):
+    """Who are you? (also a health probe)"""
+
+
+class Status(_Request, tag="status"):
+    """Which layers this worker executes, its migrations and the guest layers it holds."""
+
+
+class MigrateLayers(_Request, tag="migrate_layers"):
+    """Move layers ``[start, stop)`` of this worker to the agent at ``peer``."""
+
+    migration: MigrationId
+    start: LayerIndex
+    stop: LayerIndex
+    peer: Endpoint
+
+
+class Watch(_Request, tag="watch"):
+    """The current state of ``migration`` (on the source, or a guest on the peer)."""
+
+    migration: MigrationId
+
+
+class Cancel(_Request, tag="cancel"):
+    """Stop ``migration``; the peer drops what it received."""
+
+    migration: MigrationId
+
+
+class TensorDesc(msgspec.Struct, frozen=True, kw_only=True):
+    """One parameter of a migrating layer, readable in the owner's registered memory."""
+
+    layer: LayerIndex
+    name: str  # the parameter's name inside its layer, e.g. "mlp.down_proj.weight"
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    shape: list[Annotated[int, msgspec.Meta(ge=0)]]
+    addr: Annotated[int, msgspec.Meta(ge=1)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0)]
+    crc32: Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+
+
+class HostLayers(_Request, tag="host_layers"):
+    """Agent to agent: read these tensors of ``owner`` through the transfer
+    engine (``session`` is the owner's ``host:rpc_port``) into a guest area."""
+
+    migration: MigrationId
+    owner: str
+    session: str
+    start: LayerIndex
+    stop: LayerIndex
+    tensors: list[TensorDesc]
+
+
+class DropGuest(_Request, tag="drop_guest"):
+    """Agent to agent: free the guest area of ``migration``."""
+
+    migration: MigrationId
+
+
+Request = Union[Ping, Status, MigrateLayers, Watch, Cancel, HostLayers, DropGuest]
+REQUEST_TYPES = ("ping", "status", "migrate_layers", "watch", "cancel", "host_layers", "drop_guest")
+
+_Reply = wire.Reply
+
+
+class Pong(_Reply, tag="pong"):
+    worker: str
+    role: str
+    num_layers: int
+    pid: int
+    version: int = PROTOCOL_VERSION
+
+
+class Accepted(_Reply, tag="accepted"):
+    migration: str
+
+
+class Progress(_Reply, tag="progress"):
+    migration: str
+    state: str
+    bytes_done: int
+    bytes_total: int
+    note: str = ""
+
+
+class Done(_Reply, tag="done"):
+    migration: str
+    state: str
+    bytes: int
+    seconds: float
+    note: str = ""
+
+
+class Failed(_Reply, tag="failed"):
+    migration: str
+    reason: str
+    detail: str = ""
+
+
+class Ok(_Reply, tag="ok"):
+    note: str = ""
+
+
+class Placement(msgspec.Struct, frozen=True, kw_only=True):
+    """Layers ``[start, stop)`` of this worker run on ``executor`` (a worker name)."""
+
+    start: int
+    stop: int
+    executor: str
+
+
+class MigrationInfo(msgspec.Struct, frozen=True, kw_only=True):
+    migration: str
+    side: str  # "source" or "guest"
+    peer: str  # the other worker's name (or endpoint until it answered)
+    start: int
+    stop: int
+    state: str
+    bytes_done: int
+    bytes_total: int
+    seconds: float
+    reason: str = ""
+    detail: str = ""
+    crc32: list[int] = []  # per tensor, in offer order (a guest: computed over the bytes it holds)
+    tensors: list[str] = []  # "LAYER.NAME" per tensor, same order
+
+
+class StatusResult(_Reply, tag="status_result"):
+    worker: str
+    role: str
+    num_layers: int
+    placement: list[Placement]
+    migrations: list[MigrationInfo]
+    guest_bytes: int  # memory held for other workers' layers
+    transfer_session: str = ""  # this agent's transfer engine (host:port), once started
+
+
+Reply = Union[Pong, Accepted, Progress, Done, Failed, Ok, StatusResult, Error]
+
+CHANNEL = wire.Channel("the migration agent", PROTOCOL_VERSION, Request, Reply, REQUEST_TYPES)
+decode_request = CHANNEL.decode_request
+decode_reply = CHANNEL.decode_reply
+__all__ = ["Error", "decode_reply", "decode_request", "encode"]

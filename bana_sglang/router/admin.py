@@ -1,0 +1,143 @@
+"""The router's admin endpoints for migrations (behind the API key when one is set).
+
+- ``GET /bana/admin/agents``: every worker agent's status: which layers it
+  executes and on whom, its migrations, the guest memory it holds; an agent
+  that does not answer is listed with its error.
+- ``POST /bana/admin/migrations`` ``{"worker": W, "peer": P, "layers": [a, b], "id": optional}``:
+  move layers ``[a, b)`` of W to P (names like ``prefill-0`` or worker URLs);
+  202 with the migration id, 400/404 with the reason, 502 when the agent is down.
+- ``GET /bana/admin/migrations/{id}``: its state on the source worker.
+- ``DELETE /bana/admin/migrations/{id}``: cancel it.
+
+Agents are reached over their ZMQ control channel on a helper thread (calls
+are blocking and short); the router's event loop never waits on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import orjson
+from aiohttp import web
+
+from bana_sglang.migrate import messages as m
+from bana_sglang.migrate.client import AgentClient, AgentUnavailable
+from bana_sglang.router.errors import error_response
+
+AGENT_TIMEOUT_S = 3.0
+
+
+class AdminAPI:
+    def __init__(self, agents: tuple[tuple[str, str], ...]):
+        self.agents = {url.rstrip("/"): AgentClient(ep, timeout_s=AGENT_TIMEOUT_S) for url, ep in agents}
+        self.endpoints = {url.rstrip("/"): ep for url, ep in agents}
+        self.names: dict[str, str] = {}  # worker name -> url, learnt from the agents' pongs
+        self._pool = ThreadPoolExecutor(max(1, min(8, len(self.agents))), thread_name_prefix="bana-admin")
+
+    def add_routes(self, r: web.UrlDispatcher) -> None:
+        r.add_get("/bana/admin/agents", self.handle_agents)
+        r.add_post("/bana/admin/migrations", self.handle_migrate)
+        r.add_get("/bana/admin/migrations/{id}", self.handle_watch)
+        r.add_delete("/bana/admin/migrations/{id}", self.handle_cancel)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for c in self.agents.values():
+            c.close()
+
+    async def _call(self, url: str, make, **fields) -> m.Reply:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: self.agents[url].call(make, **fields))
+
+    async def _statuses(self) -> dict[str, m.StatusResult | str]:
+        async def one(url: str):
+            try:
+                st = await self._call(url, m.Status)
+            except AgentUnavailable as e:
+                return url, str(e)
+            if isinstance(st, m.StatusResult):
+                self.names[st.worker] = url
+            return url, st
+
+        return dict(await asyncio.gather(*(one(u) for u in self.agents)))
+
+    async def _resolve(self, who: object) -> str | None:
+        if not isinstance(who, str):
+            return None
+        if who.rstrip("/") in self.agents:
+            return who.rstrip("/")
+        if who not in self.names:
+            await self._statuses()
+        return self.names.get(who)
+
+    # ------------------------------------------------------------------ handlers
+    async def handle_agents(self, request: web.Request) -> web.Response:
+        out = []
+        for url, st in (await self._statuses()).items():
+            if isinstance(st, str):
+                out.append({"url": url, "agent": self.endpoints[url], "error": st})
+            else:
+                out.append({"url": url, "agent": self.endpoints[url], **msgspec.to_builtins(st)})
+        return web.Response(body=orjson.dumps({"agents": out}), content_type="application/json")
+
+    async def handle_migrate(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            return error_response(400, f"body is not JSON: {e}")
+        if not isinstance(body, dict):
+            return error_response(400, "body must be a JSON object")
+        layers = body.get("layers")
+        if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
+            return error_response(400, "'layers' must be [start, stop] (integers; layers start..stop-1)")
+        src, dst = await self._resolve(body.get("worker")), await self._resolve(body.get("peer"))
+        for field, url in (("worker", src), ("peer", dst)):
+            if url is None:
+                known = sorted(self.names) or sorted(self.agents)
+                return error_response(404, f"{field} {body.get(field)!r} is not a worker with a migration agent "
+                                           f"(known: {', '.join(known)})")
+        if src == dst:
+            return error_response(400, "worker and peer must differ")
+        mid = body.get("id") or f"mig-{uuid.uuid4().hex[:12]}"
+        try:
+            reply = await self._call(src, m.MigrateLayers, migration=mid, start=layers[0], stop=layers[1],
+                                     peer=self.endpoints[dst])
+        except AgentUnavailable as e:
+            return error_response(502, str(e))
+        except (msgspec.ValidationError, TypeError, ValueError) as e:
+            return error_response(400, f"invalid migration request: {e}")
+        return self._reply(reply, accepted=202)
+
+    async def _source_of(self, mid: str) -> str | None:
+        for url, st in (await self._statuses()).items():
+            if isinstance(st, m.StatusResult) and any(
+                    x.migration == mid and x.side == "source" for x in st.migrations):
+                return url
+        return None
+
+    async def handle_watch(self, request: web.Request) -> web.Response:
+        return await self._on_source(request.match_info["id"], m.Watch)
+
+    async def handle_cancel(self, request: web.Request) -> web.Response:
+        return await self._on_source(request.match_info["id"], m.Cancel)
+
+    async def _on_source(self, mid: str, make) -> web.Response:
+        url = await self._source_of(mid)
+        if url is None:
+            return error_response(404, f"no migration {mid!r} on any agent")
+        try:
+            return self._reply(await self._call(url, make, migration=mid))
+        except AgentUnavailable as e:
+            return error_response(502, str(e))
+
+    @staticmethod
+    def _reply(reply: m.Reply, accepted: int = 200) -> web.Response:
+        if isinstance(reply, m.Error):
+            return error_response(400 if reply.reason == "invalid" else 502, f"{reply.reason}: {reply.detail}")
+        status = accepted if isinstance(reply, m.Accepted) else 200
+        data = {"kind": type(reply).__name__.lower(), **msgspec.to_builtins(reply)}
+        data.pop("id", None)
+        return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")

@@ -1,0 +1,177 @@
+"""The migration agent's control plane and weight staging, fast: two agents in
+this process on real ZMQ sockets, real Mooncake transfer engines (TCP on
+127.0.0.1) and small layer stacks (the live SGLang path is
+``test_migrate_live.py``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+import torch
+
+from bana_sglang.migrate import messages as m
+from bana_sglang.migrate.agent import MigrationAgent, crc32
+from bana_sglang.migrate.client import AgentClient, AgentUnavailable
+
+
+def layers(seed: int, n: int = 4, width: int = 64) -> torch.nn.ModuleList:
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.LayerNorm(2 * width),
+                            torch.nn.Linear(2 * width, width)) for _ in range(n))
+
+
+class Running:
+    def __init__(self, name: str, role: str, seed: int, n: int = 4, width: int = 64):
+        self.layers = layers(seed, n, width)
+        self.agent = MigrationAgent(name, role, self.layers, "tcp://127.0.0.1:*")
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.agent.serve_forever, args=(self.stop,), daemon=True)
+        self.thread.start()
+        self.client = AgentClient(self.agent.endpoint, timeout_s=5)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.client.close()
+        self.agent.close()
+
+
+@pytest.fixture
+def pair():
+    x, y = Running("prefill-0", "prefill", 1), Running("decode-0", "decode", 2)
+    yield x, y
+    x.close()
+    y.close()
+
+
+def wait_state(client: AgentClient, mid: str, timeout: float = 30) -> m.Reply:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.call(m.Watch, migration=mid)
+        if not isinstance(r, m.Progress):
+            return r
+        assert time.monotonic() < deadline, f"migration {mid} still {r.state}"
+        time.sleep(0.05)
+
+
+def test_ping_and_status_say_who_executes_what(pair):
+    x, _ = pair
+    pong = x.client.call(m.Ping)
+    assert isinstance(pong, m.Pong) and (pong.worker, pong.role, pong.num_layers) == ("prefill-0", "prefill", 4)
+    st = x.client.call(m.Status)
+    assert st.placement == [m.Placement(start=0, stop=4, executor="prefill-0")]
+    assert st.migrations == [] and st.guest_bytes == 0
+
+
+def test_layers_are_staged_on_the_peer_with_equal_checksums(pair):
+    x, y = pair
+    r = x.client.call(m.MigrateLayers, migration="mig-1", start=1, stop=3, peer=y.agent.endpoint)
+    assert r == m.Accepted(id=r.id, migration="mig-1")
+    done = wait_state(x.client, "mig-1")
+    assert isinstance(done, m.Done) and done.state == "staged", done
+    want = [crc32(p.data) for i in (1, 2) for _, p in x.layers[i].named_parameters()]
+    size = sum(p.numel() * 4 for i in (1, 2) for p in x.layers[i].parameters())
+    assert done.bytes == size
+    guest = y.agent.migrations["mig-1"]
+    assert guest.state == "verified" and [crc32(t) for t in guest.guest] == want
+    # the guest area holds X's weights, not Y's own (different seeds)
+    own_y = [crc32(p.data) for i in (1, 2) for _, p in y.layers[i].named_parameters()]
+    assert own_y != want
+    sx, sy = x.client.call(m.Status), y.client.call(m.Status)
+    assert [(i.migration, i.side, i.state, i.crc32) for i in sx.migrations] == [("mig-1", "source", "staged", want)]
+    assert [(i.migration, i.side, i.state, i.peer) for i in sy.migrations] == [("mig-1", "guest", "verified", "prefill-0")]
+    assert sy.guest_bytes == size
+    # cancel after staging: the peer frees its copy
+    assert isinstance(x.client.call(m.Cancel, migration="mig-1"), m.Ok)
+    deadline = time.monotonic() + 10
+    while y.client.call(m.Status).guest_bytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert y.client.call(m.Status).guest_bytes == 0
+    assert y.agent.migrations["mig-1"].state == "dropped"
+
+
+def test_invalid_commands_are_refused_with_the_reason(pair):
+    x, y = pair
+    r = x.client.call(m.MigrateLayers, migration="a", start=3, stop=9, peer=y.agent.endpoint)
+    assert isinstance(r, m.Error) and r.reason == "invalid" and "4 layers" in r.detail
+    r = x.client.call(m.Watch, migration="nope")
+    assert isinstance(r, m.Error) and r.reason == "invalid"
+    x.client.call(m.MigrateLayers, migration="b", start=0, stop=2, peer=y.agent.endpoint)
+    r = x.client.call(m.MigrateLayers, migration="c", start=1, stop=3, peer=y.agent.endpoint)
+    assert isinstance(r, m.Error) and "overlap migration 'b'" in r.detail
+    r = x.client.call(m.MigrateLayers, migration="b", start=3, stop=4, peer=y.agent.endpoint)
+    assert isinstance(r, m.Error) and "taken" in r.detail
+    assert isinstance(wait_state(x.client, "b"), m.Done)
+
+
+def test_a_peer_with_another_architecture_refuses_the_offer():
+    x, z = Running("prefill-0", "prefill", 1), Running("decode-9", "decode", 3, width=32)
+    try:
+        x.client.call(m.MigrateLayers, migration="arch", start=0, stop=1, peer=z.agent.endpoint)
+        r = wait_state(x.client, "arch")
+        assert isinstance(r, m.Failed) and r.reason == "peer_refused" and "same architecture" in r.detail
+    finally:
+        x.close()
+        z.close()
+
+
+def test_an_unreachable_peer_fails_the_migration_and_the_source_keeps_serving(pair):
+    x, _ = pair
+    x.client.call(m.MigrateLayers, migration="gone", start=0, stop=1, peer="tcp://127.0.0.1:9")
+    r = wait_state(x.client, "gone", timeout=30)
+    assert isinstance(r, m.Failed) and r.reason == "peer_unreachable"
+    assert isinstance(x.client.call(m.Ping), m.Pong)
+
+
+def test_peer_killed_mid_transfer_fails_cleanly():
+    x, y = Running("prefill-0", "prefill", 1, n=6, width=512), Running("decode-0", "decode", 2, n=6, width=512)
+    try:
+        real_read = y.agent._engine().read
+
+        def slow_read(*a, **k):  # one layer at a time, slowly: the kill lands mid-transfer
+            time.sleep(0.3)
+            return real_read(*a, **k)
+
+        y.agent._te.read = slow_read
+        x.client.call(m.MigrateLayers, migration="mid", start=0, stop=6, peer=y.agent.endpoint)
+        deadline = time.monotonic() + 10
+        while x.agent.migrations["mid"].state != "transferring" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        y.close()  # the peer's agent goes away
+        r = wait_state(x.client, "mid", timeout=30)
+        assert isinstance(r, m.Failed) and r.reason in ("peer_unreachable", "cancelled"), r
+        assert isinstance(x.client.call(m.Ping), m.Pong)
+        assert x.client.call(m.Status).placement == [m.Placement(start=0, stop=6, executor="prefill-0")]
+    finally:
+        x.close()
+
+
+def test_malformed_unknown_version_and_stale_messages_get_a_reason(pair):
+    x, _ = pair
+    c = x.client
+    cases = [
+        (b"\xc1 not msgpack", "malformed"),
+        (msgspec.msgpack.encode([1, 2]), "malformed"),
+        (msgspec.msgpack.encode({"type": "teleport", "id": 5, "v": 1, "deadline": time.time() + 5}), "unknown_type"),
+        (msgspec.msgpack.encode({"type": "ping", "id": 6, "v": 99, "deadline": time.time() + 5}),
+         "unsupported_version"),
+        (msgspec.msgpack.encode({"type": "ping", "id": 7, "v": 1, "deadline": time.time() - 1}), "stale_deadline"),
+        (msgspec.msgpack.encode({"type": "migrate_layers", "id": 8, "v": 1, "deadline": time.time() + 5,
+                                 "migration": "x y!", "start": 0, "stop": 1, "peer": "tcp://h:1"}), "malformed"),
+    ]
+    for frame, reason in cases:
+        r = c.send_raw(frame)
+        assert isinstance(r, m.Error) and r.reason == reason, (frame, r)
+    assert c.send_raw(msgspec.msgpack.encode({"type": "ping", "id": 6, "v": 99, "deadline": 0})).id == 6
+    assert isinstance(c.call(m.Ping), m.Pong)  # still serving
+
+
+def test_a_client_times_out_on_a_silent_endpoint():
+    c = AgentClient("tcp://127.0.0.1:9", timeout_s=0.3)
+    with pytest.raises(AgentUnavailable, match="no reply"):
+        c.call(m.Ping)
+    c.close()
