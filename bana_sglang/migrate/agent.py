@@ -45,7 +45,7 @@ from bana_sglang.migrate.client import AgentClient, AgentUnavailable
 
 logger = logging.getLogger(__name__)
 
-WATCH_INTERVAL_S = 0.2  # how often a source polls its peer during a transfer
+WATCH_INTERVAL_S = (0.005, 0.2)  # a source polls its peer this often during a transfer (backing off)
 PEER_TIMEOUT_S = 5.0  # a peer silent this long fails the migration
 MAX_PER_POLL = 64  # requests answered per scheduler iteration
 
@@ -304,6 +304,7 @@ class MigrationAgent:
             if not isinstance(reply, m.Accepted):
                 raise _Fail("peer_refused", _describe(reply))
             mig.state = "transferring"
+            wait = WATCH_INTERVAL_S[0]
             while True:
                 if mig.cancel.is_set():
                     self._drop_at_peer(client, mig)
@@ -317,7 +318,8 @@ class MigrationAgent:
                 else:
                     raise _Fail(reply.reason if isinstance(reply, (m.Failed, m.Error)) else "internal",
                                 "peer: " + _describe(reply))
-                time.sleep(WATCH_INTERVAL_S)
+                time.sleep(wait)
+                wait = min(WATCH_INTERVAL_S[1], wait * 2)
             mig.finish("staged")
             logger.info("migration %s: layers [%d, %d) staged on %s: %.1f MB verified in %.2fs (%.1f MB/s)",
                         mig.migration, mig.start, mig.stop, mig.peer, mig.bytes_done / 1e6, mig.seconds,
