@@ -27,7 +27,7 @@ def layers(seed: int, n: int = 4, width: int = 64) -> torch.nn.ModuleList:
 class Running:
     def __init__(self, name: str, role: str, seed: int, n: int = 4, width: int = 64):
         self.layers = layers(seed, n, width)
-        self.agent = MigrationAgent(name, role, self.layers, "tcp://127.0.0.1:*")
+        self.agent = MigrationAgent(name, role, self.layers, "tcp://127.0.0.1:*", peer_timeout_s=2.0)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.agent.serve_forever, args=(self.stop,), daemon=True)
         self.thread.start()
@@ -85,6 +85,8 @@ def test_layers_are_staged_on_the_peer_with_equal_checksums(pair):
     assert [(i.migration, i.side, i.state, i.crc32) for i in sx.migrations] == [("mig-1", "source", "staged", want)]
     assert [(i.migration, i.side, i.state, i.peer) for i in sy.migrations] == [("mig-1", "guest", "verified", "prefill-0")]
     assert sy.guest_bytes == size
+    assert x.agent.metrics.values["migrations_staged"] == 1 and x.agent.metrics.values["sent_bytes"] == size
+    assert y.agent.metrics.values["guest_bytes_received"] == size
     # cancel after staging: the peer frees its copy
     assert isinstance(x.client.call(m.Cancel, migration="mig-1"), m.Ok)
     deadline = time.monotonic() + 10
@@ -167,6 +169,7 @@ def test_malformed_unknown_version_and_stale_messages_get_a_reason(pair):
         r = c.send_raw(frame)
         assert isinstance(r, m.Error) and r.reason == reason, (frame, r)
     assert c.send_raw(msgspec.msgpack.encode({"type": "ping", "id": 6, "v": 99, "deadline": 0})).id == 6
+    assert x.agent.metrics.values["rejected_requests"] == len(cases) + 1
     assert isinstance(c.call(m.Ping), m.Pong)  # still serving
 
 

@@ -108,6 +108,15 @@ def test_layer_weights_move_to_the_decode_worker_while_requests_run(cluster, sin
     disk = [checkpoint_crc(int(t.split(".", 1)[0]), t.split(".", 1)[1]) for t in dst["tensors"]]
     assert dst["crc32"] == src["crc32"] == disk
     assert a["decode-0"]["guest_bytes"] == src["bytes_total"] == dst["bytes_done"] > 0
+    # the counters on the workers' /metrics (SGLang's multiprocess registry)
+    def counter(url: str, name: str) -> float:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+                   or line.startswith(name + "{"))
+
+    urls = {a[w]["worker"]: a[w]["url"] for w in a}
+    assert counter(urls["decode-0"], "bana_migrate_guest_bytes_received_total") == dst["bytes_done"]
+    assert counter(urls["prefill-0"], "bana_migrate_migrations_staged_total") == 1
     # still serving, same tokens, after the migration
     assert [generate(cluster.url, ids, 12, KEY) for ids in prompts[:2]] == want[:2]
     # cancel: the decode worker frees its copy

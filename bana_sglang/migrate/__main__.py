@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--router", default=None, help="the router (default http://127.0.0.1:30000)")
     where.add_argument("--agent", default=None, metavar="tcp://HOST:PORT", help="talk to one agent directly")
     p.add_argument("--api-key", default=None, help="the router's API key (default: $BANA_API_KEY)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds per call (agents answer at batch boundaries; the router waits up to 30 s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("status", help="who executes which layers, migrations, guest memory")

@@ -40,13 +40,16 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from bana_sglang.counters import CounterSet
 from bana_sglang.migrate import messages as m
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
 
 logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = (0.005, 0.2)  # a source polls its peer this often during a transfer (backing off)
-PEER_TIMEOUT_S = 5.0  # a peer silent this long fails the migration
+# A peer's agent answers at its scheduler's batch boundaries: a long CPU batch
+# (or a machine starved of cores) delays it by seconds. Silent this long: gone.
+PEER_TIMEOUT_S = 30.0
 MAX_PER_POLL = 64  # requests answered per scheduler iteration
 
 
@@ -137,13 +140,25 @@ class _Migration:
                           bytes_total=self.bytes_total)
 
 
+METRICS = {
+    "migrations_started": "Layer migrations this worker started as the source",
+    "migrations_staged": "Layer migrations that ended staged (the peer verified its copy)",
+    "migrations_failed": "Layer migrations that failed or were cancelled (source side)",
+    "sent_bytes": "Layer bytes peers read from this worker and verified",
+    "guest_bytes_received": "Layer bytes this worker read for other workers and verified",
+    "rejected_requests": "Control messages refused (malformed, unknown type or version, stale, invalid)",
+}
+
+
 class MigrationAgent:
     """One worker's agent; see the module doc. ``layers`` is the model's list of
     decoder layers (``model.model.layers`` for SGLang's Llama)."""
 
     def __init__(self, name: str, role: str, layers: torch.nn.ModuleList, endpoint: str, *,
-                 te_host: str = "127.0.0.1", protocol: str = "tcp", device: str = ""):
+                 te_host: str = "127.0.0.1", protocol: str = "tcp", device: str = "",
+                 peer_timeout_s: float = PEER_TIMEOUT_S):
         self.name, self.role, self.layers = name, role, layers
+        self.peer_timeout_s = peer_timeout_s
         self.num_layers = len(layers)
         self.te_host, self.protocol, self.device = te_host, protocol, device
         self._ctx = zmq.Context.instance()
@@ -156,6 +171,7 @@ class MigrationAgent:
         self._work = ThreadPoolExecutor(1, thread_name_prefix=f"bana-migrate-{name}")
         self._lock = threading.Lock()
         self.migrations: dict[str, _Migration] = {}
+        self.metrics = CounterSet("bana_migrate", METRICS)
         self._closed = False
         logger.info("migration agent of %s (%s, %d layers) on %s", name, role, self.num_layers, self.endpoint)
 
@@ -174,6 +190,7 @@ class MigrationAgent:
             req = m.decode_request(frame)
             if isinstance(req, m.Error):
                 logger.warning("rejected a request (%s): %s", req.reason, req.detail)
+                self.metrics.add("rejected_requests")
                 reply = req
             else:
                 try:
@@ -181,6 +198,8 @@ class MigrationAgent:
                 except Exception as e:  # a bug: answer, log, keep serving
                     logger.exception("migration agent: %s failed", type(req).__name__)
                     reply = m.Error(id=req.id, reason="internal", detail=f"{type(e).__name__}: {e}")
+            if isinstance(reply, m.Error) and reply.reason == "invalid":
+                self.metrics.add("rejected_requests")
             self._sock.send_multipart([ident, m.encode(reply)])
         return n
 
@@ -268,6 +287,7 @@ class MigrationAgent:
         mig = _Migration(req.migration, "source", req.peer, req.start, req.stop, "accepted")
         with self._lock:
             self.migrations[req.migration] = mig
+        self.metrics.add("migrations_started")
         self._work.submit(self._run_source, mig, req.peer)
         logger.info("migration %s: layers [%d, %d) of %s -> %s accepted", mig.migration, mig.start, mig.stop,
                     self.name, req.peer)
@@ -279,7 +299,7 @@ class MigrationAgent:
         return [(i, name, p.data) for i in range(start, stop) for name, p in self.layers[i].named_parameters()]
 
     def _run_source(self, mig: _Migration, peer: str) -> None:
-        client = AgentClient(peer, timeout_s=PEER_TIMEOUT_S, ctx=self._ctx)
+        client = AgentClient(peer, timeout_s=self.peer_timeout_s, ctx=self._ctx)
         try:
             mig.state = "checksumming"
             tensors = self._layer_tensors(mig.start, mig.stop)
@@ -321,14 +341,18 @@ class MigrationAgent:
                 time.sleep(wait)
                 wait = min(WATCH_INTERVAL_S[1], wait * 2)
             mig.finish("staged")
+            self.metrics.add("migrations_staged")
+            self.metrics.add("sent_bytes", mig.bytes_done)
             logger.info("migration %s: layers [%d, %d) staged on %s: %.1f MB verified in %.2fs (%.1f MB/s)",
                         mig.migration, mig.start, mig.stop, mig.peer, mig.bytes_done / 1e6, mig.seconds,
                         mig.bytes_done / 1e6 / max(mig.seconds, 1e-9))
         except _Fail as f:
             mig.finish("cancelled" if f.reason == "cancelled" else "failed", f.reason, f.detail)
+            self.metrics.add("migrations_failed")
             logger.warning("migration %s %s: %s %s", mig.migration, mig.state, f.reason, f.detail)
         except Exception as e:
             mig.finish("failed", "internal", f"{type(e).__name__}: {e}")
+            self.metrics.add("migrations_failed")
             logger.exception("migration %s failed", mig.migration)
         finally:
             client.close()
@@ -352,7 +376,7 @@ class MigrationAgent:
         mig.cancel.set()
         if mig.state == "staged":  # done: ask the peer to free its copy, off the scheduler thread
             def drop() -> None:
-                client = AgentClient(mig.peer, timeout_s=PEER_TIMEOUT_S, ctx=self._ctx)
+                client = AgentClient(mig.peer, timeout_s=self.peer_timeout_s, ctx=self._ctx)
                 try:
                     self._drop_at_peer(client, mig)
                 finally:
@@ -403,6 +427,7 @@ class MigrationAgent:
             if bad:
                 raise _Fail("checksum", f"{len(bad)} tensors differ from the owner's checksum, e.g. {bad[0]}")
             mig.finish("verified")
+            self.metrics.add("guest_bytes_received", mig.bytes_done)
             logger.info("guest layers [%d, %d) of %s verified: %.1f MB in %.2fs", req.start, req.stop,
                         req.owner, mig.bytes_done / 1e6, mig.seconds)
         except _Fail as f:

@@ -58,7 +58,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
@@ -68,6 +68,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     UnifiedCacheLinkerWrapper,
 )
 
+from bana_sglang.counters import CounterSet
 from bana_sglang.radix_global.flags import LINKER_NAME, LinkerConfig
 from bana_sglang.radix_global.keys import KVLayout, PageHash, model_identity, namespaced
 from bana_sglang.radix_global.service import IndexClient
@@ -78,10 +79,9 @@ logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------- metrics
 
-class _Metrics:
-    """Per-worker counters. Prometheus counters when ``prometheus_client`` is there
-    (SGLang's ``--enable-metrics`` sets the multiprocess directory, so they appear
-    on the worker's ``/metrics``); plain numbers always (logged at close)."""
+class _Metrics(CounterSet):
+    """The store's per-worker counters (``bana_store_*_total`` on the worker's
+    ``/metrics``; plain numbers always, logged at close)."""
 
     NAMES: ClassVar[dict[str, str]] = {
         "lookups": "Lookups of the global index (requests with an uncached tail)",
@@ -101,27 +101,7 @@ class _Metrics:
     }
 
     def __init__(self) -> None:
-        self.values = dict.fromkeys(self.NAMES, 0.0)
-        self._prom: dict[str, Any] = {}
-        self._lock = threading.Lock()
-        try:
-            from prometheus_client import Counter
-        except ImportError:
-            return
-        for name, doc in self.NAMES.items():
-            try:
-                self._prom[name] = Counter(f"bana_store_{name}", doc)
-            except ValueError:  # already registered in this process (tests)
-                pass
-
-    def add(self, name: str, value: float = 1.0) -> None:
-        if value <= 0:
-            return
-        with self._lock:
-            self.values[name] += value
-        c = self._prom.get(name)
-        if c is not None:
-            c.inc(value)
+        super().__init__("bana_store", self.NAMES)
 
     def summary(self) -> str:
         v = self.values
