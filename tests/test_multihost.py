@@ -114,9 +114,9 @@ def make_spec(addrs: list[str]) -> dict:
             {"name": "a", "address": a, "workers": []},
             {"name": "b", "address": b, "workers": [
                 {"role": "prefill", "port": 30100, "bootstrap_port": 30101},
-                {"role": "decode", "port": 30102}]},
+                {"role": "decode", "port": 30102, "agent_port": 30103}]},
             {"name": "c", "address": c, "workers": [
-                {"role": "prefill", "port": 30100, "bootstrap_port": 30101}]},
+                {"role": "prefill", "port": 30100, "bootstrap_port": 30101, "agent_port": 30103}]},
         ],
         "master": {"node": "a", "rpc_port": 30110, "metrics_port": 30111},
         "store": {"node": "a", "index_port": 30112, "bytes": "256M"},
@@ -216,6 +216,7 @@ def spec_ports(spec: dict, node: str) -> set[int]:
              for p in (w["port"], w.get("bootstrap_port")) if p}
     if node == spec["master"]["node"]:
         ports |= {spec["master"]["rpc_port"], spec["master"]["metrics_port"]}
+    ports |= {w["agent_port"] for n in spec["nodes"] if n["name"] == node for w in n["workers"] if "agent_port" in w}
     if node == spec["store"]["node"]:
         ports.add(spec["store"]["index_port"])
     if node == spec["router"]["node"]:
@@ -236,6 +237,28 @@ def test_every_port_the_spec_names_listens_on_its_hosts_address_only(hosts):
         assert all(a == hosts.addr[name] for a in bound.values()), f"host {name}: {bound}"
         other = [(a, p) for a, p in listeners if p not in named]
         assert all(a in (hosts.addr[name], "127.0.0.1", "::1", "0.0.0.0", "::", "*") for a, _ in other), other
+
+
+def test_layer_weights_move_between_hosts(hosts):
+    """prefill-1 (host c) stages layers on decode-0 (host b) through the router
+    on host a: the agents' transfer engines reach each other at the addresses
+    the spec advertises."""
+    r = httpx.post(hosts.router + "/bana/admin/migrations", timeout=60,
+                   json={"worker": "prefill-1", "peer": "decode-0", "layers": [0, 2], "id": "cross-host"})
+    assert r.status_code == 202, r.text
+    deadline = time.monotonic() + 120
+    while (w := httpx.get(hosts.router + "/bana/admin/migrations/cross-host", timeout=60).json())["kind"] == "progress":
+        assert time.monotonic() < deadline, w
+        time.sleep(0.2)
+    assert w["kind"] == "done" and w["state"] == "staged", w
+    agents = {a["worker"]: a for a in httpx.get(hosts.router + "/bana/admin/agents", timeout=60).json()["agents"]}
+    assert set(agents) == {"prefill-1", "decode-0"}  # prefill-0 has no agent_port in the spec
+    src = next(x for x in agents["prefill-1"]["migrations"] if x["migration"] == "cross-host")
+    dst = next(x for x in agents["decode-0"]["migrations"] if x["migration"] == "cross-host")
+    assert dst["state"] == "verified" and dst["crc32"] == src["crc32"] and dst["bytes_done"] > 0
+    assert agents["prefill-1"]["transfer_session"].startswith(hosts.addr["c"] + ":")
+    assert agents["decode-0"]["transfer_session"].startswith(hosts.addr["b"] + ":")
+    assert httpx.delete(hosts.router + "/bana/admin/migrations/cross-host", timeout=60).status_code == 200
 
 
 def test_router_fails_over_when_a_host_is_cut_off_and_recovers(hosts, single_server):
