@@ -187,7 +187,7 @@ class ClusterSpec(_Strict):
             if key in taken:
                 raise ValueError(f"port {port} on node {node!r} is used by both {taken[key]} and {what}")
             taken[key] = what
-        names_w = [w for _, w in self.workers()]
+        names_w = [name for _, name, _ in self.workers()]
         dup_w = sorted({w for w in names_w if names_w.count(w) > 1})
         if dup_w:
             raise ValueError(f"worker names must be unique: {', '.join(dup_w)} repeated")
@@ -215,13 +215,14 @@ class ClusterSpec(_Strict):
                 return n
         raise SpecError(f"--node {name!r} is not in the spec (nodes: {', '.join(n.name for n in self.nodes)})")
 
-    def workers(self) -> list[tuple[NodeSpec, str]]:
-        """Every worker's node and name, numbered per role across the spec in file order."""
+    def workers(self) -> list[tuple[NodeSpec, str, WorkerSpec]]:
+        """Every worker with its node and name (default: numbered per role across
+        the spec in file order)."""
         count = {"prefill": 0, "decode": 0}
         out = []
         for n in self.nodes:
             for w in n.workers:
-                out.append((n, w.name or f"{w.role}-{count[w.role]}"))
+                out.append((n, w.name or f"{w.role}-{count[w.role]}", w))
                 count[w.role] += 1
         return out
 

@@ -57,7 +57,7 @@ def test_example_specs_are_valid_and_plan_every_node(path):
         for part in plan.workers:  # every worker binds its node's bind address
             argv = list(part.argv)
             assert argv[argv.index("--host") + 1] == n.bind_address
-    workers = [name for _, name in spec.workers()]
+    workers = [name for _, name, _ in spec.workers()]
     assert sorted(seen) == sorted(["mooncake-master", "router", *workers,
                                    *(["kv-storage", "kv-index"] if spec.store else [])])
 
@@ -184,7 +184,7 @@ node = "solo"
     p = tmp_path / "c.toml"
     p.write_text(toml)
     spec = cluster_spec.load(p)
-    assert spec.store is None and [n for _, n in spec.workers()] == ["prefill-0", "decode-0"]
+    assert spec.store is None and [n for _, n, _ in spec.workers()] == ["prefill-0", "decode-0"]
 
 
 def test_launcher_cli_errors(tmp_path):
