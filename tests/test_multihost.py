@@ -145,7 +145,10 @@ def hosts(tmp_path_factory) -> Iterator[MultiHost]:
                 launchers[HOSTS[i]] = Launcher(lab, i, path, tmp / "logs")
                 time.sleep(2)
             deadline = time.monotonic() + 900
-            while not launchers["a"].saw(READY_MARK):
+            # the router's host is ready once requests flow end to end; each node
+            # prints its own ready line when its launcher has seen its parts healthy
+            while not (launchers["a"].saw(READY_MARK)
+                       and all(x.saw(f"{NODE_READY_MARK} {n}") for n, x in launchers.items())):
                 dead = [n for n, x in launchers.items() if x.proc.poll() is not None]
                 if dead or time.monotonic() > deadline:
                     out = "\n".join(f"[{n}] {line}" for n, x in launchers.items() for line in x.lines[-25:])
