@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -41,9 +42,20 @@ KEY = "migrate-test-key"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with launched_cluster(["--num-prefill", "1", "--num-decode", "1", "--api-key", KEY],
-                          tmp_path_factory.mktemp("migrate-logs")) as c:
-        yield c
+    # a guest silent this long is gone (the failure tests stop one with SIGSTOP)
+    env = {"BANA_MIGRATE_STEP_TIMEOUT_S": "8", "BANA_MIGRATE_PEER_TIMEOUT_S": "10"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with launched_cluster(["--num-prefill", "1", "--num-decode", "1", "--api-key", KEY],
+                              tmp_path_factory.mktemp("migrate-logs")) as c:
+            yield c
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def cli(c, *args: str) -> subprocess.CompletedProcess:
@@ -79,6 +91,13 @@ def checkpoint_crc(layer: int, name: str) -> int:
     return zlib.crc32(t.contiguous().view(torch.uint8).numpy()) & 0xFFFFFFFF
 
 
+def counter(url: str, name: str) -> float:
+    """A counter on a worker's /metrics (SGLang's multiprocess registry)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
 def test_status_lists_every_worker_executing_its_own_layers(cluster):
     a = agents(cluster)
     assert set(a) == {"prefill-0", "decode-0"}
@@ -95,7 +114,8 @@ def test_layer_weights_move_to_the_decode_worker_while_requests_run(cluster, sin
     want = [generate(single_server, ids, 12) for ids in prompts]
     with ThreadPoolExecutor(3) as pool:
         running = [pool.submit(generate, cluster.url, ids, 12, KEY) for ids in prompts]
-        out = cli(cluster, "migrate", "prefill-0", "decode-0", "--layers", "1:3", "--id", "mig-live", "--wait")
+        out = cli(cluster, "migrate", "prefill-0", "decode-0", "--layers", "1:3", "--id", "mig-live", "--wait",
+                  "--stage-only")
         got = [f.result() for f in running]
     assert out.returncode == 0, out.stdout + out.stderr
     assert "mig-live: staged" in out.stdout
@@ -108,12 +128,6 @@ def test_layer_weights_move_to_the_decode_worker_while_requests_run(cluster, sin
     disk = [checkpoint_crc(int(t.split(".", 1)[0]), t.split(".", 1)[1]) for t in dst["tensors"]]
     assert dst["crc32"] == src["crc32"] == disk
     assert a["decode-0"]["guest_bytes"] == src["bytes_total"] == dst["bytes_done"] > 0
-    # the counters on the workers' /metrics (SGLang's multiprocess registry)
-    def counter(url: str, name: str) -> float:
-        text = httpx.get(url + "/metrics", timeout=30).text
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-                   or line.startswith(name + "{"))
-
     urls = {a[w]["worker"]: a[w]["url"] for w in a}
     assert counter(urls["decode-0"], "bana_migrate_guest_bytes_received_total") == dst["bytes_done"]
     assert counter(urls["prefill-0"], "bana_migrate_migrations_staged_total") == 1
@@ -165,3 +179,180 @@ def test_admin_endpoints_need_the_key_and_name_bad_requests(cluster):
                    json={"worker": "prefill-0", "peer": "decode-0", "layers": [3, 1]})
     assert r.status_code == 400 and "non-empty range" in r.text
     assert httpx.get(cluster.url + "/bana/admin/migrations/nope", headers=h, timeout=30).status_code == 404
+
+
+# --------------------------------------------------------------------------- the execution switch
+def prompts_of(seed: int, n: int, base: int = 20, step: int = 9) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 1000) for _ in range(base + step * i)] for i in range(n)]
+
+
+def migration(c, worker: str, mid: str) -> dict:
+    return next(x for x in agents(c)[worker]["migrations"] if x["migration"] == mid)
+
+
+def wait_state(c, worker: str, mid: str, states: tuple[str, ...], timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while (x := migration(c, worker, mid))["state"] not in states:
+        assert time.monotonic() < deadline, x
+        time.sleep(0.3)
+    return x
+
+
+def test_prefill_layers_run_on_the_decode_worker_then_come_home(cluster, single_server):
+    """Moving compute: layers [1, 3) of the prefill worker execute on the decode
+    worker from a batch boundary on, while requests run; then a recall reads the
+    weights back from the decode worker's copy and the prefill runs them again."""
+    prompts = prompts_of(7, 6)
+    want = [generate(single_server, ids, 12) for ids in prompts]
+    cached = prompts_of(8, 1, base=70)[0]  # computed before the switch: its KV is not on the guest
+    assert generate(cluster.url, cached, 4, KEY) == generate(single_server, cached, 4)
+    with ThreadPoolExecutor(3) as pool:
+        running = [pool.submit(generate, cluster.url, ids, 12, KEY) for ids in prompts]
+        out = cli(cluster, "migrate", "prefill-0", "decode-0", "--layers", "1:3", "--id", "sw-prefill", "--wait")
+        got = [f.result() for f in running]
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "sw-prefill: remote" in out.stdout
+    assert got == want  # requests that finished before, spanned, and started after the switch
+    a = agents(cluster)
+    assert a["prefill-0"]["placement"] == [{"start": 0, "stop": 1, "executor": "prefill-0"},
+                                           {"start": 1, "stop": 3, "executor": "decode-0"},
+                                           {"start": 3, "stop": 4, "executor": "prefill-0"}]
+    src = migration(cluster, "prefill-0", "sw-prefill")
+    assert src["state"] == "remote" and src["executor"] == "decode-0"
+    assert src["released_bytes"] == src["bytes_total"] > 0  # the prefill freed its copy of the weights
+    assert a["decode-0"]["guest_bytes"] > src["bytes_total"]  # the weights plus the guest KV
+    # after the switch: a prompt extending the one cached before ships its prefix KV to the guest
+    before = migration(cluster, "prefill-0", "sw-prefill")
+    longer = cached + prompts_of(9, 1, base=30)[0]
+    assert generate(cluster.url, longer, 10, KEY) == generate(single_server, longer, 10)
+    after = migration(cluster, "prefill-0", "sw-prefill")
+    assert after["steps"] > before["steps"] and after["shipped_rows"] >= before["shipped_rows"] + 64
+    urls = {w: a[w]["url"] for w in a}
+    assert counter(urls["prefill-0"], "bana_migrate_migrations_switched_total") == 1
+    assert counter(urls["decode-0"], "bana_migrate_guest_steps_total") >= after["steps"]
+    # recall: the weights come back from the decode worker, checked against their CRC32
+    out = cli(cluster, "recall", "sw-prefill", "--wait")
+    assert out.returncode == 0 and "sw-prefill: home" in out.stdout, out.stdout + out.stderr
+    a = agents(cluster)
+    assert a["prefill-0"]["placement"] == [{"start": 0, "stop": 4, "executor": "prefill-0"}]
+    assert [generate(cluster.url, ids, 12, KEY) for ids in prompts[:3]] == want[:3]
+    deadline = time.monotonic() + 30
+    while agents(cluster)["decode-0"]["guest_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert agents(cluster)["decode-0"]["guest_bytes"] == 0
+    assert migration(cluster, "decode-0", "sw-prefill")["state"] == "dropped"
+
+
+def test_decode_layers_with_the_last_layer_run_on_the_prefill_worker(cluster, single_server):
+    """Moving memory: the decode worker's layers [2, 4) (the last one included)
+    run on the prefill worker while requests decode; the KV the decode worker
+    received through the PD transfer is shipped to the guest as it is read.
+    Recalled from the checkpoint on disk."""
+    prompts = prompts_of(11, 4)
+    want = [generate(single_server, ids, 40) for ids in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(generate, cluster.url, ids, 40, KEY) for ids in prompts]
+        time.sleep(1.0)
+        out = cli(cluster, "migrate", "decode-0", "prefill-0", "--layers", "2:4", "--id", "sw-decode", "--wait")
+        got = [f.result() for f in running]
+    assert out.returncode == 0 and "sw-decode: remote" in out.stdout, out.stdout + out.stderr
+    assert got == want
+    assert [generate(cluster.url, ids, 40, KEY) for ids in prompts[:2]] == want[:2]  # all after the switch
+    src = migration(cluster, "decode-0", "sw-decode")
+    assert src["steps"] >= 40 and src["shipped_rows"] > 0
+    out = cli(cluster, "recall", "sw-decode", "--from-checkpoint", "--wait")
+    assert out.returncode == 0 and "sw-decode: home" in out.stdout, out.stdout + out.stderr
+    assert agents(cluster)["decode-0"]["placement"] == [{"start": 0, "stop": 4, "executor": "decode-0"}]
+    assert [generate(cluster.url, ids, 40, KEY) for ids in prompts[2:]] == want[2:]
+
+
+def _pid_of(c, worker: str) -> int:
+    client = AgentClient(agents(c)[worker]["agent"], timeout_s=10)
+    try:
+        return client.call(m.Ping).pid
+    finally:
+        client.close()
+
+
+def test_a_guest_that_stops_answering_after_the_switch(cluster, single_server):
+    """Layers [0, 2) of the decode worker run on the prefill worker; the prefill
+    worker then freezes (SIGSTOP). The decode worker's next step gets no answer,
+    it reloads the layers from the checkpoint and runs them itself: every
+    running request ends with the plain tokens, none hangs."""
+    prompts = prompts_of(13, 3)
+    want = [generate(single_server, ids, 60) for ids in prompts]
+    out = cli(cluster, "migrate", "decode-0", "prefill-0", "--layers", "0:2", "--id", "sw-fail", "--wait")
+    assert out.returncode == 0 and "sw-fail: remote" in out.stdout, out.stdout + out.stderr
+    guest_pid = _pid_of(cluster, "prefill-0")
+    decode_agent = AgentClient(agents(cluster)["decode-0"]["agent"], timeout_s=20)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            running = [pool.submit(generate, cluster.url, ids, 60, KEY) for ids in prompts]
+            deadline = time.monotonic() + 60
+            while True:  # every request is decoding (each has had its first remote decode step)
+                st = decode_agent.call(m.Status)
+                info = next(x for x in st.migrations if x.migration == "sw-fail")
+                if info.steps >= 6:
+                    break
+                assert time.monotonic() < deadline, info
+                time.sleep(0.05)
+            os.kill(guest_pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 60
+                while (info := next(x for x in decode_agent.call(m.Status).migrations
+                                    if x.migration == "sw-fail")).state != "restored":
+                    assert time.monotonic() < deadline, info
+                    time.sleep(0.3)
+                got = [f.result(timeout=120) for f in running]
+            finally:
+                os.kill(guest_pid, signal.SIGCONT)
+        assert got == want
+        assert info.reason == "peer_lost" and "no answer" in info.detail
+        st = decode_agent.call(m.Status)
+        assert [(p.start, p.stop, p.executor) for p in st.placement] == [(0, 4, "decode-0")]
+    finally:
+        decode_agent.close()
+    wait_healthy(cluster)
+    assert [generate(cluster.url, ids, 60, KEY) for ids in prompts[:1]] == want[:1]
+    # the guest, running again, is told to drop its copy
+    x = wait_state(cluster, "prefill-0", "sw-fail", ("dropped",), timeout=60)
+    assert x["side"] == "guest"
+    assert agents(cluster)["prefill-0"]["guest_bytes"] == 0
+
+
+def test_a_guest_that_is_frozen_before_the_switch(cluster, single_server):
+    """The peer freezes before the migration: staging fails (peer_unreachable)
+    and the worker never stops executing its own layers."""
+    endpoints = {w: x["agent"] for w, x in agents(cluster).items()}
+    guest_pid = _pid_of(cluster, "prefill-0")
+    os.kill(guest_pid, signal.SIGSTOP)
+    try:
+        client = AgentClient(endpoints["decode-0"], timeout_s=20)
+        try:
+            r = client.call(m.MigrateLayers, migration="sw-frozen", start=1, stop=3, peer=endpoints["prefill-0"],
+                            switch=True)
+            assert isinstance(r, m.Accepted), r
+            deadline = time.monotonic() + 60
+            while not isinstance(w := client.call(m.Watch, migration="sw-frozen"), (m.Done, m.Failed)):
+                assert time.monotonic() < deadline, w
+                time.sleep(0.5)
+            st = client.call(m.Status)
+        finally:
+            client.close()
+    finally:
+        os.kill(guest_pid, signal.SIGCONT)
+    assert isinstance(w, m.Failed) and w.reason == "peer_unreachable", w
+    assert [(p.start, p.stop, p.executor) for p in st.placement] == [(0, 4, "decode-0")]
+    wait_healthy(cluster)
+    ids = prompts_of(17, 1)[0]
+    assert generate(cluster.url, ids, 12, KEY) == generate(single_server, ids, 12)
+
+
+def wait_healthy(c, timeout: float = 60) -> None:
+    """Until the router sees every worker again (after a frozen one resumed)."""
+    deadline = time.monotonic() + timeout
+    h = {"Authorization": f"Bearer {KEY}"}
+    while httpx.get(c.url + "/health", headers=h, timeout=30).json().get("status") != "ok":
+        assert time.monotonic() < deadline, "the router did not see every worker again"
+        time.sleep(0.5)

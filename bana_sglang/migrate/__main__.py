@@ -7,6 +7,7 @@ are named as in the launcher (``prefill-0``), or straight to one agent
 
     python -m bana_sglang.migrate status
     python -m bana_sglang.migrate migrate prefill-0 decode-0 --layers 2:4 --wait
+    python -m bana_sglang.migrate recall mig-1a2b3c --wait
     python -m bana_sglang.migrate watch mig-1a2b3c
     python -m bana_sglang.migrate cancel mig-1a2b3c
 """
@@ -56,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--layers", type=_layers, required=True, metavar="START:STOP")
     mg.add_argument("--id", default=None, help="migration id (default: generated)")
     mg.add_argument("--wait", action="store_true", help="follow it until it ends")
+    mg.add_argument("--stage-only", action="store_true",
+                    help="only copy the weights to PEER (verified); WORKER keeps executing the layers")
+    rc = sub.add_parser("recall", help="bring the layers of a switched migration home")
+    rc.add_argument("id")
+    rc.add_argument("--from-checkpoint", action="store_true",
+                    help="reload the weights from the checkpoint on disk instead of reading the peer's copy")
+    rc.add_argument("--wait", action="store_true", help="follow it until the layers are home")
     for name in ("watch", "cancel"):
         s = sub.add_parser(name, help=f"{name} a migration")
         s.add_argument("id")
@@ -99,12 +107,19 @@ class Backend:
             return [{"agent": self.agent.endpoint, **self._agent(m.Status)}]
         return self._http("GET", "/bana/admin/agents")["agents"]
 
-    def migrate(self, worker: str, peer: str, layers: tuple[int, int], mid: str | None) -> dict:
+    def migrate(self, worker: str, peer: str, layers: tuple[int, int], mid: str | None, switch: bool) -> dict:
         mid = mid or f"mig-{os.urandom(6).hex()}"
         if self.agent:
-            return self._agent(m.MigrateLayers, migration=mid, start=layers[0], stop=layers[1], peer=peer)
+            return self._agent(m.MigrateLayers, migration=mid, start=layers[0], stop=layers[1], peer=peer,
+                               switch=switch)
         return self._http("POST", "/bana/admin/migrations",
-                          json={"worker": worker, "peer": peer, "layers": list(layers), "id": mid})
+                          json={"worker": worker, "peer": peer, "layers": list(layers), "id": mid,
+                                "switch": switch})
+
+    def recall(self, mid: str, source: str) -> dict:
+        if self.agent:
+            return self._agent(m.Recall, migration=mid, source=source)
+        return self._http("POST", f"/bana/admin/migrations/{mid}/recall", json={"source": source})
 
     def watch(self, mid: str) -> dict:
         return self._agent(m.Watch, migration=mid) if self.agent else self._http("GET", f"/bana/admin/migrations/{mid}")
@@ -121,13 +136,23 @@ def status_table(agents: list[dict]) -> str:
             lines.append(f"{a.get('url', a.get('agent'))}: agent unreachable ({a['error']})")
             continue
         place = ", ".join(f"[{p['start']},{p['stop']}) on {p['executor']}" for p in a["placement"])
+        if any(p["executor"] != a["worker"] for p in a["placement"]):
+            place += " (remote)"
         lines.append(f"{a['worker']} ({a['role']}, {a['num_layers']} layers): layers {place}; "
                      f"guest memory {a['guest_bytes'] / 1e6:.1f} MB")
         for x in a["migrations"]:
             what = f"{x['reason']}: {x['detail']}" if x["reason"] else ""
+            steps = ""
+            if x.get("steps"):
+                steps = f"  {x['steps']} steps"
+                if x.get("remote_seconds"):
+                    steps += f" ({1e3 * x['remote_seconds'] / x['steps']:.1f} ms each)"
+            if x.get("released_bytes"):
+                steps += f"  released {x['released_bytes'] / 1e6:.1f} MB"
             lines.append(f"  {x['migration']}  {x['side']:6s} layers [{x['start']},{x['stop']}) "
                          f"{'->' if x['side'] == 'source' else '<-'} {x['peer']}  {x['state']}  "
-                         f"{x['bytes_done'] / 1e6:.1f}/{x['bytes_total'] / 1e6:.1f} MB  {x['seconds']:.2f}s  {what}")
+                         f"{x['bytes_done'] / 1e6:.1f}/{x['bytes_total'] / 1e6:.1f} MB  {x['seconds']:.2f}s"
+                         f"{steps}  {what}")
     return "\n".join(lines)
 
 
@@ -140,10 +165,13 @@ def main(argv: list[str] | None = None) -> int:
             agents = be.status()
             print(json.dumps(agents, indent=2) if args.json else status_table(agents))
             return 0
-        if args.cmd == "migrate":
-            r = be.migrate(args.worker, args.peer, args.layers, args.id)
+        if args.cmd in ("migrate", "recall"):
+            if args.cmd == "migrate":
+                r = be.migrate(args.worker, args.peer, args.layers, args.id, not args.stage_only)
+            else:
+                r = be.recall(args.id, "checkpoint" if args.from_checkpoint else "peer")
             mid = r.get("migration")
-            (show or (lambda d: print(f"migration {mid} accepted")))(r)
+            (show or (lambda d: print(f"{args.cmd} {mid} accepted")))(r)
             if not args.wait:
                 return 0
             while (r := be.watch(mid))["kind"] == "progress":

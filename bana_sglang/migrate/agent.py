@@ -29,6 +29,7 @@ agent keeps running; a guest area is freed (and unregistered) exactly once.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import threading
@@ -50,6 +51,9 @@ WATCH_INTERVAL_S = (0.005, 0.2)  # a source polls its peer this often during a t
 # A peer's agent answers at its scheduler's batch boundaries: a long CPU batch
 # (or a machine starved of cores) delays it by seconds. Silent this long: gone.
 PEER_TIMEOUT_S = 30.0
+# A remote step (one forward's layers on the peer) unanswered this long: the peer
+# is taken as gone and the owner restores the layers (BANA_MIGRATE_STEP_TIMEOUT_S).
+STEP_TIMEOUT_S = 30.0
 MAX_PER_POLL = 64  # requests answered per scheduler iteration
 
 
@@ -114,6 +118,15 @@ class _Migration:
     names: list[str] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
     guest: list[torch.Tensor] = field(default_factory=list)  # guest side: the guest area
+    switch: bool = False  # source: execute the layers on the peer once staged
+    executor: str = ""  # source: who executes the layers while switched
+    span: object = None  # source: the RemoteSpan in the forward; guest: the GuestSpan
+    home: list = field(default_factory=list)  # source: the layer modules while they are away
+    params: list = field(default_factory=list)  # source: (parameter, shape) of the layers, offer order
+    guest_addrs: list[int] = field(default_factory=list)  # source: where the peer holds the weights
+    pending: str = ""  # source: what the scheduler thread applies at the next boundary
+    released_bytes: int = 0
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
     def seconds(self) -> float:
@@ -128,7 +141,18 @@ class _Migration:
                                stop=self.stop, state=self.state, bytes_done=self.bytes_done,
                                bytes_total=self.bytes_total, seconds=round(self.seconds, 4),
                                reason=self.reason, detail=self.detail, crc32=list(self.crc),
-                               tensors=list(self.names))
+                               tensors=list(self.names), executor=self.executor,
+                               released_bytes=self.released_bytes, **self._step_info())
+
+    def _step_info(self) -> dict:
+        span = self.span
+        if span is None:
+            return {}
+        if self.side == "guest":
+            return {"steps": span.steps, "guest_seconds": round(span.compute_s, 4), "guest_kv_bytes": span.kv_bytes}
+        st = span.stats
+        return {"steps": st.steps, "remote_seconds": round(st.remote_s, 4), "guest_seconds": round(st.guest_s, 4),
+                "shipped_rows": st.shipped_rows}
 
     def reply(self, rid: int) -> m.Reply:
         if self.state == "failed" or self.state == "cancelled":
@@ -147,7 +171,49 @@ METRICS = {
     "sent_bytes": "Layer bytes peers read from this worker and verified",
     "guest_bytes_received": "Layer bytes this worker read for other workers and verified",
     "rejected_requests": "Control messages refused (malformed, unknown type or version, stale, invalid)",
+    "migrations_switched": "Layer migrations whose layers this worker then ran on the peer",
+    "migrations_recalled": "Switched layer migrations brought home by a recall",
+    "migrations_restored": "Switched layer migrations restored from the checkpoint after the peer failed",
+    "released_bytes": "Weight bytes this worker freed while peers executed its layers",
+    "remote_steps": "Forwards whose migrated layers ran on a peer",
+    "guest_steps": "Forwards of other workers' layers this worker ran",
 }
+
+
+@dataclass
+class WorkerHandles:
+    """What the execution switch needs of the worker (from its SGLang ModelRunner)."""
+
+    model: torch.nn.Module
+    kv_pool: object
+    req_to_token: torch.Tensor
+    allocator: object
+    model_path: str
+    attention_backend: str
+    tp_size: int = 1
+
+    @classmethod
+    def from_runner(cls, runner) -> WorkerHandles:
+        return cls(model=runner.model, kv_pool=runner.token_to_kv_pool,
+                   req_to_token=runner.req_to_token_pool.req_to_token,
+                   allocator=runner.token_to_kv_pool_allocator, model_path=runner.model_config.model_path,
+                   attention_backend=str(runner.server_args.attention_backend),
+                   tp_size=int(runner.server_args.tp_size))
+
+    def why_not(self) -> str:
+        """Why layers of this worker cannot run remotely, or ''."""
+        if self.tp_size != 1:
+            return f"tensor parallelism {self.tp_size}: remote layers are built for TP 1"
+        if self.attention_backend != "bana_cpu":
+            return (f"attention backend {self.attention_backend!r}: remote layers run the bana_cpu kernels, "
+                    "so the owner must too (exact tokens)")
+        if next(self.model.parameters()).device.type != "cpu":
+            return "the model is not on the CPU: the CUDA path needs the CUDA transfer engine"
+        return ""
+
+
+# source states that hold nothing: the layers may be migrated again
+_SETTLED = ("failed", "cancelled", "home", "restored")
 
 
 class MigrationAgent:
@@ -156,9 +222,12 @@ class MigrationAgent:
 
     def __init__(self, name: str, role: str, layers: torch.nn.ModuleList, endpoint: str, *,
                  te_host: str = "127.0.0.1", protocol: str = "tcp", device: str = "",
-                 peer_timeout_s: float = PEER_TIMEOUT_S):
+                 peer_timeout_s: float = PEER_TIMEOUT_S, worker: WorkerHandles | None = None,
+                 step_timeout_s: float = STEP_TIMEOUT_S):
         self.name, self.role, self.layers = name, role, layers
         self.peer_timeout_s = peer_timeout_s
+        self.worker = worker
+        self.step_timeout_s = step_timeout_s
         self.num_layers = len(layers)
         self.te_host, self.protocol, self.device = te_host, protocol, device
         self._ctx = zmq.Context.instance()
@@ -178,6 +247,7 @@ class MigrationAgent:
     # ------------------------------------------------------------------ loop
     def poll(self) -> int:
         """Answer every waiting request (at most MAX_PER_POLL); never blocks."""
+        self._apply_pending()
         n = 0
         while n < MAX_PER_POLL:
             try:
@@ -218,6 +288,8 @@ class MigrationAgent:
         self._work.shutdown(wait=True, cancel_futures=True)
         for mig in list(self.migrations.values()):
             self._free_guest(mig)
+            if mig.side == "source" and mig.span is not None:
+                mig.span.close()
         self._sock.close(0)
 
     # ------------------------------------------------------------------ handlers
@@ -235,6 +307,10 @@ class MigrationAgent:
             return self._cancel(req)
         if isinstance(req, m.HostLayers):
             return self._host(req)
+        if isinstance(req, m.Recall):
+            return self._recall(req)
+        if isinstance(req, m.OpenGuest):
+            return self._open_guest(req)
         if isinstance(req, m.DropGuest):
             mig = self.migrations.get(req.migration)
             if mig is None or mig.side != "guest":
@@ -252,12 +328,27 @@ class MigrationAgent:
         return m.Error(id=rid, reason="invalid", detail=f"no migration {migration!r} here")
 
     def placement(self) -> list[m.Placement]:
-        return [m.Placement(start=0, stop=self.num_layers, executor=self.name)] if self.num_layers else []
+        """Who executes which of this worker's layers (consecutive runs)."""
+        away = {}
+        for mig in self.migrations.values():
+            if mig.side == "source" and mig.home:  # switched: the modules are away
+                for i in range(mig.start, mig.stop):
+                    away[i] = mig.executor
+        out: list[m.Placement] = []
+        for i in range(self.num_layers):
+            who = away.get(i, self.name)
+            if out and out[-1].executor == who:
+                out[-1] = m.Placement(start=out[-1].start, stop=i + 1, executor=who)
+            else:
+                out.append(m.Placement(start=i, stop=i + 1, executor=who))
+        return out
 
     def status(self, rid: int) -> m.StatusResult:
         with self._lock:
             infos = [mig.info() for mig in self.migrations.values()]
             guest = sum(t.numel() * t.element_size() for mig in self.migrations.values() for t in mig.guest)
+            guest += sum(mig.span.kv_bytes for mig in self.migrations.values()
+                         if mig.side == "guest" and mig.span is not None and mig.guest)
         return m.StatusResult(id=rid, worker=self.name, role=self.role, num_layers=self.num_layers,
                               placement=self.placement(), migrations=infos, guest_bytes=guest,
                               transfer_session=self._te.session if self._te else "")
@@ -278,13 +369,22 @@ class MigrationAgent:
                                   f"worker's {self.num_layers} layers")
         if req.migration in self.migrations:
             return m.Error(id=req.id, reason="invalid", detail=f"migration id {req.migration!r} is taken")
-        busy = [x for x in self.migrations.values() if x.side == "source" and x.state not in ("failed", "cancelled")
+        busy = [x for x in self.migrations.values() if x.side == "source" and x.state not in _SETTLED
                 and x.start < req.stop and req.start < x.stop]
         if busy:
             return m.Error(id=req.id, reason="invalid",
                            detail=f"layers overlap migration {busy[0].migration!r} "
                                   f"[{busy[0].start}, {busy[0].stop}) ({busy[0].state})")
-        mig = _Migration(req.migration, "source", req.peer, req.start, req.stop, "accepted")
+        if req.switch:
+            why = self.worker.why_not() if self.worker else "this agent has no model runner (not inside a worker)"
+            if why:
+                return m.Error(id=req.id, reason="invalid", detail=f"cannot switch the execution: {why}")
+            away = [x for x in self.migrations.values() if x.side == "guest" and x.state == "serving"]
+            if away:
+                return m.Error(id=req.id, reason="invalid",
+                               detail=f"this worker executes guest layers ({away[0].migration!r}); "
+                                      "a worker either lends or hosts layers")
+        mig = _Migration(req.migration, "source", req.peer, req.start, req.stop, "accepted", switch=req.switch)
         with self._lock:
             self.migrations[req.migration] = mig
         self.metrics.add("migrations_started")
@@ -296,7 +396,10 @@ class MigrationAgent:
     def _layer_tensors(self, start: int, stop: int) -> list[tuple[int, str, torch.Tensor]]:
         """The layers' parameters. Buffers (e.g. a rotary cos/sin cache) are derived
         from the config, which the peer shares, so they do not travel."""
-        return [(i, name, p.data) for i in range(start, stop) for name, p in self.layers[i].named_parameters()]
+        return [(i, name, p.data) for i, name, p in self._layer_params(start, stop)]
+
+    def _layer_params(self, start: int, stop: int) -> list[tuple[int, str, torch.nn.Parameter]]:
+        return [(i, name, p) for i in range(start, stop) for name, p in self.layers[i].named_parameters()]
 
     def _run_source(self, mig: _Migration, peer: str) -> None:
         client = AgentClient(peer, timeout_s=self.peer_timeout_s, ctx=self._ctx)
@@ -340,12 +443,15 @@ class MigrationAgent:
                                 "peer: " + _describe(reply))
                 time.sleep(wait)
                 wait = min(WATCH_INTERVAL_S[1], wait * 2)
-            mig.finish("staged")
             self.metrics.add("migrations_staged")
             self.metrics.add("sent_bytes", mig.bytes_done)
             logger.info("migration %s: layers [%d, %d) staged on %s: %.1f MB verified in %.2fs (%.1f MB/s)",
                         mig.migration, mig.start, mig.stop, mig.peer, mig.bytes_done / 1e6, mig.seconds,
                         mig.bytes_done / 1e6 / max(mig.seconds, 1e-9))
+            if mig.switch:
+                self._prepare_switch(mig, client)
+            else:
+                mig.finish("staged")
         except _Fail as f:
             mig.finish("cancelled" if f.reason == "cancelled" else "failed", f.reason, f.detail)
             self.metrics.add("migrations_failed")
@@ -373,6 +479,10 @@ class MigrationAgent:
             return self._unknown(req.id, req.migration)
         if mig.state in ("failed", "cancelled"):
             return m.Ok(id=req.id, note=f"already {mig.state}")
+        if mig.state == "remote":  # switched: cancelling brings the layers home
+            return self._recall(m.Recall(id=req.id, deadline=req.deadline, migration=req.migration))
+        if mig.state == "recalling":
+            return m.Ok(id=req.id, note="already recalling")
         mig.cancel.set()
         if mig.state == "staged":  # done: ask the peer to free its copy, off the scheduler thread
             def drop() -> None:
@@ -384,6 +494,182 @@ class MigrationAgent:
             mig.finish("cancelled", "cancelled", "cancelled after staging; the peer drops its copy")
             self._work.submit(drop)
         return m.Ok(id=req.id, note="cancelling")
+
+    # -- the execution switch (source side)
+    def _prepare_switch(self, mig: _Migration, client: AgentClient) -> None:
+        """Worker thread, after staging: open the guest executor on the peer and
+        build the remote span; the scheduler thread installs it (_apply_pending)."""
+        from bana_sglang.migrate.remote import OwnerContext, RemoteSpan
+
+        mig.state = "switching"
+        w = self.worker
+        rows = w.kv_pool.get_key_buffer(mig.start).shape[0]
+        reply = self._ask(client, m.OpenGuest, migration=mig.migration, kv_rows=rows)
+        if not isinstance(reply, m.GuestOpened):
+            self._drop_at_peer(client, mig)
+            raise _Fail("peer_refused", "opening the guest executor: " + _describe(reply))
+        mig.executor, mig.guest_addrs = reply.worker, list(reply.addrs)
+        ctx = OwnerContext(layers=self.layers, kv_pool=w.kv_pool, req_to_token=w.req_to_token,
+                           allocator=w.allocator)
+        mig.span = RemoteSpan(mig.migration, mig.start, mig.stop, reply.endpoint, reply.session, self._engine(),
+                              ctx, self.step_timeout_s, self._on_remote_failure)
+        with mig.lock:
+            mig.pending = "install"
+
+    def _apply_pending(self) -> None:
+        """Scheduler thread, at a batch boundary: swap layer modules."""
+        for mig in list(self.migrations.values()):
+            if mig.side != "source" or not mig.pending:
+                continue
+            with mig.lock:
+                action, mig.pending = mig.pending, ""
+                try:
+                    if action == "install":
+                        self._install(mig)
+                    elif action == "home":
+                        self._swap_home(mig)
+                        self._finish_home(mig, "home", "")
+                    elif action == "checkpoint":
+                        self._restore_from_checkpoint(mig)
+                        self._finish_home(mig, "home", "", note="reloaded from the checkpoint")
+                except Exception as e:
+                    logger.exception("migration %s: %s failed", mig.migration, action)
+                    mig.finish("failed", "internal", f"{action}: {type(e).__name__}: {e}")
+
+    def _install(self, mig: _Migration) -> None:
+        from bana_sglang.migrate.remote import Skip
+
+        if mig.cancel.is_set():
+            self._work.submit(self._drop_remote, mig)
+            mig.finish("cancelled", "cancelled", "cancelled before the switch")
+            return
+        mig.params = [(p, tuple(p.shape)) for _, _, p in self._layer_params(mig.start, mig.stop)]
+        mig.home = [self.layers[i] for i in range(mig.start, mig.stop)]
+        self.layers[mig.start] = mig.span
+        for i in range(mig.start + 1, mig.stop):
+            self.layers[i] = Skip(i)
+        # the peer executes them now: free this worker's copy of the weights
+        released = 0
+        for p, _ in mig.params:
+            if self._te is not None:
+                self._te.unregister(p.data)
+            released += p.numel() * p.element_size()
+            p.data = torch.empty(0, dtype=p.dtype)
+        mig.released_bytes = released
+        mig.finish("remote")
+        self.metrics.add("migrations_switched")
+        self.metrics.add("released_bytes", released)
+        logger.info("migration %s: layers [%d, %d) of %s now run on %s; %.1f MB of weights released here",
+                    mig.migration, mig.start, mig.stop, self.name, mig.executor, released / 1e6)
+
+    def _swap_home(self, mig: _Migration) -> None:
+        for i, module in zip(range(mig.start, mig.stop), mig.home):
+            self.layers[i] = module
+        mig.home = []
+
+    def _finish_home(self, mig: _Migration, state: str, reason: str, detail: str = "", note: str = "") -> None:
+        stats = mig.span.stats if mig.span is not None else None
+        mig.span.close()
+        mig.finish(state, reason, detail)
+        self.metrics.add("remote_steps", stats.steps if stats else 0)
+        self.metrics.add("migrations_recalled" if state == "home" else "migrations_restored")
+        self._work.submit(self._drop_remote, mig)
+        logger.info("migration %s: layers [%d, %d) run on %s again (%s%s) after %d remote steps",
+                    mig.migration, mig.start, mig.stop, self.name, state, f", {note}" if note else "",
+                    stats.steps if stats else 0)
+
+    def _drop_remote(self, mig: _Migration) -> None:
+        client = AgentClient(mig.peer, timeout_s=self.peer_timeout_s, ctx=self._ctx)
+        try:
+            self._drop_at_peer(client, mig)
+        finally:
+            client.close()
+
+    def _realloc(self, mig: _Migration) -> None:
+        for p, shape in mig.params:
+            if p.numel() == 0 and shape != (0,):
+                p.data = torch.empty(shape, dtype=p.dtype)
+
+    def _verify_home(self, mig: _Migration) -> None:
+        got = [crc32(p.data) for p, _ in mig.params]
+        bad = [n for n, a, b in zip(mig.names, got, mig.crc) if a != b]
+        if bad:
+            raise RuntimeError(f"{len(bad)} restored tensors differ from their checksum before the "
+                               f"migration, e.g. {bad[0]}")
+
+    def _restore_from_checkpoint(self, mig: _Migration) -> None:
+        """Scheduler thread: put the modules back and reload their weights from disk."""
+        from safetensors import safe_open
+
+        self._realloc(mig)
+        self._swap_home(mig)
+        prefixes = tuple(f"model.layers.{i}." for i in range(mig.start, mig.stop))
+        files = sorted(glob.glob(os.path.join(self.worker.model_path, "*.safetensors")))
+        if not files:
+            raise RuntimeError(f"no *.safetensors checkpoint in {self.worker.model_path}")
+
+        def weights():
+            for path in files:
+                with safe_open(path, "pt") as f:
+                    for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                        if key.startswith(prefixes):
+                            yield key, f.get_tensor(key)
+
+        self.worker.model.load_weights(weights())
+        self._verify_home(mig)
+
+    def _on_remote_failure(self, span, error: BaseException):
+        """Scheduler thread, inside the forward: the peer failed after the switch.
+        Reload the layers here and return layer ``start``'s module, which runs
+        this very step (X's KV for the layers is complete, so nothing is lost)."""
+        mig = self.migrations[span.migration]
+        with mig.lock:
+            logger.error("migration %s: remote step failed (%s); restoring layers [%d, %d) from the checkpoint",
+                         mig.migration, error, mig.start, mig.stop)
+            if mig.home:
+                self._restore_from_checkpoint(mig)
+            mig.pending = ""
+            self._finish_home(mig, "restored", "peer_lost", str(error))
+        return self.layers[mig.start]
+
+    def _recall(self, req: m.Recall) -> m.Reply:
+        mig = self.migrations.get(req.migration)
+        if mig is None or mig.side != "source":
+            return self._unknown(req.id, req.migration)
+        if mig.state != "remote":
+            return m.Error(id=req.id, reason="invalid",
+                           detail=f"migration {req.migration!r} is {mig.state}, not remote: nothing to recall")
+        mig.state, mig.t_end = "recalling", None
+        if req.source == "checkpoint":
+            with mig.lock:
+                mig.pending = "checkpoint"
+        else:
+            self._work.submit(self._recall_from_peer, mig)
+        return m.Accepted(id=req.id, migration=req.migration)
+
+    def _recall_from_peer(self, mig: _Migration) -> None:
+        """Worker thread: read the weights back from the peer's verified copy into
+        this worker's (unused) parameters; the scheduler thread swaps them in."""
+        with mig.lock:
+            if mig.state != "recalling":
+                return
+            try:
+                te = self._engine()
+                self._realloc(mig)
+                tensors = [p.data for p, _ in mig.params]
+                for t in tensors:
+                    te.register(t)
+                try:
+                    te.read(mig.span._session, tensors, mig.guest_addrs)
+                finally:
+                    for t in tensors:
+                        te.unregister(t)
+                self._verify_home(mig)
+                mig.pending = "home"
+            except Exception as e:
+                logger.warning("migration %s: reading the layers back from %s failed (%s); reloading them from "
+                               "the checkpoint", mig.migration, mig.executor, e)
+                mig.pending = "checkpoint"
 
     # -- guest side
     def _host(self, req: m.HostLayers) -> m.Reply:
@@ -438,7 +724,34 @@ class MigrationAgent:
             mig.finish("failed", "transfer", f"{type(e).__name__}: {e}")
             logger.warning("guest layers of %s (%s) failed: %s", req.owner, mig.migration, e)
 
+    def _open_guest(self, req: m.OpenGuest) -> m.Reply:
+        from bana_sglang.migrate.remote import GuestSpan
+
+        mig = self.migrations.get(req.migration)
+        if mig is None or mig.side != "guest":
+            return self._unknown(req.id, req.migration)
+        if mig.state != "verified":
+            return m.Error(id=req.id, reason="invalid", detail=f"guest layers of {req.migration!r} are {mig.state}")
+        mine = [x for x in self.migrations.values() if x.side == "source" and x.home]
+        if mine:
+            return m.Error(id=req.id, reason="invalid",
+                           detail=f"this worker's own layers run elsewhere ({mine[0].migration!r}); "
+                                  "a worker either lends or hosts layers")
+        weights = {}
+        for name, t in zip(mig.names, mig.guest):
+            layer, pname = name.split(".", 1)
+            weights[(int(layer), pname)] = t
+        span = GuestSpan(mig.migration, mig.peer, self.layers, mig.start, mig.stop, weights, req.kv_rows,
+                         self._engine(), self.te_host)
+        span.on_step = lambda: self.metrics.add("guest_steps")
+        mig.span = span
+        mig.state = "serving"
+        return m.GuestOpened(id=req.id, migration=mig.migration, worker=self.name, endpoint=span.endpoint,
+                             session=self._engine().session, addrs=[t.data_ptr() for t in mig.guest])
+
     def _free_guest(self, mig: _Migration) -> None:
+        if mig.side == "guest" and mig.span is not None and mig.guest:
+            mig.span.close()
         area, mig.guest = mig.guest, []
         if area and self._te is not None:
             for t in area:

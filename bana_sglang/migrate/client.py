@@ -12,6 +12,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from bana_sglang import wire
 from bana_sglang.migrate import messages as m
 
 logger = logging.getLogger(__name__)
@@ -24,8 +25,11 @@ class AgentUnavailable(RuntimeError):
 class AgentClient:
     """Synchronous client of one agent (DEALER socket; one call at a time)."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None):
+    def __init__(self, endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
+                 channel=None):
         self.endpoint = endpoint
+        # the channel whose replies this client decodes (default: the agent's)
+        self._decode_reply = (channel or m.CHANNEL).decode_reply
         self.timeout_s = timeout_s
         self._ctx = ctx or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
@@ -58,11 +62,11 @@ class AgentClient:
                 if not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                     continue
                 try:
-                    reply = m.decode_reply(sock.recv())
+                    reply = self._decode_reply(sock.recv())
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     logger.warning("undecodable reply from %s: %s", self.endpoint, e)
                     continue
-                if reply.id == rid or (isinstance(reply, m.Error) and reply.id == 0):
+                if reply.id == rid or (isinstance(reply, wire.Error) and reply.id == 0):
                     return reply
             self.close()  # late replies go with the socket
             raise AgentUnavailable(f"no reply from the agent at {self.endpoint} within {timeout:.1f}s")
@@ -75,4 +79,4 @@ class AgentClient:
             if not sock.poll(int((self.timeout_s if timeout_s is None else timeout_s) * 1000), zmq.POLLIN):
                 self.close()
                 raise AgentUnavailable(f"no reply from the agent at {self.endpoint}")
-            return m.decode_reply(sock.recv())
+            return self._decode_reply(sock.recv())

@@ -8,7 +8,11 @@ Environment (set per worker by the launcher):
 - ``BANA_AGENT_ENDPOINT``: ``tcp://HOST:PORT`` the agent binds;
 - ``BANA_WORKER_NAME``: the worker's name in the cluster (``prefill-0``);
 - ``BANA_AGENT_HOST``: the address its transfer engine advertises (default:
-  the endpoint's host); ``MOONCAKE_PROTOCOL``: ``tcp`` (default) or ``rdma``.
+  the endpoint's host); ``MOONCAKE_PROTOCOL``: ``tcp`` (default) or ``rdma``;
+- ``BANA_MIGRATE_STEP_TIMEOUT_S``: how long a forward waits for a peer running
+  its migrated layers before it restores them and runs them itself (30);
+  ``BANA_MIGRATE_PEER_TIMEOUT_S``: how long a peer agent may stay silent
+  during staging before the migration fails ``peer_unreachable`` (30).
 """
 
 from __future__ import annotations
@@ -46,18 +50,22 @@ def _start(scheduler):
 
     if get_parallel().tp_rank != 0:  # one agent per worker: TP rank 0's
         return _DISABLED
-    model = scheduler.tp_worker.model_runner.model
+    runner = scheduler.tp_worker.model_runner
+    model = runner.model
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         logger.error("migration agent disabled: %s has no model.layers", type(model).__name__)
         return _DISABLED
-    from bana_sglang.migrate.agent import MigrationAgent
+    from bana_sglang.migrate.agent import PEER_TIMEOUT_S, STEP_TIMEOUT_S, MigrationAgent, WorkerHandles
 
     host = os.environ.get("BANA_AGENT_HOST") or endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
     role = getattr(scheduler.server_args, "disaggregation_mode", "null")
     try:
         agent = MigrationAgent(os.environ.get("BANA_WORKER_NAME", f"{role}-{os.getpid()}"), role, layers, endpoint,
-                               te_host=host, protocol=os.environ.get("MOONCAKE_PROTOCOL", "tcp"))
+                               te_host=host, protocol=os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
+                               worker=WorkerHandles.from_runner(runner),
+                               step_timeout_s=float(os.environ.get("BANA_MIGRATE_STEP_TIMEOUT_S", STEP_TIMEOUT_S)),
+                               peer_timeout_s=float(os.environ.get("BANA_MIGRATE_PEER_TIMEOUT_S", PEER_TIMEOUT_S)))
     except Exception:
         logger.exception("migration agent disabled: could not start it on %s", endpoint)
         return _DISABLED

@@ -16,14 +16,17 @@ overlapping migration, an unknown migration id), ``peer_unreachable``,
 
 Migration states on the source worker: ``accepted`` -> ``checksumming`` ->
 ``offered`` -> ``transferring`` -> ``staged`` (the peer holds a verified copy
-of the layers' weights in its guest area); terminal: ``staged``, ``failed``,
-``cancelled``. On the peer (guest side): ``pulling`` -> ``verified``, or
-``failed``/``dropped``.
+of the layers' weights in its guest area). With ``switch``: -> ``switching``
+-> ``remote`` (the peer executes the layers; this worker freed its copy) ->
+``recalling`` -> ``home`` after a :class:`Recall`, or ``restored`` when the
+peer failed after the switch and the layers were reloaded from the checkpoint.
+Also ``failed`` and ``cancelled``. On the peer (guest side): ``pulling`` ->
+``verified`` -> ``serving``, or ``failed``/``dropped``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 
@@ -36,9 +39,11 @@ MigrationId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 Endpoint = Annotated[str, msgspec.Meta(pattern=r"^tcp://[^:/\s]+:[0-9]{1,5}$")]
 LayerIndex = Annotated[int, msgspec.Meta(ge=0)]
 
-SOURCE_STATES = ("accepted", "checksumming", "offered", "transferring", "staged", "failed", "cancelled")
-GUEST_STATES = ("pulling", "verified", "failed", "dropped")
-TERMINAL = ("staged", "failed", "cancelled", "verified", "dropped")
+SOURCE_STATES = ("accepted", "checksumming", "offered", "transferring", "staged", "switching", "remote",
+                 "recalling", "home", "restored", "failed", "cancelled")
+GUEST_STATES = ("pulling", "verified", "serving", "failed", "dropped")
+# states a Watch reports as Done: nothing is in flight (``remote`` lasts until a recall)
+TERMINAL = ("staged", "remote", "home", "restored", "failed", "cancelled", "verified", "serving", "dropped")
 
 
 class _Request(wire.Request, kw_only=True, frozen=True):
@@ -54,12 +59,15 @@ class Status(_Request, tag="status"):
 
 
 class MigrateLayers(_Request, tag="migrate_layers"):
-    """Move layers ``[start, stop)`` of this worker to the agent at ``peer``."""
+    """Move layers ``[start, stop)`` of this worker to the agent at ``peer``:
+    stage their weights there and, with ``switch``, have the peer execute them
+    from the next batch boundary on (state ``remote``)."""
 
     migration: MigrationId
     start: LayerIndex
     stop: LayerIndex
     peer: Endpoint
+    switch: bool = False
 
 
 class Watch(_Request, tag="watch"):
@@ -104,8 +112,28 @@ class DropGuest(_Request, tag="drop_guest"):
     migration: MigrationId
 
 
-Request = Union[Ping, Status, MigrateLayers, Watch, Cancel, HostLayers, DropGuest]
-REQUEST_TYPES = ("ping", "status", "migrate_layers", "watch", "cancel", "host_layers", "drop_guest")
+class Recall(_Request, tag="recall"):
+    """Bring the layers of a switched migration home: their weights read back
+    from the peer's verified copy (``source="peer"``) or reloaded from the
+    checkpoint on disk (``"checkpoint"``), checked against the CRC32 taken
+    before they left; then this worker executes them again."""
+
+    migration: MigrationId
+    source: Literal["peer", "checkpoint"] = "peer"
+
+
+class OpenGuest(_Request, tag="open_guest"):
+    """Agent to agent, after staging: start executing the guest layers of
+    ``migration`` for their owner, with a guest KV area of ``kv_rows`` slots
+    (the owner's slot ids are used as they are)."""
+
+    migration: MigrationId
+    kv_rows: Annotated[int, msgspec.Meta(ge=1)]
+
+
+Request = Union[Ping, Status, MigrateLayers, Watch, Cancel, HostLayers, DropGuest, Recall, OpenGuest]
+REQUEST_TYPES = ("ping", "status", "migrate_layers", "watch", "cancel", "host_layers", "drop_guest", "recall",
+                 "open_guest")
 
 _Reply = wire.Reply
 
@@ -170,6 +198,24 @@ class MigrationInfo(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
     crc32: list[int] = []  # per tensor, in offer order (a guest: computed over the bytes it holds)
     tensors: list[str] = []  # "LAYER.NAME" per tensor, same order
+    executor: str = ""  # source side, switched: the worker executing the layers
+    released_bytes: int = 0  # source: weight bytes freed here while the peer executes the layers
+    guest_kv_bytes: int = 0  # guest: the guest KV area
+    steps: int = 0  # forwards executed remotely (source) or served (guest)
+    remote_seconds: float = 0.0  # source: time inside remote steps (transfers + the peer's compute)
+    guest_seconds: float = 0.0  # the peer's compute time in those steps
+    shipped_rows: int = 0  # source: KV rows sent because the peer did not hold them
+
+
+class GuestOpened(_Reply, tag="guest_opened"):
+    """The guest executor's endpoint and transfer engine; ``addrs``: the guest
+    weights' addresses, in offer order (a recall reads them back from there)."""
+
+    migration: str
+    worker: str
+    endpoint: str
+    session: str
+    addrs: list[int]
 
 
 class StatusResult(_Reply, tag="status_result"):
@@ -182,7 +228,7 @@ class StatusResult(_Reply, tag="status_result"):
     transfer_session: str = ""  # this agent's transfer engine (host:port), once started
 
 
-Reply = Union[Pong, Accepted, Progress, Done, Failed, Ok, StatusResult, Error]
+Reply = Union[Pong, Accepted, Progress, Done, Failed, Ok, StatusResult, GuestOpened, Error]
 
 CHANNEL = wire.Channel("the migration agent", PROTOCOL_VERSION, Request, Reply, REQUEST_TYPES)
 decode_request = CHANNEL.decode_request

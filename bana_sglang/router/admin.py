@@ -43,6 +43,7 @@ class AdminAPI:
         r.add_post("/bana/admin/migrations", self.handle_migrate)
         r.add_get("/bana/admin/migrations/{id}", self.handle_watch)
         r.add_delete("/bana/admin/migrations/{id}", self.handle_cancel)
+        r.add_post("/bana/admin/migrations/{id}/recall", self.handle_recall)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -103,9 +104,12 @@ class AdminAPI:
         if src == dst:
             return error_response(400, "worker and peer must differ")
         mid = body.get("id") or f"mig-{uuid.uuid4().hex[:12]}"
+        switch = body.get("switch", True)
+        if not isinstance(switch, bool):
+            return error_response(400, "'switch' must be true (the peer executes the layers) or false (stage only)")
         try:
             reply = await self._call(src, m.MigrateLayers, migration=mid, start=layers[0], stop=layers[1],
-                                     peer=self.endpoints[dst])
+                                     peer=self.endpoints[dst], switch=switch)
         except AgentUnavailable as e:
             return error_response(502, str(e))
         except (msgspec.ValidationError, TypeError, ValueError) as e:
@@ -125,12 +129,25 @@ class AdminAPI:
     async def handle_cancel(self, request: web.Request) -> web.Response:
         return await self._on_source(request.match_info["id"], m.Cancel)
 
-    async def _on_source(self, mid: str, make) -> web.Response:
+    async def handle_recall(self, request: web.Request) -> web.Response:
+        source = "peer"
+        raw = await request.read()
+        if raw:
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError as e:
+                return error_response(400, f"body is not JSON: {e}")
+            source = body.get("source", "peer") if isinstance(body, dict) else None
+            if source not in ("peer", "checkpoint"):
+                return error_response(400, "'source' must be 'peer' or 'checkpoint'")
+        return await self._on_source(request.match_info["id"], m.Recall, source=source)
+
+    async def _on_source(self, mid: str, make, **fields) -> web.Response:
         url = await self._source_of(mid)
         if url is None:
             return error_response(404, f"no migration {mid!r} on any agent")
         try:
-            return self._reply(await self._call(url, make, migration=mid))
+            return self._reply(await self._call(url, make, migration=mid, **fields), accepted=202)
         except AgentUnavailable as e:
             return error_response(502, str(e))
 
