@@ -186,6 +186,8 @@ class Cluster:
                            proc=router, what="a first request served end to end",
                            timeout=max(1.0, deadline - time.monotonic()), stop=self.stop_event)
                 logger.info("first request served end to end")
+            if self.plan.balancer:
+                self._wait_ready(self.plan.balancer, self._spawn(self.plan.balancer), deadline)
         except BaseException:
             self.stop()
             raise
@@ -218,12 +220,15 @@ class Cluster:
         return None
 
     def stop(self) -> None:
-        """Stop the router first (no new requests), then everything else together. Idempotent."""
+        """Stop the balancer first (it recalls the layers it moved, through the router),
+        then the router (no new requests), then everything else together. Idempotent."""
         self.stop_event.set()
         router = self.plan.router.name if self.plan.router else None
+        balancer = self.plan.balancer.name if self.plan.balancer else None
+        first = [p for p in self.procs if p.name == balancer]
         front = [p for p in self.procs if p.name == router]
-        rest = [p for p in self.procs if p.name != router]
-        for group in (front, rest):
+        rest = [p for p in self.procs if p.name not in (router, balancer)]
+        for group in (first, front, rest):
             for name, code in stop_all(group).items():
                 logger.info("stopped %s (exit %s)", name, code)
 
@@ -279,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--page-size of workers with the global store (a page is the store's unit)")
     p.add_argument("--router-args", default="",
                    help="extra router flags as one string, e.g. \"--poll-interval 0.1\"")
+    p.add_argument("--balancer", default="none", choices=("none", "bana"),
+                   help="none: static PD; bana: the live balancer moves layers between workers from their "
+                        "load (python -m bana_sglang.migrate.controller; /metrics and /decisions)")
+    p.add_argument("--balancer-args", default="",
+                   help="extra balancer flags as one string, e.g. \"--interval 0.5 --consecutive 2\"")
     p.add_argument("--spec", type=Path, default=None, metavar="FILE",
                    help="a cluster spec (YAML/TOML: hosts, workers, ports, where the master, store and "
                         "router run); with --node, start that node's share. The spec replaces the "
@@ -314,13 +324,16 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         global_store=args.global_store,
         store_bytes=args.store_bytes,
         store_page_size=args.store_page_size,
+        balancer=args.balancer,
+        balancer_args=tuple(shlex.split(args.balancer_args)),
     )
 
 
 # Flags a cluster spec replaces: giving one with --spec is an error, not silently ignored.
 SPEC_REPLACES = ("model_path", "served_model_name", "num_prefill", "num_decode", "host", "port",
                  "worker_base_port", "sglang_args", "prefill_args", "decode_args", "router", "policy",
-                 "api_key", "global_store", "store_bytes", "store_page_size", "router_args")
+                 "api_key", "global_store", "store_bytes", "store_page_size", "router_args", "balancer",
+                 "balancer_args")
 
 
 def _plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,

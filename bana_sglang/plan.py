@@ -52,8 +52,14 @@ class LaunchConfig:
     global_store: bool = True  # storage process + index service + the linker on every worker
     store_bytes: int = 1 << 30  # Mooncake segment of the storage process
     store_page_size: int = 16  # --page-size of workers with the store (unless given)
+    balancer: str = "none"  # "bana": the live balancer (migrate/controller.py); "none": static PD
+    balancer_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.balancer not in BALANCER_CHOICES:
+            raise ValueError(f"--balancer {self.balancer!r}: choose one of {', '.join(BALANCER_CHOICES)}")
+        if self.balancer != "none" and self.router != "bana":
+            raise ValueError("--balancer needs --router bana (it acts through the bana router's admin API)")
         if self.router not in ROUTERS:
             raise ValueError(f"--router {self.router!r}: choose one of {', '.join(ROUTERS)}")
         if self.router == "bana" and self.policy not in LIVE_POLICIES:
@@ -100,11 +106,12 @@ class ClusterPlan:
     api_key: str | None = None  # the endpoint's key, for readiness checks
     store: tuple[Part, ...] = ()  # the global store's storage process and index service
     node: str | None = None  # a cluster spec's node whose share this is; None: the whole cluster
+    balancer: Part | None = None  # the live balancer, started after the router
 
     @property
     def parts(self) -> tuple[Part, ...]:
         return ((self.master,) if self.master else ()) + self.store + self.workers + \
-            ((self.router,) if self.router else ())
+            ((self.router,) if self.router else ()) + ((self.balancer,) if self.balancer else ())
 
 
 def dtype_args(model_path: str, user_args: tuple[str, ...] | list[str]) -> list[str]:
@@ -198,10 +205,15 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
         # The stock router's /health is 200 before it has registered any worker; its
         # /v1/models answers 503 "No models available" until it has.
         router = Part(name="router", argv=tuple(router_argv), health_url=endpoint + "/v1/models")
+    balancer = None
+    if cfg.balancer != "none":
+        balancer = balancer_part(bind=h, port=ports.take(), endpoint=endpoint, model_path=model_path,
+                                 policy=cfg.balancer, page_size=cfg.store_page_size, api_key=cfg.api_key,
+                                 user_args=cfg.balancer_args)
     return ClusterPlan(
         endpoint=endpoint, model_path=model_path, served_model_name=served,
         master=master, workers=tuple(workers), router=router, env=compat.child_env(host=h),
-        api_key=cfg.api_key, store=tuple(store),
+        api_key=cfg.api_key, store=tuple(store), balancer=balancer,
     )
 
 
@@ -299,6 +311,20 @@ def router_part(*, bind: str, port: int, endpoint: str, policy: str, model_path:
     # /health is 503 until a prefill and a decode worker answer and the model is known.
     return Part(name="router", argv=tuple(argv), health_url=endpoint + "/health",
                 env=(("BANA_ROUTER_API_KEY", api_key),) if api_key else ())
+
+
+BALANCER_CHOICES = ("none", "bana")
+BALANCER_READY = "bana-balancer ready on"
+
+
+def balancer_part(*, bind: str, port: int, endpoint: str, model_path: str, policy: str, page_size: int,
+                  api_key: str | None, user_args: tuple[str, ...] = ()) -> Part:
+    """The live balancer: reads loads from the router, migrates through its admin API."""
+    argv = [sys.executable, "-m", "bana_sglang.migrate.controller", "--router", endpoint, "--balancer", policy,
+            "--model-path", model_path, "--page-size", str(page_size), "--host", bind, "--port", str(port),
+            *user_args]
+    return Part(name="balancer", argv=tuple(argv), ready_line=BALANCER_READY,
+                env=(("BANA_API_KEY", api_key),) if api_key else ())
 
 
 def plan_spec(spec: cluster_spec.ClusterSpec, node: str | None, *, dry_run: bool = False) -> ClusterPlan:

@@ -12,9 +12,18 @@ batched read of tensors of the same sizes, TCP on 127.0.0.1): the raw
 bandwidth the migration is compared with. Each range runs ``--repeats``
 times; the medians are reported.
 
-What it does not measure yet: the per-step latency added by remote layers
-and the saturated-prefill run with and without moving layers, because the
-execution switch to staged layers is not built (see issue 7's note).
+Then, with the execution switch (``--phases``):
+- ``steps``: per-step latency added by remote layers. ``--batch`` streamed
+  requests decode ``--decode-tokens`` tokens each, first with every layer
+  local, then with the decode worker's upper half of the layers running on
+  the (idle) prefill worker, then again local after a recall. Reported: mean
+  TPOT each way and the difference, and the owner's own account of a remote
+  step (time inside the remote span, of which the peer computing).
+- ``saturated``: a burst of ``--burst`` long prompts (``--prompt-tokens``,
+  2 output tokens; fresh random ids, so no prefix cache hit) saturates the
+  prefill worker; throughput (prompt tokens/s) and TTFT with every layer
+  local, and with ``--move`` of the prefill worker's layers running on the
+  idle decode worker. Both bursts use different prompts of the same lengths.
 
 Outputs: ``bench/runs/migrate-<UTC time>/summary.json`` and ``report.md``;
 ``--write-results`` replaces the "Layer migration" section of docs/RESULTS.md.
@@ -62,7 +71,7 @@ def raw_read_seconds(sizes: list[int], repeats: int = 3) -> float:
 
 def migrate_once(router: str, n: int, tag: str, timeout: float = 600) -> dict:
     r = httpx.post(router + "/bana/admin/migrations", timeout=60,
-                   json={"worker": "prefill-0", "peer": "decode-0", "layers": [0, n], "id": tag})
+                   json={"worker": "prefill-0", "peer": "decode-0", "layers": [0, n], "id": tag, "switch": False})
     r.raise_for_status()
     deadline = time.monotonic() + timeout
     while True:
@@ -82,6 +91,100 @@ def migrate_once(router: str, n: int, tag: str, timeout: float = 600) -> dict:
             "tensors": len(src["tensors"]), "crc_equal": src["crc32"] == guest["crc32"]}
 
 
+def _agents(router: str) -> dict[str, dict]:
+    return {a["worker"]: a for a in httpx.get(router + "/bana/admin/agents", timeout=60).json()["agents"]}
+
+
+def switch(router: str, worker: str, peer: str, layers: tuple[int, int], tag: str, timeout: float = 600) -> dict:
+    """Move the execution of ``layers`` of ``worker`` to ``peer``; returns the source's record."""
+    r = httpx.post(router + "/bana/admin/migrations", timeout=60,
+                   json={"worker": worker, "peer": peer, "layers": list(layers), "id": tag, "switch": True})
+    r.raise_for_status()
+    return _follow(router, worker, tag, ("remote",), timeout)
+
+
+def recall(router: str, worker: str, tag: str, timeout: float = 600) -> dict:
+    httpx.post(f"{router}/bana/admin/migrations/{tag}/recall", timeout=60, json={}).raise_for_status()
+    return _follow(router, worker, tag, ("home",), timeout)
+
+
+def _follow(router: str, worker: str, tag: str, want: tuple[str, ...], timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        x = next(m for m in _agents(router)[worker]["migrations"] if m["migration"] == tag)
+        if x["state"] in want:
+            return x
+        if x["state"] in ("failed", "cancelled", "restored") or time.monotonic() > deadline:
+            raise RuntimeError(f"migration {tag}: {x['state']} {x['reason']} {x['detail']}")
+        time.sleep(0.1)
+
+
+def _burst(router: str, model: str, prompts: list[list[int]], max_tokens: int) -> list:
+    from bench.client import ClientConfig, replay
+    from bench.workloads import Request
+
+    reqs = [Request(rid=i, arrival_s=0.0, prompt=tuple(p), max_tokens=max_tokens) for i, p in enumerate(prompts)]
+    recs = replay(ClientConfig(endpoint=router, model=model, prompt_mode="ids", progress=False), reqs)
+    bad = [r for r in recs if r.error]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0].error}")
+    return recs
+
+
+def _prompts(seed: int, n: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 1000, (n, length), generator=g).tolist()
+
+
+def step_latency(router: str, model: str, num_layers: int, batch: int, tokens: int) -> dict:
+    """Mean TPOT of a decode batch with every layer local, with the upper half of
+    the decode worker's layers on the prefill worker, and local again."""
+    half = (num_layers // 2, num_layers)
+    prompts = _prompts(7, batch, 64)
+    _burst(router, model, prompts, 4)  # warm-up
+
+    def tpot() -> float:
+        return statistics.mean(r.tpot for r in _burst(router, model, prompts, tokens) if r.tpot is not None)
+
+    local = tpot()
+    src = switch(router, "decode-0", "prefill-0", half, "bench-steps")
+    steps0, remote0, guest0 = src["steps"], src["remote_seconds"], src["guest_seconds"]
+    remote = tpot()
+    x = next(m for m in _agents(router)["decode-0"]["migrations"] if m["migration"] == "bench-steps")
+    n = max(x["steps"] - steps0, 1)
+    recall(router, "decode-0", "bench-steps")
+    back = tpot()
+    return {"layers": list(half), "batch": batch, "tokens": tokens, "tpot_local_ms": 1e3 * local,
+            "tpot_remote_ms": 1e3 * remote, "tpot_after_recall_ms": 1e3 * back,
+            "added_ms": 1e3 * (remote - local), "remote_steps": n,
+            "span_ms_per_step": 1e3 * (x["remote_seconds"] - remote0) / n,
+            "peer_compute_ms_per_step": 1e3 * (x["guest_seconds"] - guest0) / n,
+            "released_bytes": x["released_bytes"]}
+
+
+def saturated_prefill(router: str, model: str, num_layers: int, burst: int, length: int, move: int) -> dict:
+    """A burst of long prompts on the prefill worker, with and without moving
+    ``move`` of its layers (the upper ones) to the idle decode worker."""
+    _burst(router, model, _prompts(1, 2, length), 2)  # warm-up
+
+    def run(seed: int) -> dict:
+        t0 = time.perf_counter()
+        recs = _burst(router, model, _prompts(seed, burst, length), 2)
+        wall = time.perf_counter() - t0
+        ttft = sorted(r.ttft for r in recs if r.ttft is not None)
+        return {"wall_s": wall, "prompt_tok_per_s": burst * length / wall, "ttft_mean_s": statistics.mean(ttft),
+                "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))]}
+
+    local = run(100)
+    layers = (num_layers - move, num_layers)
+    switch(router, "prefill-0", "decode-0", layers, "bench-saturated")
+    moved = run(200)
+    recall(router, "prefill-0", "bench-saturated")
+    return {"burst": burst, "prompt_tokens": length, "moved_layers": list(layers), "local": local,
+            "moved": moved, "throughput_ratio": moved["prompt_tok_per_s"] / local["prompt_tok_per_s"],
+            "ttft_mean_ratio": moved["ttft_mean_s"] / local["ttft_mean_s"]}
+
+
 def tensor_sizes(model_path: str, n: int) -> list[int]:
     """Bytes of each parameter of layers [0, n) as SGLang holds them (q/k/v and gate/up fused)."""
     cfg = json.loads((Path(model_path) / "config.json").read_text())
@@ -98,6 +201,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default="small", help="embedded model name or folder")
     p.add_argument("--layers", default="1,2,4", help="comma-separated layer counts n: migrate [0, n)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--phases", default="staging,steps,saturated",
+                   help="which measurements: staging (weights), steps (per-step latency of remote layers), "
+                        "saturated (a prefill burst with and without moving layers)")
+    p.add_argument("--batch", type=int, default=4, help="steps: concurrent decoding requests")
+    p.add_argument("--decode-tokens", type=int, default=48, help="steps: output tokens per request")
+    p.add_argument("--burst", type=int, default=8, help="saturated: prompts in the burst")
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="saturated: tokens per prompt")
+    p.add_argument("--move", type=int, default=None,
+                   help="saturated: how many of the prefill worker's (upper) layers move (default: half)")
     p.add_argument("--port", type=int, default=31000)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--write-results", action="store_true")
@@ -111,10 +223,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts = [int(x) for x in args.layers.split(",") if x]
     cfg = LaunchConfig(model_path=model_path, num_prefill=1, num_decode=1, port=args.port,
                        worker_base_port=args.port + 10, global_store=False, log_dir=out / "logs")
-    rows = []
+    phases = {x.strip() for x in args.phases.split(",") if x.strip()}
+    unknown = phases - {"staging", "steps", "saturated"}
+    if unknown:
+        p.error(f"unknown phases: {', '.join(sorted(unknown))}")
+    num_layers = json.loads((Path(model_path) / "config.json").read_text())["num_hidden_layers"]
+    rows, steps, saturated = [], None, None
     with Cluster(plan_cluster(cfg), log_dir=cfg.log_dir, startup_timeout=900) as cluster:
         router = cluster.plan.endpoint
-        for n in counts:
+        model = httpx.get(router + "/v1/models", timeout=60).json()["data"][0]["id"]
+        for n in counts if "staging" in phases else []:
             runs = [migrate_once(router, n, f"bench-{n}-{i}") for i in range(args.repeats)]
             raw = raw_read_seconds(tensor_sizes(model_path, n), args.repeats)
             mig = statistics.median(r["seconds"] for r in runs)
@@ -126,24 +244,59 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.info("layers [0,%d): %.1f MB staged in %.3fs (%.0f MB/s) vs raw %.3fs (%.0f MB/s): %.2f of raw",
                         n, moved / 1e6, mig, row["migration_MBps"], raw, row["raw_MBps"], row["fraction_of_raw"])
             rows.append(row)
+        if "steps" in phases:
+            steps = step_latency(router, model, num_layers, args.batch, args.decode_tokens)
+            logger.info("per-step: TPOT %.1f ms local, %.1f ms with layers %s remote (+%.1f ms)",
+                        steps["tpot_local_ms"], steps["tpot_remote_ms"], steps["layers"], steps["added_ms"])
+        if "saturated" in phases:
+            saturated = saturated_prefill(router, model, num_layers, args.burst, args.prompt_tokens,
+                                          args.move if args.move is not None else num_layers // 2)
+            logger.info("saturated prefill: throughput x%.2f, mean TTFT x%.2f with layers %s moved",
+                        saturated["throughput_ratio"], saturated["ttft_mean_ratio"], saturated["moved_layers"])
     lines = ["| layers | MB | tensors | migration s | of which on the peer s | raw TE read s | migration MB/s | "
              "raw MB/s | fraction of raw | checksums equal |", "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| [0,{r['layers']}) | {r['bytes'] / 1e6:.1f} | {r['tensors']} | {r['migration_s']:.3f} | "
               f"{r['guest_s']:.3f} | {r['raw_read_s']:.3f} | {r['migration_MBps']:.0f} | {r['raw_MBps']:.0f} | "
               f"{r['fraction_of_raw']:.2f} | {r['checksums_equal']} |" for r in rows]
-    report = "\n".join([
-        f"Run: `python -m bench.bench_migrate --model {args.model} --layers {args.layers} --repeats {args.repeats}` "
-        f"on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine_description()}.", "",
-        "Layer weights of `prefill-0` staged on `decode-0` (transfer-engine reads into a guest area, "
-        "CRC32 verified on both sides) against one batched raw transfer-engine read of the same tensor "
-        "sizes in this process (TCP on 127.0.0.1). Medians of the repeats. Migration time is what the "
-        "source reports from accepting the command to seeing the peer's verification (its own CRC32 pass, "
-        "the offer, the peer's reads and CRC32 pass, and the source's polling); the peer's part is the "
-        "time from its accepting the offer to its verification.",
-        "", *lines, "",
-        "Not measured yet: per-step latency of remote layers and the saturated-prefill run (the execution "
-        "switch is not built)."])
-    (out / "summary.json").write_text(json.dumps({"rows": rows}, indent=2))
+    report = [
+        f"Run: `python -m bench.bench_migrate --model {args.model} --layers {args.layers} --repeats {args.repeats} "
+        f"--phases {args.phases} --batch {args.batch} --decode-tokens {args.decode_tokens} --burst {args.burst} "
+        f"--prompt-tokens {args.prompt_tokens}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"{machine_description()}.", ""]
+    if rows:
+        report += [
+            "**Weight staging.** Layer weights of `prefill-0` staged on `decode-0` (transfer-engine reads into a "
+            "guest area, CRC32 verified on both sides) against one batched raw transfer-engine read of the same "
+            "tensor sizes in this process (TCP on 127.0.0.1). Medians of the repeats. Migration time is what the "
+            "source reports from accepting the command to seeing the peer's verification (its own CRC32 pass, "
+            "the offer, the peer's reads and CRC32 pass, and the source's polling); the peer's part is the "
+            "time from its accepting the offer to its verification.", "", *lines, ""]
+    if steps:
+        st = steps
+        report += [
+            f"**Per-step latency of remote layers.** {st['batch']} streamed requests decode {st['tokens']} tokens "
+            f"each on `decode-0`, with every layer local, then with layers [{st['layers'][0]}, {st['layers'][1]}) "
+            "running on the idle `prefill-0` (hidden state, residual and KV rows through the transfer engine "
+            "each step), then local again after a recall.", "",
+            "| TPOT local ms | TPOT remote ms | added ms/step | after recall ms | remote steps | "
+            "span ms/step (owner's view) | of which the peer computing ms | weights released MB |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {st['tpot_local_ms']:.1f} | {st['tpot_remote_ms']:.1f} | {st['added_ms']:+.1f} | "
+            f"{st['tpot_after_recall_ms']:.1f} | {st['remote_steps']} | {st['span_ms_per_step']:.1f} | "
+            f"{st['peer_compute_ms_per_step']:.1f} | {st['released_bytes'] / 1e6:.1f} |", ""]
+    if saturated:
+        sa = saturated
+        report += [
+            f"**Saturated prefill.** A burst of {sa['burst']} prompts of {sa['prompt_tokens']} tokens (fresh ids, "
+            f"2 output tokens) at once, with every layer of `prefill-0` local, and with its layers "
+            f"[{sa['moved_layers'][0]}, {sa['moved_layers'][1]}) running on the idle `decode-0`.", "",
+            "| run | wall s | prompt tokens/s | mean TTFT s | p90 TTFT s |", "|---|---|---|---|---|",
+            *[f"| {name} | {r['wall_s']:.2f} | {r['prompt_tok_per_s']:.0f} | {r['ttft_mean_s']:.2f} | "
+              f"{r['ttft_p90_s']:.2f} |" for name, r in (("all local", sa["local"]), ("layers moved", sa["moved"]))],
+            "", f"Throughput ratio moved/local: {sa['throughput_ratio']:.2f}; mean TTFT ratio: "
+                f"{sa['ttft_mean_ratio']:.2f}.", ""]
+    report = "\n".join(report)
+    (out / "summary.json").write_text(json.dumps({"rows": rows, "steps": steps, "saturated": saturated}, indent=2))
     (out / "report.md").write_text(report + "\n")
     print(report)
     if args.write_results:

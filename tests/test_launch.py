@@ -39,6 +39,18 @@ def test_plan_2p1d_has_distinct_ports_and_pd_wiring(monkeypatch):
     assert all(p.argv[p.argv.index("--dtype") + 1] == "float32" for p in plan.workers)
 
 
+def test_the_live_balancer_starts_after_the_router_and_stops_before_it(monkeypatch):
+    monkeypatch.setenv("BANA_DEVICE", "cpu")
+    assert launch.plan_cluster(launch.LaunchConfig()).balancer is None  # static PD unless asked
+    plan = launch.plan_cluster(launch.LaunchConfig(balancer="bana", api_key="k",
+                                                   balancer_args=("--interval", "0.5")))
+    assert [p.name for p in plan.parts][-2:] == ["router", "balancer"]
+    argv = list(plan.balancer.argv)
+    assert argv[argv.index("--router") + 1] == plan.endpoint and argv[-2:] == ["--interval", "0.5"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert dict(plan.balancer.env) == {"BANA_API_KEY": "k"} and "k" not in argv  # the key is not on argv
+
+
 def test_user_dtype_wins(monkeypatch):
     monkeypatch.setenv("BANA_DEVICE", "cpu")
     plan = launch.plan_cluster(launch.LaunchConfig(sglang_args=("--dtype", "bfloat16")))
@@ -62,6 +74,7 @@ def test_extra_args_reach_the_right_role(monkeypatch):
     (["--num-prefill", "0"], "at least one prefill"),
     (["--port", "70000"], "not a TCP port"),
     (["--model-path", "/nonexistent/model"], "neither an embedded model"),
+    (["--balancer", "bana", "--router", "sglang"], "--balancer needs --router bana"),
 ])
 def test_cli_rejects_bad_arguments(argv, message):
     out = subprocess.run([sys.executable, "-m", "bana_sglang.launch", *argv, "--dry-run"],

@@ -356,3 +356,53 @@ def wait_healthy(c, timeout: float = 60) -> None:
     while httpx.get(c.url + "/health", headers=h, timeout=30).json().get("status") != "ok":
         assert time.monotonic() < deadline, "the router did not see every worker again"
         time.sleep(0.5)
+
+
+def test_the_live_balancer_moves_prefill_layers_under_a_burst_and_brings_them_home(cluster, single_server,
+                                                                                    tiny_model):
+    """The controller process reads the loads from the router, sees the prefill
+    tier hot under a burst of long prompts, switches the prefill worker's tail
+    layers to the idle decode worker, and recalls them once the cluster is calm;
+    every request gives the plain worker's tokens."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bana_sglang.migrate.controller", "--router", cluster.url, "--model-path",
+         str(tiny_model), "--interval", "0.25", "--consecutive", "1", "--imbalance-threshold", "1.2",
+         "--min-interval-s", "0", "--cooldown-s", "5", "--min-peak", "0.5", "--prefill-tokens-per-s", "200",
+         "--recall-after-s", "2", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "BANA_API_KEY": KEY})
+    try:
+        line = proc.stdout.readline()
+        assert "bana-balancer ready on" in line, line
+        base = line.split(" on ", 1)[1].split()[0]
+
+        def decisions() -> list[dict]:
+            return httpx.get(base + "/decisions", timeout=10).json()["decisions"]
+
+        started: list[dict] = []
+        for attempt in range(3):  # a burst normally suffices; the machine may be slow to report load
+            prompts = prompts_of(100 + attempt, 10, base=900, step=40)
+            want = [generate(single_server, ids, 6) for ids in prompts]
+            with ThreadPoolExecutor(10) as pool:
+                got = list(pool.map(lambda ids: generate(cluster.url, ids, 6, KEY), prompts))
+            assert got == want
+            started = [d for d in decisions() if d["kind"] == "layer_migration" and d["result"] == "started"]
+            if started:
+                break
+        assert started, decisions()
+        d = started[0]
+        assert d["src"].endswith(str(agents(cluster)["prefill-0"]["url"]).rsplit(":", 1)[1])
+        assert d["peak_after"] < d["peak_before"]
+        deadline = time.monotonic() + 60
+        while not any(x["kind"] == "recall" and x["migration"] == d["migration"] for x in decisions()):
+            assert time.monotonic() < deadline, decisions()
+            time.sleep(0.3)
+        x = wait_state(cluster, "prefill-0", d["migration"], ("home",), timeout=60)
+        assert x["steps"] >= 0
+        assert agents(cluster)["prefill-0"]["placement"] == [{"start": 0, "stop": 4, "executor": "prefill-0"}]
+        text = httpx.get(base + "/metrics", timeout=10).text
+        assert 'bana_balancer_decisions_total{kind="layer_migration",result="started"}' in text
+        ids = prompts_of(5, 1)[0]
+        assert generate(cluster.url, ids, 12, KEY) == generate(single_server, ids, 12)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0

@@ -163,7 +163,20 @@ class Worker:
                          "waiting_uncached_tokens": r.waiting_uncached_tokens,
                          "kv_used_tokens": r.used_tokens, "kv_total_tokens": r.total_tokens,
                          "age_s": round(time.monotonic() - r.at, 3) if r.at else None},
+            "load": load_to_json(self.load()),
         }
+
+
+def load_to_json(w: WorkerLoad) -> dict:
+    """A ``WorkerLoad`` as JSON (the balancer controller reads it back with ``load_from_json``)."""
+    d = dataclasses.asdict(w)
+    d["tier"] = w.tier.value
+    return d
+
+
+def load_from_json(d: dict) -> WorkerLoad:
+    fields = {f.name for f in dataclasses.fields(WorkerLoad)}
+    return WorkerLoad(**{**{k: v for k, v in d.items() if k in fields}, "tier": Tier(d["tier"])})
 
 
 def parse_prefill_spec(spec: list[str] | tuple[str, ...]) -> tuple[str, int]:

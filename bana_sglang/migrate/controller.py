@@ -1,0 +1,325 @@
+"""``python -m bana_sglang.migrate.controller``: the live balancer.
+
+Every ``--interval`` seconds it reads every worker's load from the router
+(``/bana/router/workers``: the same ``WorkerLoad`` snapshots the routing
+policies use), runs the balancer policy (:mod:`bana_sglang.migrate.balancer`,
+the very object the simulator runs), and carries out the plan through the
+router's admin API:
+
+- a :class:`~.balancer.LayerMigration` becomes a switched layer migration
+  (the peer executes the donor's tail layers);
+- KV-block and request migrations are recorded as ``skipped`` (not built:
+  issue 8), never silently dropped;
+- a layer migration it started is recalled once the cluster has stayed
+  below the policy's ``min_peak`` for ``--recall-after-s`` (the load that
+  justified it is gone), and at shutdown.
+
+Every decision (with the plan's reason, the peak utilisation before and the
+predicted one after, and what the cluster answered) is logged, kept in
+``/decisions`` (the last 200, JSON) and counted on ``/metrics``
+(``bana_balancer_*``), served on ``--host``/``--port``.
+
+The launcher starts it with ``--balancer bana``; the default is ``none``
+(static PD: no controller), because moving layers between workers that share
+the same cores (one CPU machine) adds transfers without adding compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+
+from bana_sglang import _cli
+from bana_sglang.migrate.balancer import (
+    BALANCERS,
+    BalancerConfig,
+    KVBlockMigration,
+    LayerMigration,
+    MigrationCostModel,
+    ModelShape,
+    Plan,
+    get_balancer,
+)
+from bana_sglang.router.policy import WorkerLoad
+from bana_sglang.router.workers import load_from_json
+
+logger = logging.getLogger("bana_sglang.balancer")
+
+DECISIONS_KEPT = 200
+
+
+def model_shape(model_path: str, page_size: int, prefill_tokens_per_s: float) -> ModelShape:
+    """The balancer's view of a Llama-style checkpoint (``config.json``)."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
+    d = cfg.get("head_dim") or h // heads
+    elt = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cfg.get("torch_dtype", "float32")), 4)
+    per_layer = ((heads + 2 * kv) * d * h + h * heads * d + 3 * inter * h + 2 * h) * elt
+    return ModelShape(num_layers=layers, layer_weight_bytes=per_layer, kv_bytes_per_token=2 * kv * d * elt * layers,
+                      page_size=page_size, prefill_tokens_per_s=prefill_tokens_per_s)
+
+
+@dataclass
+class Decision:
+    at: float  # unix time
+    kind: str  # layer_migration | kv_block_migration | request_migration | recall
+    src: str
+    dst: str
+    detail: str
+    reason: str
+    peak_before: float
+    peak_after: float
+    result: str  # started | refused | skipped | recalled | failed
+    migration: str = ""
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Active:
+    migration: str
+    src: str
+    dst: str
+    layers: tuple[int, int]
+    since: float
+
+
+@dataclass
+class Controller:
+    router: str
+    balancer_name: str
+    shape: ModelShape
+    cost: MigrationCostModel
+    config: BalancerConfig
+    interval_s: float = 1.0
+    recall_after_s: float = 30.0
+    api_key: str | None = None
+    decisions: collections.deque = field(default_factory=lambda: collections.deque(maxlen=DECISIONS_KEPT))
+    counts: collections.Counter = field(default_factory=collections.Counter)
+    active: list[_Active] = field(default_factory=list)
+    peak: float = 0.0
+    ticks: int = 0
+    errors: int = 0
+
+    def __post_init__(self) -> None:
+        kwargs = {} if self.balancer_name == "none" else {"shape": self.shape, "cost": self.cost,
+                                                          "config": self.config}
+        self.balancer = get_balancer(self.balancer_name, **kwargs)
+        self.http = httpx.Client(base_url=self.router.rstrip("/"), timeout=60,
+                                 headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+        self._calm_since: float | None = None
+        self._lock = threading.Lock()
+        self._seq = 0
+
+    # ------------------------------------------------------------------ one tick
+    def loads(self) -> list[WorkerLoad]:
+        workers = self.http.get("/bana/router/workers").raise_for_status().json()["workers"]
+        return [load_from_json(w["load"]) for w in workers if w.get("healthy") and "load" in w]
+
+    def tick(self, now: float | None = None) -> Plan:
+        now = time.monotonic() if now is None else now
+        loads = self.loads()
+        plan = self.balancer.plan(loads, now)
+        self.ticks += 1
+        self.peak = plan.peak_before
+        for act in plan.actions:
+            self._carry_out(act, plan)
+        self._maybe_recall(plan, now)
+        return plan
+
+    def _record(self, d: Decision) -> None:
+        with self._lock:
+            self.decisions.append(d)
+            self.counts[(d.kind, d.result)] += 1
+        logger.info("decision: %s %s -> %s %s: %s (peak %.2f -> %.2f; %s)%s", d.kind, d.src, d.dst, d.detail,
+                    d.result, d.peak_before, d.peak_after, d.reason, f" [{d.migration}]" if d.migration else "")
+
+    def _carry_out(self, act, plan: Plan) -> None:
+        base = dict(at=time.time(), src=act.src, dst=act.dst, reason=plan.reason, peak_before=plan.peak_before,
+                    peak_after=plan.peak_after)
+        if not isinstance(act, LayerMigration):
+            kind = "kv_block_migration" if isinstance(act, KVBlockMigration) else "request_migration"
+            self._record(Decision(kind=kind, detail=f"{act.bytes / 1e6:.1f} MB", result="skipped",
+                                  **base | {"reason": plan.reason + "; not built (issue 8)"}))
+            return
+        self._seq += 1
+        mid = f"bal-{os.getpid()}-{self._seq}"
+        detail = f"layers [{act.layers[0]}, {act.layers[1]})"
+        r = self.http.post("/bana/admin/migrations", json={"worker": act.src, "peer": act.dst,
+                                                           "layers": list(act.layers), "id": mid, "switch": True})
+        if r.status_code != 202:
+            self._record(Decision(kind="layer_migration", detail=detail, result="refused",
+                                  **base | {"reason": f"{plan.reason}; {r.status_code} {r.text[:200]}"}))
+            return
+        self.active.append(_Active(mid, act.src, act.dst, act.layers, time.monotonic()))
+        self._record(Decision(kind="layer_migration", detail=detail, result="started", migration=mid, **base))
+
+    def _maybe_recall(self, plan: Plan, now: float) -> None:
+        if not self.active:
+            self._calm_since = None
+            return
+        calm = plan.peak_before < self.config.min_peak
+        if not calm:
+            self._calm_since = None
+            return
+        self._calm_since = self._calm_since if self._calm_since is not None else now
+        if now - self._calm_since >= self.recall_after_s:
+            self.recall_all(f"peak {plan.peak_before:.2f} below {self.config.min_peak} for "
+                            f"{now - self._calm_since:.0f}s")
+            self._calm_since = None
+
+    def recall_all(self, reason: str) -> None:
+        for a in list(self.active):
+            r = self.http.post(f"/bana/admin/migrations/{a.migration}/recall", json={})
+            ok = r.status_code in (200, 202)
+            # a migration the owner already restored (its peer failed) has nothing to recall
+            self._record(Decision(at=time.time(), kind="recall", src=a.src, dst=a.dst,
+                                  detail=f"layers [{a.layers[0]}, {a.layers[1]})", reason=reason,
+                                  peak_before=self.peak, peak_after=self.peak,
+                                  result="recalled" if ok else f"failed: {r.status_code} {r.text[:120]}",
+                                  migration=a.migration))
+            self.active.remove(a)
+
+    # ------------------------------------------------------------------ loop
+    def run(self, stop: threading.Event) -> None:
+        logger.info("balancer %r on %s every %.1fs (recall after %.0fs calm)", self.balancer_name, self.router,
+                    self.interval_s, self.recall_after_s)
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                self.tick()
+            except (httpx.HTTPError, KeyError, ValueError) as e:
+                self.errors += 1
+                logger.warning("balancer tick failed: %s", e)
+            stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
+        if self.active:
+            try:
+                self.recall_all("controller stopping")
+            except httpx.HTTPError as e:
+                logger.warning("could not recall at shutdown: %s", e)
+
+    # ------------------------------------------------------------------ exposition
+    def metrics_text(self) -> str:
+        with self._lock:
+            counts = dict(self.counts)
+        lines = ["# HELP bana_balancer_decisions_total Balancer decisions by kind and result",
+                 "# TYPE bana_balancer_decisions_total counter"]
+        lines += [f'bana_balancer_decisions_total{{kind="{k}",result="{r.split(":")[0]}"}} {n}'
+                  for (k, r), n in sorted(counts.items())]
+        lines += ["# HELP bana_balancer_peak_utilisation Peak worker utilisation at the last tick",
+                  "# TYPE bana_balancer_peak_utilisation gauge", f"bana_balancer_peak_utilisation {self.peak}",
+                  "# HELP bana_balancer_active_migrations Layer migrations the balancer started and not recalled",
+                  "# TYPE bana_balancer_active_migrations gauge",
+                  f"bana_balancer_active_migrations {len(self.active)}",
+                  "# HELP bana_balancer_ticks_total Policy evaluations", "# TYPE bana_balancer_ticks_total counter",
+                  f"bana_balancer_ticks_total {self.ticks}",
+                  "# HELP bana_balancer_errors_total Ticks that could not read the cluster",
+                  "# TYPE bana_balancer_errors_total counter", f"bana_balancer_errors_total {self.errors}"]
+        return "\n".join(lines) + "\n"
+
+    def decisions_json(self) -> bytes:
+        with self._lock:
+            return json.dumps({"balancer": self.balancer_name, "active": [a.__dict__ for a in self.active],
+                               "decisions": [d.as_dict() for d in self.decisions]}).encode()
+
+
+def serve(ctl: Controller, host: str, port: int) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path == "/metrics":
+                body, ctype = ctl.metrics_text().encode(), "text/plain; version=0.0.4"
+            elif self.path == "/decisions":
+                body, ctype = ctl.decisions_json(), "application/json"
+            elif self.path == "/health":
+                body, ctype = b'{"status": "ok"}', "application/json"
+            else:
+                self.send_error(404, "try /metrics, /decisions or /health")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # quiet
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="bana-balancer-http", daemon=True).start()
+    return server
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = BalancerConfig()
+    p = argparse.ArgumentParser(prog="python -m bana_sglang.migrate.controller", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--router", default="http://127.0.0.1:30000", help="the router's URL")
+    p.add_argument("--api-key", default=None, help="the router's API key (default: $BANA_API_KEY)")
+    p.add_argument("--model-path", required=True, help="the served checkpoint (its config.json sizes the model)")
+    p.add_argument("--balancer", default="bana", choices=sorted(BALANCERS), help="the policy")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between policy evaluations")
+    p.add_argument("--recall-after-s", type=float, default=30.0,
+                   help="recall the layer migrations it started after the cluster stayed calm this long")
+    p.add_argument("--bandwidth-mbps", type=float, default=150.0,
+                   help="migration bandwidth for the cost model, MB/s (bench/bench_migrate.py measures it)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=2000.0,
+                   help="one prefill worker's uncached prompt tokens per second (sizes the queue term)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--imbalance-threshold", type=float, default=d.imbalance_threshold)
+    p.add_argument("--consecutive", type=int, default=d.consecutive)
+    p.add_argument("--cooldown-s", type=float, default=d.cooldown_s)
+    p.add_argument("--min-interval-s", type=float, default=d.min_interval_s)
+    p.add_argument("--min-peak", type=float, default=d.min_peak)
+    p.add_argument("--budget-s", type=float, default=d.budget_s)
+    p.add_argument("--host", default="127.0.0.1", help="where /metrics and /decisions are served")
+    p.add_argument("--port", type=int, default=0, help="0: an ephemeral port (logged)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def controller_from_args(args: argparse.Namespace) -> Controller:
+    cfg = BalancerConfig(imbalance_threshold=args.imbalance_threshold,
+                         release_threshold=min(BalancerConfig().release_threshold, args.imbalance_threshold),
+                         consecutive=args.consecutive, cooldown_s=args.cooldown_s,
+                         min_interval_s=args.min_interval_s, min_peak=args.min_peak, budget_s=args.budget_s)
+    return Controller(router=args.router, balancer_name=args.balancer,
+                      shape=model_shape(args.model_path, args.page_size, args.prefill_tokens_per_s),
+                      cost=MigrationCostModel(args.bandwidth_mbps * 1e6), config=cfg, interval_s=args.interval,
+                      recall_after_s=args.recall_after_s, api_key=args.api_key or os.environ.get("BANA_API_KEY"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, ctl = _cli.parse(build_parser(), list(argv) if argv is not None else None, controller_from_args)
+    _cli.exit_on_sigterm()
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    server = serve(ctl, args.host, args.port)
+    host, port = server.server_address[:2]
+    print(f"bana-balancer ready on http://{host}:{port} (policy {args.balancer}; /metrics, /decisions)", flush=True)
+    stop = threading.Event()
+    try:
+        ctl.run(stop)
+    except (KeyboardInterrupt, SystemExit):
+        stop.set()
+        if ctl.active:
+            ctl.recall_all("controller stopping")
+    finally:
+        server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
