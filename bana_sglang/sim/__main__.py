@@ -16,6 +16,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 from bana_sglang.migrate.balancer import BALANCERS
 from bana_sglang.router.policy import POLICIES
@@ -84,6 +85,15 @@ def cmd_profiles(_args) -> int:
     return 0
 
 
+def _lazy(name: str):
+    def run(args) -> int:
+        from bana_sglang.sim import calibrate
+
+        return getattr(calibrate, name)(args)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bana_sglang.sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,6 +128,25 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--out", default="docs/SIMULATION.md")
     rp.add_argument("--img-dir", default="docs/img")
     rp.set_defaults(fn=cmd_report)
+    cal = sub.add_parser("calibrate", help="measure the live 1P1D cluster on this machine and write a CPU profile")
+    cal.add_argument("--model", default="small", help="embedded model name or folder")
+    cal.add_argument("--profile", default="cpu_small", help="the profile whose hardware and model it refines")
+    cal.add_argument("--out", default=None, help="profile JSON to write (default profiles/cpu_small_calibrated.json)")
+    cal.add_argument("--repeats", type=int, default=2)
+    cal.add_argument("--port", type=int, default=31200)
+    cal.add_argument("--log-dir", default=None)
+    cal.set_defaults(fn=_lazy("run_calibrate"))
+    fid = sub.add_parser("fidelity", help="one trace slice on the live cluster and in the simulator: the errors")
+    fid.add_argument("--model", default="small")
+    fid.add_argument("--profile-path", default=str(Path(__file__).parent / "profiles" / "cpu_small_calibrated.json"))
+    fid.add_argument("--requests", type=int, default=40, help="trace rows")
+    fid.add_argument("--offset", type=int, default=0, help="first trace row")
+    fid.add_argument("--rate", type=float, default=0.5, help="mean request rate of the slice, req/s")
+    fid.add_argument("--length-scale", type=float, default=1 / 16, help="trace token counts are multiplied by this")
+    fid.add_argument("--port", type=int, default=31200)
+    fid.add_argument("--log-dir", default=None)
+    fid.add_argument("--json", default=None, help="also write the rows here")
+    fid.set_defaults(fn=_lazy("run_fidelity"))
     p = sub.add_parser("profiles", help="list profiles with derived figures")
     p.set_defaults(fn=cmd_profiles)
     args = ap.parse_args(argv)

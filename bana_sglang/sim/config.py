@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from bana_sglang.migrate.balancer import BALANCERS, BalancerConfig
 from bana_sglang.router.policy import POLICIES
+from bana_sglang.sim.workloads import PAGE
 
 
 class SimConfigError(ValueError):
@@ -41,8 +42,11 @@ class SimConfig:
     slo_ttft_s: float = 10.0
     slo_tpot_s: float = 0.1
     seed: int = 0
+    page_tokens: int = PAGE  # tokens per prefix hash of the workload (the trace's block)
 
     def __post_init__(self) -> None:
+        if self.page_tokens < 1:
+            raise SimConfigError("page_tokens must be >= 1")
         if self.routing not in POLICIES:
             raise SimConfigError(f"routing {self.routing!r}; valid: {', '.join(sorted(POLICIES))}")
         if self.balancer not in BALANCERS:

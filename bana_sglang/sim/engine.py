@@ -36,7 +36,7 @@ from bana_sglang.sim.cluster import CacheView, Job, LazyRunning, SimError, Worke
 from bana_sglang.sim.config import SimConfig
 from bana_sglang.sim.metrics import RequestRecord, SimResult, summarise
 from bana_sglang.sim.profiles import load_profile
-from bana_sglang.sim.workloads import PAGE, SimRequest
+from bana_sglang.sim.workloads import SimRequest
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +61,10 @@ class Simulation:
                  system: str = "custom", check: bool = False) -> None:
         self.cfg, self.system, self.check = config, system, check
         self.p = p = load_profile(config.profile)
+        self.page = page = config.page_tokens
         self.requests = list(requests)
-        per_worker_store = int(p.store_capacity_tokens_per_worker * config.store_capacity_scale) // PAGE
-        hbm_pages = int(p.kv_capacity_tokens * p.local_cache_fraction) // PAGE
+        per_worker_store = int(p.store_capacity_tokens_per_worker * config.store_capacity_scale) // page
+        hbm_pages = int(p.kv_capacity_tokens * p.local_cache_fraction) // page
         dram = per_worker_store if config.store == "local" else None
         self.workers: list[Worker] = []
         if config.colocated:
@@ -86,7 +87,7 @@ class Simulation:
                                  transfer_time=lambda n: p.store_seconds(n) / self.store_bw_scale)
         self.balancer = get_balancer(
             config.balancer,
-            shape=ModelShape(p.num_layers, p.layer_weight_bytes, p.kv_bytes_per_token, PAGE,
+            shape=ModelShape(p.num_layers, p.layer_weight_bytes, p.kv_bytes_per_token, page,
                              p.prefill_tokens_per_s),
             cost=MigrationCostModel(p.net_bytes_per_s * p.net_efficiency, p.transfer_fixed_s),
             config=config.balancer_config)
@@ -154,7 +155,7 @@ class Simulation:
             self.rejected.append(req.rid)
             return
         job = Job(req)
-        rr = RouteRequest(job.rid, req.input_len, req.hashes, req.output_len, PAGE)
+        rr = RouteRequest(job.rid, req.input_len, req.hashes, req.output_len, self.page)
         w = self.by_id[self.policy.pick_prefill(rr, [x.load(now) for x in self.prefill_workers])]
         hbm = w.hbm.match(req.hashes, touch=True)
         if self.store is not None:
@@ -255,7 +256,7 @@ class Simulation:
             elif w.tier is Tier.COLOCATED:
                 w.join(job, job.steps_left)
             else:
-                rr = RouteRequest(job.rid, job.req.input_len, h, job.req.output_len, PAGE)
+                rr = RouteRequest(job.rid, job.req.input_len, h, job.req.output_len, self.page)
                 d = self.by_id[self.policy.pick_decode(rr, [x.load(now) for x in self.decode_workers])]
                 d.pending.append(job)
                 d.dirty()
@@ -357,7 +358,7 @@ class Simulation:
             r.rid, r.arrival, job.first_token, now, r.input_len, r.output_len, job.hbm_tokens,
             job.store_tokens, job.prefill.wid if job.prefill else "",
             holder.wid if holder is not None else ""))
-        self.policy.on_finish(RouteRequest(job.rid, r.input_len, r.hashes, r.output_len, PAGE),
+        self.policy.on_finish(RouteRequest(job.rid, r.input_len, r.hashes, r.output_len, self.page),
                               job.prefill.wid if job.prefill else WorkerId(""))
 
     # -- balancer ------------------------------------------------------------------------
@@ -434,7 +435,7 @@ class Simulation:
             self._set_factors(src, lease.src_prefill, lease.src_decode)
             self._set_factors(dst, lease.dst_mult, lease.dst_mult)
         elif isinstance(act, KVBlockMigration):
-            lease.tokens = min(act.pages * PAGE, dst.kv_capacity - dst.kv_reserved)
+            lease.tokens = min(act.pages * self.page, dst.kv_capacity - dst.kv_reserved)
             dst.kv_capacity -= lease.tokens
             src.kv_capacity += lease.tokens
             self._admit(src)

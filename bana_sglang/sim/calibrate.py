@@ -1,0 +1,207 @@
+"""Calibration of the CPU profile on the live system, and the simulator's fidelity.
+
+``python -m bana_sglang.sim calibrate`` starts a 1P1D cluster of the embedded
+``small`` model (the launcher's defaults: global store on, load-aware router)
+and measures, through the router, one request at a time:
+- prefill: TTFT of fresh prompts of several lengths (2 output tokens), fitted
+  to the profile's prefill law ``fixed + flops(n) / (peak_flops * mfu)`` by
+  least squares (the intercept takes the per-request overheads too: router,
+  PD bootstrap and transfer, the first decode step);
+- decode: the mean TPOT of batches of streamed requests, from which the
+  per-step overhead ``decode_fixed_s`` is what the profile's decode law
+  (with the fitted ``mfu``) leaves unexplained.
+It writes a profile JSON (default ``profiles/cpu_small_calibrated.json``)
+whose fitted fields cite the run, and prints the fit's residuals.
+
+``python -m bana_sglang.sim fidelity`` replays one slice of the Mooncake
+conversation trace (lengths scaled by ``--length-scale``, the prefix
+structure kept: one block per hash id) on the live 1P1D cluster with the
+benchmark client, then the same requests (arrival, prompt and output
+lengths, block hashes) in the simulator with that profile and the same system
+(``bana_no_migration``: load-aware routing, global store, no balancer), and
+prints the relative error of mean and p99 TTFT, mean TPOT and throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bana_sglang.sim.profiles import PROFILE_DIR, Profile, load_profile, save_profile
+
+logger = logging.getLogger("bana_sglang.sim.calibrate")
+
+PREFILL_LENGTHS = (128, 512, 1024, 2048, 3072)
+DECODE_BATCHES = (1, 4, 8)
+
+
+def _cluster(model: str, port: int, log_dir: Path):
+    from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
+    from bench import configs
+
+    cfg = LaunchConfig(model_path=str(configs.model_dir(model)), num_prefill=1, num_decode=1, port=port,
+                       worker_base_port=port + 10, log_dir=log_dir)
+    return Cluster(plan_cluster(cfg), log_dir=log_dir, startup_timeout=900)
+
+
+def _client(endpoint: str):
+    import httpx
+
+    from bench.client import ClientConfig
+
+    model = httpx.get(endpoint + "/v1/models", timeout=60).json()["data"][0]["id"]
+    return ClientConfig(endpoint=endpoint, model=model, prompt_mode="ids", progress=False)
+
+
+def _replay(cfg, reqs):
+    from bench.client import replay
+
+    recs = replay(cfg, reqs)
+    bad = [r for r in recs if r.error]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(recs)} requests failed, e.g. {bad[0].error}")
+    return recs
+
+
+def _fresh(seed: int, n: int) -> tuple[int, ...]:
+    import random
+
+    rng = random.Random(seed)
+    return tuple(rng.randrange(10, 8000) for _ in range(n))
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``; returns ``(a, b)``."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("need at least two distinct x values")
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - b * mx, b
+
+
+def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tuple[int, int, float]]) -> tuple[
+        Profile, dict]:
+    """Fit ``mfu``/``prefill_fixed_s`` to (prompt tokens, TTFT) and ``decode_fixed_s``
+    to (batch, KV tokens, TPOT). Pure: the numbers in, a profile out."""
+    xs = [base.prefill_flops(n, 0) for n, _ in prefill]
+    a, b = fit_line(xs, [t for _, t in prefill])
+    if b <= 0:
+        raise ValueError(f"prefill time does not grow with the prompt (slope {b}): too noisy to fit")
+    mfu = min(1.0, 1.0 / (b * base.peak_flops))
+    p = replace(base, mfu=mfu, prefill_fixed_s=max(0.0, a))
+    rest = [t - (p.decode_step_seconds(bsz, kv) - p.decode_fixed_s) for bsz, kv, t in decode]
+    p = replace(p, decode_fixed_s=max(1e-4, statistics.median(rest)))
+    fit = {"prefill": [{"tokens": n, "measured_s": t, "fitted_s": p.prefill_seconds(n, 0)} for n, t in prefill],
+           "decode": [{"batch": bsz, "kv_tokens": kv, "measured_s": t, "fitted_s": p.decode_step_seconds(bsz, kv)}
+                      for bsz, kv, t in decode]}
+    return p, fit
+
+
+def measure(endpoint: str, repeats: int = 2) -> tuple[list[tuple[int, float]], list[tuple[int, int, float]]]:
+    from bench.workloads import Request
+
+    cfg = _client(endpoint)
+    _replay(cfg, [Request(rid=0, arrival_s=0.0, prompt=_fresh(1, 256), max_tokens=4)])  # warm-up
+    prefill = []
+    seed = 100
+    for n in PREFILL_LENGTHS:
+        for _ in range(repeats):
+            seed += 1
+            rec, = _replay(cfg, [Request(rid=seed, arrival_s=0.0, prompt=_fresh(seed, n), max_tokens=2)])
+            prefill.append((n, rec.ttft))
+            logger.info("prefill %5d tokens: TTFT %.3fs", n, rec.ttft)
+    decode = []
+    for bsz in DECODE_BATCHES:
+        seed += 1
+        reqs = [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed * 100 + i, 128), max_tokens=33) for i in range(bsz)]
+        recs = _replay(cfg, reqs)
+        tpot = statistics.fmean(r.tpot for r in recs if r.tpot)
+        decode.append((bsz, bsz * (128 + 16), tpot))
+        logger.info("decode batch %d: TPOT %.4fs", bsz, tpot)
+    return prefill, decode
+
+
+def fidelity_compare(live: list, sim_result, duration_live: float) -> list[dict]:
+    """Rows (metric, live, simulated, relative error) from live records and a SimResult."""
+    from bana_sglang.sim.metrics import percentile
+
+    ttft = [r.ttft for r in live if r.ttft is not None]
+    tpot = [r.tpot for r in live if r.tpot is not None]
+    out_tok = sum(r.output_tokens for r in live)
+    rows = [("mean TTFT s", statistics.fmean(ttft), sim_result.ttft_mean),
+            ("p99 TTFT s", percentile(ttft, 99), sim_result.ttft_p99),
+            ("mean TPOT s", statistics.fmean(tpot) if tpot else 0.0, sim_result.tpot_mean),
+            ("throughput out tok/s", out_tok / duration_live, sim_result.out_tok_per_s)]
+    return [{"metric": m, "live": lv, "sim": sv, "error": (sv - lv) / lv if lv else float("nan")}
+            for m, lv, sv in rows]
+
+
+def run_calibrate(args) -> int:
+    out = Path(args.out or PROFILE_DIR / "cpu_small_calibrated.json")
+    base = load_profile(args.profile)
+    log_dir = Path(args.log_dir or f"/tmp/bana-calibrate-{int(time.time())}")
+    with _cluster(args.model, args.port, log_dir) as cluster:
+        prefill, decode = measure(cluster.plan.endpoint, args.repeats)
+    prof, fit = calibrate(base, prefill, decode)
+    prof = replace(prof, name=out.stem)
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    notes = {
+        "description": f"{base.name} calibrated on the live 1P1D cluster ({args.model} model) on {day}: "
+                       "python -m bana_sglang.sim calibrate",
+        "mfu": f"fitted {day}: TTFT of fresh prompts {list(PREFILL_LENGTHS)} tokens x{args.repeats}, least "
+               "squares on the profile's prefill FLOPs",
+        "prefill_fixed_s": f"fitted {day}: intercept of the same fit (router, PD bootstrap and transfer, "
+                           "first decode step included)",
+        "decode_fixed_s": f"fitted {day}: median TPOT of batches {list(DECODE_BATCHES)} minus the decode law's "
+                          "memory/compute term",
+    }
+    save_profile(prof, out, notes)
+    (out.with_suffix(".fit.json")).write_text(json.dumps(fit, indent=2))
+    print(f"wrote {out}: mfu {prof.mfu:.3f}, prefill_fixed_s {prof.prefill_fixed_s:.3f}, "
+          f"decode_fixed_s {prof.decode_fixed_s:.4f}")
+    for row in fit["prefill"]:
+        print(f"  prefill {row['tokens']:5d} tok: measured {row['measured_s']:.3f}s fitted {row['fitted_s']:.3f}s")
+    for row in fit["decode"]:
+        print(f"  decode batch {row['batch']}: measured {row['measured_s']:.4f}s fitted {row['fitted_s']:.4f}s")
+    return 0
+
+
+def run_fidelity(args) -> int:
+    from bana_sglang.sim.config import SimConfig, system_config
+    from bana_sglang.sim.engine import simulate
+    from bana_sglang.sim.workloads import SimRequest
+    from bench.workloads import MOONCAKE_BLOCK, TokenSpace, WorkloadSpec, build
+
+    from bench import configs
+
+    space = TokenSpace.from_model(configs.model_dir(args.model))
+    spec = WorkloadSpec(name="mooncake", num_requests=args.requests, request_rate=args.rate,
+                        length_scale=args.length_scale, trace_offset=args.offset)
+    wl = build(spec, space)
+    log_dir = Path(args.log_dir or f"/tmp/bana-fidelity-{int(time.time())}")
+    with _cluster(args.model, args.port, log_dir) as cluster:
+        cfg = _client(cluster.plan.endpoint)
+        t0 = time.monotonic()
+        live = _replay(cfg, wl.requests)
+        duration = time.monotonic() - t0
+    block = max(1, round(MOONCAKE_BLOCK * args.length_scale))
+    sim_reqs = [SimRequest(rid=r.rid, arrival=r.arrival_s, input_len=len(r.prompt), output_len=r.max_tokens,
+                           hashes=tuple(r.prefix_ids)) for r in wl.requests]
+    sim_cfg = system_config("bana_no_migration", SimConfig(profile=str(args.profile_path), num_workers=2,
+                                                           prefill_fraction=0.5, page_tokens=block))
+    res = simulate(sim_cfg, sim_reqs, system="bana_no_migration")
+    makespan = max(r.end_s for r in live) - min(r.scheduled_s for r in live) if live else duration
+    rows = fidelity_compare(live, res, makespan)
+    lines = [f"Fidelity: {wl.describe()}", "",
+             "| metric | live | simulated | error |", "|---|---|---|---|"]
+    lines += [f"| {r['metric']} | {r['live']:.4f} | {r['sim']:.4f} | {100 * r['error']:+.1f}% |" for r in rows]
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"workload": wl.describe(), "rows": rows,
+                                               "profile": str(args.profile_path)}, indent=2))
+    return 0
