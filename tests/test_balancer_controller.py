@@ -38,12 +38,12 @@ class FakeRouter:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 assert self.path == "/bana/router/workers"
                 self._send(200, {"workers": [{"url": w.worker_id, "healthy": True, "load": load_to_json(w)}
                                              for w in fake.loads]})
 
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
                 fake.posts.append((self.path, body))
                 if fake.refuse:

@@ -11,12 +11,12 @@ import time
 import msgspec
 import pytest
 import torch
+from test_migrate_agent import Running, wait_state
 
 from bana_sglang.migrate import messages as m
 from bana_sglang.migrate import steps as s
 from bana_sglang.migrate.agent import TransferEngine
 from bana_sglang.migrate.remote import SlotMirror, StepBuffer, _GuestPlan, unpack
-from test_migrate_agent import Running, wait_state
 
 
 @pytest.fixture(scope="module")

@@ -239,7 +239,7 @@ class Controller:
 
 def serve(ctl: Controller, host: str, port: int) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
+        def do_GET(self):
             if self.path == "/metrics":
                 body, ctype = ctl.metrics_text().encode(), "text/plain; version=0.0.4"
             elif self.path == "/decisions":

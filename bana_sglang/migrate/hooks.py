@@ -56,7 +56,12 @@ def _start(scheduler):
     if layers is None:
         logger.error("migration agent disabled: %s has no model.layers", type(model).__name__)
         return _DISABLED
-    from bana_sglang.migrate.agent import PEER_TIMEOUT_S, STEP_TIMEOUT_S, MigrationAgent, WorkerHandles
+    from bana_sglang.migrate.agent import (
+        PEER_TIMEOUT_S,
+        STEP_TIMEOUT_S,
+        MigrationAgent,
+        WorkerHandles,
+    )
 
     host = os.environ.get("BANA_AGENT_HOST") or endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
     role = getattr(scheduler.server_args, "disaggregation_mode", "null")

@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--profile", default="cpu_small", help="the profile whose hardware and model it refines")
     cal.add_argument("--out", default=None, help="profile JSON to write (default profiles/cpu_small_calibrated.json)")
     cal.add_argument("--repeats", type=int, default=2)
+    cal.add_argument("--measurements", default=None,
+                     help="refit the measurements of a previous run (its .fit.json) instead of measuring")
     cal.add_argument("--port", type=int, default=31200)
     cal.add_argument("--log-dir", default=None)
     cal.set_defaults(fn=_lazy("run_calibrate"))
@@ -146,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     fid.add_argument("--port", type=int, default=31200)
     fid.add_argument("--log-dir", default=None)
     fid.add_argument("--json", default=None, help="also write the rows here")
+    fid.add_argument("--write-results", action="store_true", help="replace this run's section of docs/RESULTS.md")
+    fid.add_argument("--results-key", default="sim-fidelity")
+    fid.add_argument("--results-title", default="Simulator fidelity (live vs simulated, one trace slice)")
     fid.set_defaults(fn=_lazy("run_fidelity"))
     p = sub.add_parser("profiles", help="list profiles with derived figures")
     p.set_defaults(fn=cmd_profiles)

@@ -92,8 +92,10 @@ def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tupl
     a, b = fit_line(xs, [t for _, t in prefill])
     if b <= 0:
         raise ValueError(f"prefill time does not grow with the prompt (slope {b}): too noisy to fit")
-    mfu = min(1.0, 1.0 / (b * base.peak_flops))
-    p = replace(base, mfu=mfu, prefill_fixed_s=max(0.0, a))
+    mfu = 1.0 / (b * base.peak_flops)
+    # Faster than the profile's peak (its FLOP count or its peak is off): the
+    # fitted effective rate becomes the peak, at full efficiency.
+    p = replace(base, mfu=min(1.0, mfu), peak_flops=base.peak_flops * max(1.0, mfu), prefill_fixed_s=max(0.0, a))
     rest = [t - (p.decode_step_seconds(bsz, kv) - p.decode_fixed_s) for bsz, kv, t in decode]
     p = replace(p, decode_fixed_s=max(1e-4, statistics.median(rest)))
     fit = {"prefill": [{"tokens": n, "measured_s": t, "fitted_s": p.prefill_seconds(n, 0)} for n, t in prefill],
@@ -144,9 +146,14 @@ def fidelity_compare(live: list, sim_result, duration_live: float) -> list[dict]
 def run_calibrate(args) -> int:
     out = Path(args.out or PROFILE_DIR / "cpu_small_calibrated.json")
     base = load_profile(args.profile)
-    log_dir = Path(args.log_dir or f"/tmp/bana-calibrate-{int(time.time())}")
-    with _cluster(args.model, args.port, log_dir) as cluster:
-        prefill, decode = measure(cluster.plan.endpoint, args.repeats)
+    if args.measurements:  # refit a previous run's measurements (its .fit.json)
+        old = json.loads(Path(args.measurements).read_text())
+        prefill = [(r["tokens"], r["measured_s"]) for r in old["prefill"]]
+        decode = [(r["batch"], r["kv_tokens"], r["measured_s"]) for r in old["decode"]]
+    else:
+        log_dir = Path(args.log_dir or f"/tmp/bana-calibrate-{int(time.time())}")
+        with _cluster(args.model, args.port, log_dir) as cluster:
+            prefill, decode = measure(cluster.plan.endpoint, args.repeats)
     prof, fit = calibrate(base, prefill, decode)
     prof = replace(prof, name=out.stem)
     day = time.strftime("%Y-%m-%d", time.gmtime())
@@ -155,12 +162,14 @@ def run_calibrate(args) -> int:
                        "python -m bana_sglang.sim calibrate",
         "mfu": f"fitted {day}: TTFT of fresh prompts {list(PREFILL_LENGTHS)} tokens x{args.repeats}, least "
                "squares on the profile's prefill FLOPs",
+        "peak_flops": f"{base.name}'s, or the fitted effective FLOP/s where that is higher ({day})",
         "prefill_fixed_s": f"fitted {day}: intercept of the same fit (router, PD bootstrap and transfer, "
                            "first decode step included)",
         "decode_fixed_s": f"fitted {day}: median TPOT of batches {list(DECODE_BATCHES)} minus the decode law's "
                           "memory/compute term",
     }
-    save_profile(prof, out, notes)
+    inherited = dict(x.split(": ", 1) for x in (*base.sources, *base.assumptions) if ": " in x)
+    save_profile(prof, out, {**inherited, **notes})
     (out.with_suffix(".fit.json")).write_text(json.dumps(fit, indent=2))
     print(f"wrote {out}: mfu {prof.mfu:.3f}, prefill_fixed_s {prof.prefill_fixed_s:.3f}, "
           f"decode_fixed_s {prof.decode_fixed_s:.4f}")
@@ -175,9 +184,8 @@ def run_fidelity(args) -> int:
     from bana_sglang.sim.config import SimConfig, system_config
     from bana_sglang.sim.engine import simulate
     from bana_sglang.sim.workloads import SimRequest
-    from bench.workloads import MOONCAKE_BLOCK, TokenSpace, WorkloadSpec, build
-
     from bench import configs
+    from bench.workloads import MOONCAKE_BLOCK, TokenSpace, WorkloadSpec, build
 
     space = TokenSpace.from_model(configs.model_dir(args.model))
     spec = WorkloadSpec(name="mooncake", num_requests=args.requests, request_rate=args.rate,
@@ -201,6 +209,19 @@ def run_fidelity(args) -> int:
              "| metric | live | simulated | error |", "|---|---|---|---|"]
     lines += [f"| {r['metric']} | {r['live']:.4f} | {r['sim']:.4f} | {100 * r['error']:+.1f}% |" for r in rows]
     print("\n".join(lines))
+    if args.write_results:
+        from bench.sidebyside import machine_description, write_results_section
+
+        prof = load_profile(args.profile_path)
+        intro = [
+            f"Run: `python -m bana_sglang.sim fidelity --model {args.model} --requests {args.requests} "
+            f"--rate {args.rate}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+            f"{machine_description()}.", "",
+            f"Profile `{prof.name}` (from `python -m bana_sglang.sim calibrate`): effective prefill rate "
+            f"{prof.flops_per_s / 1e9:.1f} GFLOP/s, prefill fixed {prof.prefill_fixed_s:.3f} s, decode fixed "
+            f"{prof.decode_fixed_s:.4f} s. The live 1P1D cluster and the simulated one (2 workers, "
+            "`bana_no_migration`) get the same requests: arrivals, prompt and output lengths, block hashes.", ""]
+        write_results_section(args.results_key, args.results_title, "\n".join(intro + lines[2:] + [""]))
     if args.json:
         Path(args.json).write_text(json.dumps({"workload": wl.describe(), "rows": rows,
                                                "profile": str(args.profile_path)}, indent=2))
