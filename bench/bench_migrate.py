@@ -23,7 +23,11 @@ Then, with the execution switch (``--phases``):
   2 output tokens; fresh random ids, so no prefix cache hit) saturates the
   prefill worker; throughput (prompt tokens/s) and TTFT with every layer
   local, and with ``--move`` of the prefill worker's layers running on the
-  idle decode worker. Both bursts use different prompts of the same lengths.
+  idle decode worker. Four bursts (fresh prompts of the same lengths each)
+  in the order local, moved, moved, local (``--moved-first``: the reverse);
+  each setting reports the mean of its two bursts: a first burst after
+  start-up was seen 20-40% slower than later ones, which a plain
+  local-then-moved order credits to the migration.
 
 Outputs: ``bench/runs/migrate-<UTC time>/summary.json`` and ``report.md``;
 ``--write-results`` replaces the "Layer migration" section of docs/RESULTS.md.
@@ -141,11 +145,11 @@ def step_latency(router: str, model: str, num_layers: int, batch: int, tokens: i
     the decode worker's layers on the prefill worker, and local again."""
     half = (num_layers // 2, num_layers)
     prompts = _prompts(7, batch, 64)
-    _burst(router, model, prompts, 4)  # warm-up
 
     def tpot() -> float:
         return statistics.mean(r.tpot for r in _burst(router, model, prompts, tokens) if r.tpot is not None)
 
+    tpot()  # warm-up: a whole run, discarded (the first one after start-up is slower)
     local = tpot()
     src = switch(router, "decode-0", "prefill-0", half, "bench-steps")
     steps0, remote0, guest0 = src["steps"], src["remote_seconds"], src["guest_seconds"]
@@ -155,6 +159,7 @@ def step_latency(router: str, model: str, num_layers: int, batch: int, tokens: i
     recall(router, "decode-0", "bench-steps")
     back = tpot()
     return {"layers": list(half), "batch": batch, "tokens": tokens, "tpot_local_ms": 1e3 * local,
+            "added_vs_mean_local_ms": 1e3 * (remote - (local + back) / 2),
             "tpot_remote_ms": 1e3 * remote, "tpot_after_recall_ms": 1e3 * back,
             "added_ms": 1e3 * (remote - local), "remote_steps": n,
             "span_ms_per_step": 1e3 * (x["remote_seconds"] - remote0) / n,
@@ -162,10 +167,10 @@ def step_latency(router: str, model: str, num_layers: int, batch: int, tokens: i
             "released_bytes": x["released_bytes"]}
 
 
-def saturated_prefill(router: str, model: str, num_layers: int, burst: int, length: int, move: int) -> dict:
+def saturated_prefill(router: str, model: str, num_layers: int, burst: int, length: int, move: int,
+                      moved_first: bool = False) -> dict:
     """A burst of long prompts on the prefill worker, with and without moving
     ``move`` of its layers (the upper ones) to the idle decode worker."""
-    _burst(router, model, _prompts(1, 2, length), 2)  # warm-up
 
     def run(seed: int) -> dict:
         t0 = time.perf_counter()
@@ -175,12 +180,30 @@ def saturated_prefill(router: str, model: str, num_layers: int, burst: int, leng
         return {"wall_s": wall, "prompt_tok_per_s": burst * length / wall, "ttft_mean_s": statistics.mean(ttft),
                 "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))]}
 
-    local = run(100)
+    run(99)  # warm-up: a whole burst (the first one after start-up runs 20-40% slower), discarded
     layers = (num_layers - move, num_layers)
-    switch(router, "prefill-0", "decode-0", layers, "bench-saturated")
-    moved = run(200)
-    recall(router, "prefill-0", "bench-saturated")
-    return {"burst": burst, "prompt_tokens": length, "moved_layers": list(layers), "local": local,
+    # ABBA (or BAAB with moved_first): each setting runs once early and once late,
+    # so a drift of the machine (or a slow first burst) does not favour either.
+    order = ["moved", "local", "local", "moved"] if moved_first else ["local", "moved", "moved", "local"]
+    results: dict[str, list[dict]] = {"local": [], "moved": []}
+    placed = False
+    for k, which in enumerate(order):
+        if which == "moved" and not placed:
+            switch(router, "prefill-0", "decode-0", layers, f"bench-saturated-{k}")
+            placed, tag = True, f"bench-saturated-{k}"
+        elif which == "local" and placed:
+            recall(router, "prefill-0", tag)
+            placed = False
+        results[which].append(run(100 + k))
+    if placed:
+        recall(router, "prefill-0", tag)
+
+    def mean(rs: list[dict]) -> dict:
+        return {key: statistics.fmean(r[key] for r in rs) for key in rs[0]}
+
+    local, moved = mean(results["local"]), mean(results["moved"])
+    return {"burst": burst, "prompt_tokens": length, "moved_layers": list(layers), "order": order,
+            "runs": results, "local": local,
             "moved": moved, "throughput_ratio": moved["prompt_tok_per_s"] / local["prompt_tok_per_s"],
             "ttft_mean_ratio": moved["ttft_mean_s"] / local["ttft_mean_s"]}
 
@@ -208,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=48, help="steps: output tokens per request")
     p.add_argument("--burst", type=int, default=8, help="saturated: prompts in the burst")
     p.add_argument("--prompt-tokens", type=int, default=1024, help="saturated: tokens per prompt")
+    p.add_argument("--moved-first", action="store_true",
+                   help="saturated: run the burst with the layers moved first, then all local (order check)")
     p.add_argument("--move", type=int, default=None,
                    help="saturated: how many of the prefill worker's (upper) layers move (default: half)")
     p.add_argument("--port", type=int, default=31000)
@@ -250,7 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         steps["tpot_local_ms"], steps["tpot_remote_ms"], steps["layers"], steps["added_ms"])
         if "saturated" in phases:
             saturated = saturated_prefill(router, model, num_layers, args.burst, args.prompt_tokens,
-                                          args.move if args.move is not None else num_layers // 2)
+                                          args.move if args.move is not None else num_layers // 2,
+                                          moved_first=args.moved_first)
             logger.info("saturated prefill: throughput x%.2f, mean TTFT x%.2f with layers %s moved",
                         saturated["throughput_ratio"], saturated["ttft_mean_ratio"], saturated["moved_layers"])
     lines = ["| layers | MB | tensors | migration s | of which on the peer s | raw TE read s | migration MB/s | "
@@ -277,24 +303,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"**Per-step latency of remote layers.** {st['batch']} streamed requests decode {st['tokens']} tokens "
             f"each on `decode-0`, with every layer local, then with layers [{st['layers'][0]}, {st['layers'][1]}) "
             "running on the idle `prefill-0` (hidden state, residual and KV rows through the transfer engine "
-            "each step), then local again after a recall.", "",
-            "| TPOT local ms | TPOT remote ms | added ms/step | after recall ms | remote steps | "
-            "span ms/step (owner's view) | of which the peer computing ms | weights released MB |",
+            "each step), then local again after a recall; one discarded warm-up run first.", "",
+            "| TPOT local ms | TPOT remote ms | TPOT local after recall ms | added ms/step (vs the mean of the two "
+            "local runs) | remote steps | span ms/step (owner's view) | of which the peer computing ms | "
+            "weights released MB |",
             "|---|---|---|---|---|---|---|---|",
-            f"| {st['tpot_local_ms']:.1f} | {st['tpot_remote_ms']:.1f} | {st['added_ms']:+.1f} | "
-            f"{st['tpot_after_recall_ms']:.1f} | {st['remote_steps']} | {st['span_ms_per_step']:.1f} | "
+            f"| {st['tpot_local_ms']:.1f} | {st['tpot_remote_ms']:.1f} | {st['tpot_after_recall_ms']:.1f} | "
+            f"{st['added_vs_mean_local_ms']:+.1f} | {st['remote_steps']} | {st['span_ms_per_step']:.1f} | "
             f"{st['peer_compute_ms_per_step']:.1f} | {st['released_bytes'] / 1e6:.1f} |", ""]
     if saturated:
         sa = saturated
         report += [
             f"**Saturated prefill.** A burst of {sa['burst']} prompts of {sa['prompt_tokens']} tokens (fresh ids, "
             f"2 output tokens) at once, with every layer of `prefill-0` local, and with its layers "
-            f"[{sa['moved_layers'][0]}, {sa['moved_layers'][1]}) running on the idle `decode-0`.", "",
+            f"[{sa['moved_layers'][0]}, {sa['moved_layers'][1]}) running on the idle `decode-0` "
+            f"(after a discarded warm-up burst, bursts in the order {', '.join(sa['order'])}; each row is the "
+            "mean of its two bursts, so a drift of the machine does not favour either).", "",
+            "| burst | " + " | ".join(sa["order"]) + " |", "|---|" + "---|" * len(sa["order"]),
+            "| prompt tokens/s | " + " | ".join(
+                f"{sa['runs'][w][sa['order'][:k].count(w)]['prompt_tok_per_s']:.0f}"
+                for k, w in enumerate(sa["order"])) + " |", "",
             "| run | wall s | prompt tokens/s | mean TTFT s | p90 TTFT s |", "|---|---|---|---|---|",
             *[f"| {name} | {r['wall_s']:.2f} | {r['prompt_tok_per_s']:.0f} | {r['ttft_mean_s']:.2f} | "
               f"{r['ttft_p90_s']:.2f} |" for name, r in (("all local", sa["local"]), ("layers moved", sa["moved"]))],
             "", f"Throughput ratio moved/local: {sa['throughput_ratio']:.2f}; mean TTFT ratio: "
-                f"{sa['ttft_mean_ratio']:.2f}.", ""]
+                f"{sa['ttft_mean_ratio']:.2f}. Read it with the per-burst row: a rise from burst to burst "
+                "whatever the setting is the machine drifting, not the migration. Here both workers share "
+                "the same cores and each remote step is synchronous (the owner waits while the peer computes), "
+                "so no gain is expected on this machine.", ""]
     report = "\n".join(report)
     (out / "summary.json").write_text(json.dumps({"rows": rows, "steps": steps, "saturated": saturated}, indent=2))
     (out / "report.md").write_text(report + "\n")
