@@ -146,3 +146,25 @@ def test_the_agent_refuses_what_it_cannot_switch_or_recall(pair):
     r = y.client.call(m.OpenGuest, migration="nope", kv_rows=16)
     assert isinstance(r, m.Error) and r.reason == "invalid"
     assert [(p.start, p.stop, p.executor) for p in x.client.call(m.Status).placement] == [(0, 4, "prefill-0")]
+
+
+def test_two_mirrors_on_one_allocator_each_see_every_release_until_closed():
+    """Two migrations of one worker (different layer ranges) may be remote at
+    once: closing either mirror must not unhook the other."""
+    alloc = PagedAllocator()
+    first, second = SlotMirror(16, alloc), SlotMirror(16, alloc)
+    for order in ((first, second), (second, first)):
+        alloc2 = PagedAllocator()
+        a, b = SlotMirror(16, alloc2), SlotMirror(16, alloc2)
+        a.valid[:] = b.valid[:] = True
+        (a if order[0] is first else b).close()
+        alive = b if order[0] is first else a
+        alloc2._release_page_ids(torch.tensor([2]))
+        assert not alive.valid[8:12].any() and alive.valid[:8].all()
+        assert alloc2.released  # the allocator's own method still ran once
+        assert len(alloc2.released) == 1
+        alive.close()
+        assert "_release_page_ids" not in vars(alloc2) and "clear" not in vars(alloc2)
+    first.close()
+    second.close()
+    assert "_release_page_ids" not in vars(alloc)

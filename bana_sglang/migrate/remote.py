@@ -134,6 +134,7 @@ class SlotMirror:
         self.valid = torch.zeros(rows, dtype=torch.bool)
         self.page = max(int(getattr(allocator, "page_size", 1) or 1), 1)
         self._undo: list[tuple[object, str]] = []
+        self._closed = False
         self.hooked = allocator is not None and self._hook(allocator)
 
     def _hook(self, allocator) -> bool:
@@ -149,12 +150,15 @@ class SlotMirror:
         return True
 
     def _wrap(self, obj, name: str, before: Callable) -> None:
+        had_own = name in vars(obj)  # already wrapped (another span's mirror) or set on the instance
         original = getattr(obj, name)
 
         def wrapped(*args, **kwargs):
-            before(*args, **kwargs)
+            if not self._closed:
+                before(*args, **kwargs)
             return original(*args, **kwargs)
 
+        wrapped.bana_mirror, wrapped.bana_previous = self, original if had_own else None
         setattr(obj, name, wrapped)
         self._undo.append((obj, name))
 
@@ -176,11 +180,17 @@ class SlotMirror:
         return slots[~self.valid[slots]]
 
     def close(self) -> None:
+        """Stop tracking and unhook. A wrapper another mirror wrapped later stays
+        in its chain, inert (unwrapping from the middle would drop the other's)."""
+        self._closed = True
         for obj, name in reversed(self._undo):
-            try:
-                delattr(obj, name)  # back to the class's method
-            except AttributeError:
-                pass
+            # unwind every closed mirror's wrapper from the top of the chain
+            while (top := vars(obj).get(name)) is not None and getattr(top, "bana_mirror", None) is not None \
+                    and top.bana_mirror._closed:
+                if top.bana_previous is None:
+                    delattr(obj, name)  # back to the class's method
+                else:
+                    setattr(obj, name, top.bana_previous)
         self._undo.clear()
 
 
