@@ -477,7 +477,7 @@ class MigrationAgent:
         mig = self.migrations.get(req.migration)
         if mig is None or mig.side != "source":
             return self._unknown(req.id, req.migration)
-        if mig.state in ("failed", "cancelled"):
+        if mig.state in _SETTLED:
             return m.Ok(id=req.id, note=f"already {mig.state}")
         if mig.state == "remote":  # switched: cancelling brings the layers home
             return self._recall(m.Recall(id=req.id, deadline=req.deadline, migration=req.migration))
@@ -485,14 +485,8 @@ class MigrationAgent:
             return m.Ok(id=req.id, note="already recalling")
         mig.cancel.set()
         if mig.state == "staged":  # done: ask the peer to free its copy, off the scheduler thread
-            def drop() -> None:
-                client = AgentClient(mig.peer, timeout_s=self.peer_timeout_s, ctx=self._ctx)
-                try:
-                    self._drop_at_peer(client, mig)
-                finally:
-                    client.close()
             mig.finish("cancelled", "cancelled", "cancelled after staging; the peer drops its copy")
-            self._work.submit(drop)
+            self._work.submit(self._drop_remote, mig)
         return m.Ok(id=req.id, note="cancelling")
 
     # -- the execution switch (source side)
@@ -511,8 +505,12 @@ class MigrationAgent:
         mig.executor, mig.guest_addrs = reply.worker, list(reply.addrs)
         ctx = OwnerContext(layers=self.layers, kv_pool=w.kv_pool, req_to_token=w.req_to_token,
                            allocator=w.allocator)
-        mig.span = RemoteSpan(mig.migration, mig.start, mig.stop, reply.endpoint, reply.session, self._engine(),
-                              ctx, self.step_timeout_s, self._on_remote_failure)
+        try:
+            mig.span = RemoteSpan(mig.migration, mig.start, mig.stop, reply.endpoint, reply.session,
+                                  self._engine(), ctx, self.step_timeout_s, self._on_remote_failure)
+        except Exception as e:  # the peer opened its executor: close it
+            self._drop_at_peer(client, mig)
+            raise _Fail("internal", f"building the remote span: {type(e).__name__}: {e}") from e
         with mig.lock:
             mig.pending = "install"
 
@@ -540,6 +538,7 @@ class MigrationAgent:
         from bana_sglang.migrate.remote import Skip
 
         if mig.cancel.is_set():
+            mig.span.close()
             self._work.submit(self._drop_remote, mig)
             mig.finish("cancelled", "cancelled", "cancelled before the switch")
             return

@@ -42,6 +42,16 @@ def scheduler_hook(original, scheduler, *args, **kwargs):
     return out
 
 
+def _handles(cls, runner):
+    """The switch's handles on the worker, or None (staging still works) if this
+    model runner lacks what it needs."""
+    try:
+        return cls.from_runner(runner)
+    except Exception:
+        logger.warning("migration agent: this worker cannot switch layer execution", exc_info=True)
+        return None
+
+
 def _start(scheduler):
     endpoint = os.environ.get("BANA_AGENT_ENDPOINT")
     if not endpoint:
@@ -68,7 +78,7 @@ def _start(scheduler):
     try:
         agent = MigrationAgent(os.environ.get("BANA_WORKER_NAME", f"{role}-{os.getpid()}"), role, layers, endpoint,
                                te_host=host, protocol=os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
-                               worker=WorkerHandles.from_runner(runner),
+                               worker=_handles(WorkerHandles, runner),
                                step_timeout_s=float(os.environ.get("BANA_MIGRATE_STEP_TIMEOUT_S", STEP_TIMEOUT_S)),
                                peer_timeout_s=float(os.environ.get("BANA_MIGRATE_PEER_TIMEOUT_S", PEER_TIMEOUT_S)))
     except Exception:
