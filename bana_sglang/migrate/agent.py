@@ -54,6 +54,7 @@ PEER_TIMEOUT_S = 30.0
 # A remote step (one forward's layers on the peer) unanswered this long: the peer
 # is taken as gone and the owner restores the layers (BANA_MIGRATE_STEP_TIMEOUT_S).
 STEP_TIMEOUT_S = 30.0
+DROP_RETRY_S = 600.0  # how long an owner keeps asking a silent peer to drop its copy
 MAX_PER_POLL = 64  # requests answered per scheduler iteration
 
 
@@ -578,11 +579,33 @@ class MigrationAgent:
                     stats.steps if stats else 0)
 
     def _drop_remote(self, mig: _Migration) -> None:
+        """Tell the peer to drop its copy (and executor). A peer that does not
+        answer (frozen, partitioned) is asked again with backoff for up to
+        DROP_RETRY_S, on a thread of its own, so its copy is not left behind."""
+        if self._drop_once(mig):
+            return
+
+        def retry() -> None:
+            wait, deadline = 1.0, time.monotonic() + DROP_RETRY_S
+            while not self._closed and time.monotonic() < deadline:
+                time.sleep(wait)
+                if self._drop_once(mig):
+                    logger.info("migration %s: the peer dropped its copy after a retry", mig.migration)
+                    return
+                wait = min(30.0, wait * 2)
+            logger.warning("migration %s: the peer never confirmed dropping its copy", mig.migration)
+
+        threading.Thread(target=retry, name=f"bana-drop-{mig.migration}", daemon=True).start()
+
+    def _drop_once(self, mig: _Migration) -> bool:
         client = AgentClient(mig.peer, timeout_s=self.peer_timeout_s, ctx=self._ctx)
         try:
-            self._drop_at_peer(client, mig)
+            reply = client.call(m.DropGuest, migration=mig.migration)
+        except AgentUnavailable:
+            return False
         finally:
             client.close()
+        return isinstance(reply, (m.Ok, m.Error))  # dropped, or nothing there to drop
 
     def _realloc(self, mig: _Migration) -> None:
         for p, shape in mig.params:

@@ -185,4 +185,5 @@ def save_profile(p: Profile, path: Path | str, notes: dict[str, str] | None = No
 
 
 def list_profiles() -> list[str]:
-    return sorted(q.stem for q in PROFILE_DIR.glob("*.json"))
+    # ``*.fit.json`` next to a calibrated profile holds its fit, not a profile
+    return sorted(q.stem for q in PROFILE_DIR.glob("*.json") if not q.name.endswith(".fit.json"))
