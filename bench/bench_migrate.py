@@ -124,15 +124,11 @@ def _follow(router: str, worker: str, tag: str, want: tuple[str, ...], timeout: 
 
 
 def _burst(router: str, model: str, prompts: list[list[int]], max_tokens: int) -> list:
-    from bench.client import ClientConfig, replay
+    from bench.client import ClientConfig, replay_checked
     from bench.workloads import Request
 
     reqs = [Request(rid=i, arrival_s=0.0, prompt=tuple(p), max_tokens=max_tokens) for i, p in enumerate(prompts)]
-    recs = replay(ClientConfig(endpoint=router, model=model, prompt_mode="ids", progress=False), reqs)
-    bad = [r for r in recs if r.error]
-    if bad:
-        raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0].error}")
-    return recs
+    return replay_checked(ClientConfig(endpoint=router, model=model, prompt_mode="ids", progress=False), reqs)
 
 
 def _prompts(seed: int, n: int, length: int) -> list[list[int]]:

@@ -244,6 +244,15 @@ def replay(cfg: ClientConfig, workload: Workload | Sequence[Request],
     return asyncio.run(replay_async(cfg, workload, sampler))
 
 
+def replay_checked(cfg: ClientConfig, workload: Workload | Sequence[Request]) -> list[RequestRecord]:
+    """:func:`replay`, raising if any request failed (measurements that need every request)."""
+    recs = replay(cfg, workload)
+    bad = [r for r in recs if r.error]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(recs)} requests failed, e.g. {bad[0].error}")
+    return recs
+
+
 # --------------------------------------------------------------------------- per-worker load
 
 _METRIC_LINE = re.compile(r"^(sglang:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfa]+)$")

@@ -11,12 +11,13 @@ import time
 import msgspec
 import pytest
 import torch
-from test_migrate_agent import Running, wait_state
+from test_migrate_agent import pair, wait_state  # noqa: F401 (pair: a fixture)
 
 from bana_sglang.migrate import messages as m
 from bana_sglang.migrate import steps as s
 from bana_sglang.migrate.agent import TransferEngine
-from bana_sglang.migrate.remote import SlotMirror, StepBuffer, _GuestPlan, unpack
+from bana_sglang.migrate.guest import _GuestPlan
+from bana_sglang.migrate.remote import SlotMirror, StepBuffer, unpack
 
 
 @pytest.fixture(scope="module")
@@ -120,15 +121,7 @@ def test_the_step_channel_rejects_bad_frames_with_a_reason():
     assert s.decode_request(frame).reason == "malformed"  # mode is extend or decode
 
 
-@pytest.fixture
-def pair():
-    x, y = Running("prefill-0", "prefill", 1), Running("decode-0", "decode", 2)
-    yield x, y
-    x.close()
-    y.close()
-
-
-def test_the_agent_refuses_what_it_cannot_switch_or_recall(pair):
+def test_the_agent_refuses_what_it_cannot_switch_or_recall(pair):  # noqa: F811 (the imported fixture)
     x, y = pair
     r = x.client.call(m.MigrateLayers, migration="sw", start=0, stop=2, peer=y.agent.endpoint, switch=True)
     assert isinstance(r, m.Error) and r.reason == "invalid" and "no model runner" in r.detail

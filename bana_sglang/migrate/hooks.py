@@ -42,11 +42,13 @@ def scheduler_hook(original, scheduler, *args, **kwargs):
     return out
 
 
-def _handles(cls, runner):
+def _handles(runner):
     """The switch's handles on the worker, or None (staging still works) if this
     model runner lacks what it needs."""
+    from bana_sglang.migrate.switch import WorkerHandles
+
     try:
-        return cls.from_runner(runner)
+        return WorkerHandles.from_runner(runner)
     except Exception:
         logger.warning("migration agent: this worker cannot switch layer execution", exc_info=True)
         return None
@@ -70,7 +72,6 @@ def _start(scheduler):
         PEER_TIMEOUT_S,
         STEP_TIMEOUT_S,
         MigrationAgent,
-        WorkerHandles,
     )
 
     host = os.environ.get("BANA_AGENT_HOST") or endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
@@ -78,7 +79,7 @@ def _start(scheduler):
     try:
         agent = MigrationAgent(os.environ.get("BANA_WORKER_NAME", f"{role}-{os.getpid()}"), role, layers, endpoint,
                                te_host=host, protocol=os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
-                               worker=_handles(WorkerHandles, runner),
+                               worker=_handles(runner),
                                step_timeout_s=float(os.environ.get("BANA_MIGRATE_STEP_TIMEOUT_S", STEP_TIMEOUT_S)),
                                peer_timeout_s=float(os.environ.get("BANA_MIGRATE_PEER_TIMEOUT_S", PEER_TIMEOUT_S)))
     except Exception:

@@ -58,13 +58,9 @@ def _client(endpoint: str):
 
 
 def _replay(cfg, reqs):
-    from bench.client import replay
+    from bench.client import replay_checked
 
-    recs = replay(cfg, reqs)
-    bad = [r for r in recs if r.error]
-    if bad:
-        raise RuntimeError(f"{len(bad)} of {len(recs)} requests failed, e.g. {bad[0].error}")
-    return recs
+    return replay_checked(cfg, reqs)
 
 
 def _fresh(seed: int, n: int) -> tuple[int, ...]:
