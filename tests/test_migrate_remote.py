@@ -7,6 +7,7 @@ is in ``test_migrate_live.py``."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -161,3 +162,53 @@ def test_two_mirrors_on_one_allocator_each_see_every_release_until_closed():
     first.close()
     second.close()
     assert "_release_page_ids" not in vars(alloc)
+
+
+_FROZEN_PEER = """
+import sys, time, torch
+from bana_sglang.migrate.transfer import TransferEngine
+te = TransferEngine("127.0.0.1")
+buf = torch.arange(1 << 16, dtype=torch.int32).view(torch.uint8)
+te.register(buf)
+print(te.session, buf.data_ptr(), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_read_from_a_frozen_peer_times_out_and_the_late_bytes_land_in_a_buffer_kept_for_them(engines):
+    """A remote step's read runs on the scheduler thread: from a peer that stops
+    (SIGSTOP) it must give up at its timeout, not block until Mooncake drops the
+    connection; the destination stays registered until the late read ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    _, te = engines
+    peer = subprocess.Popen([sys.executable, "-c", _FROZEN_PEER], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    try:
+        session, addr = peer.stdout.readline().split()
+        want = torch.arange(1 << 16, dtype=torch.int32)
+        dst = torch.zeros(1 << 16, dtype=torch.int32)
+        te.register(dst)
+        te.read(session, [dst], [int(addr)], timeout_s=10)  # alive: an ordinary read
+        assert torch.equal(dst, want)
+        dst.zero_()
+        os.kill(peer.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="within 0.5s"):
+            te.read(session, [dst], [int(addr)], timeout_s=0.5)
+        assert time.monotonic() - t0 < 5
+        te.unregister(dst)  # deferred: the late read may still write here
+        assert dst.data_ptr() in te._registered and dst.data_ptr() in te._deferred
+        os.kill(peer.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while dst.data_ptr() in te._registered:
+            assert time.monotonic() < deadline, "the late read never ended"
+            time.sleep(0.05)
+        assert torch.equal(dst, want) and not te._inflight  # it landed, then the buffer was released
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+        peer.kill()
+        peer.wait()

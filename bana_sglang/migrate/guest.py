@@ -195,8 +195,13 @@ class GuestSpan:
             return s.Pong(id=req.id, migration=self.migration, steps=self.steps)
         self.recv.ensure(req.nbytes)
         try:
-            self.engine.read(req.session, [self.recv.buf[:req.nbytes]], [req.addr])
+            # bounded by the step's deadline: a frozen owner must not hold this executor
+            self.engine.read(req.session, [self.recv.buf[:req.nbytes]], [req.addr],
+                             timeout_s=max(req.deadline - time.time(), 0.1))
         except Exception as e:
+            if isinstance(e, TimeoutError):  # the late read may still land in this buffer: use a new one
+                self.recv.close()
+                self.recv = StepBuffer(self.engine)
             return s.Error(id=req.id, reason="transfer", detail=str(e))
         try:
             t = self.recv.views(req.layout, req.nbytes)

@@ -315,8 +315,9 @@ class RemoteSpan(torch.nn.Module):
         layout, nbytes = self.send.pack(tensors)
         reply = self._call(kind, seq_lens, extend_lens, layout, nbytes)
         self.recv.ensure(reply.nbytes)
-        try:
-            self.engine.read(self._session, [self.recv.buf[:reply.nbytes]], [reply.addr])
+        try:  # bounded: this runs on the scheduler thread, and a frozen guest never sends the bytes
+            self.engine.read(self._session, [self.recv.buf[:reply.nbytes]], [reply.addr],
+                             timeout_s=self.step_timeout_s)
         except Exception as e:
             raise RemoteFailed(f"reading the guest's output: {e}") from e
         out = self.recv.views(reply.layout, reply.nbytes)
