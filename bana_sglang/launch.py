@@ -289,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "load (python -m bana_sglang.migrate.controller; /metrics and /decisions)")
     p.add_argument("--balancer-args", default="",
                    help="extra balancer flags as one string, e.g. \"--interval 0.5 --consecutive 2\"")
+    p.add_argument("--cpu-threads", type=int, default=0, metavar="N",
+                   help="OpenMP threads of each SGLang worker on a CPU machine (default 0: the machine's "
+                        "CPUs divided among its workers; $OMP_NUM_THREADS, when set, wins)")
     p.add_argument("--spec", type=Path, default=None, metavar="FILE",
                    help="a cluster spec (YAML/TOML: hosts, workers, ports, where the master, store and "
                         "router run); with --node, start that node's share. The spec replaces the "
@@ -326,6 +329,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         store_page_size=args.store_page_size,
         balancer=args.balancer,
         balancer_args=tuple(shlex.split(args.balancer_args)),
+        cpu_threads=args.cpu_threads,
     )
 
 
@@ -333,7 +337,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 SPEC_REPLACES = ("model_path", "served_model_name", "num_prefill", "num_decode", "host", "port",
                  "worker_base_port", "sglang_args", "prefill_args", "decode_args", "router", "policy",
                  "api_key", "global_store", "store_bytes", "store_page_size", "router_args", "balancer",
-                 "balancer_args")
+                 "balancer_args", "cpu_threads")
 
 
 def _plan_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,

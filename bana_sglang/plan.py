@@ -54,6 +54,7 @@ class LaunchConfig:
     store_page_size: int = 16  # --page-size of workers with the store (unless given)
     balancer: str = "none"  # "bana": the live balancer (migrate/controller.py); "none": static PD
     balancer_args: tuple[str, ...] = ()
+    cpu_threads: int = 0  # OMP threads per worker on CPU; 0: the machine's CPUs / workers
 
     def __post_init__(self) -> None:
         if self.balancer not in BALANCER_CHOICES:
@@ -78,6 +79,8 @@ class LaunchConfig:
             raise ValueError(f"--store-bytes {self.store_bytes} is too small (at least 16M)")
         if self.store_page_size < 1:
             raise ValueError("--store-page-size must be >= 1")
+        if self.cpu_threads < 0:
+            raise ValueError(f"--cpu-threads {self.cpu_threads}: give a positive count, or 0 for automatic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +215,8 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
                                  user_args=cfg.balancer_args)
     return ClusterPlan(
         endpoint=endpoint, model_path=model_path, served_model_name=served,
-        master=master, workers=tuple(workers), router=router, env=compat.child_env(host=h),
+        master=master, workers=tuple(workers), router=router,
+        env=compat.with_cpu_threads(compat.child_env(host=h), len(workers), cfg.cpu_threads),
         api_key=cfg.api_key, store=tuple(store), balancer=balancer,
     )
 
@@ -394,6 +398,8 @@ def plan_spec(spec: cluster_spec.ClusterSpec, node: str | None, *, dry_run: bool
     env_node = nodes[node] if node is not None else None
     env = compat.child_env() if env_node is None else \
         compat.child_env({**os.environ, **cluster_spec.node_env(env_node)}, host=env_node.address)
+    if env_node is not None:
+        env = compat.with_cpu_threads(env, sum(1 for n, _ in workers if n == node))
     return ClusterPlan(
         endpoint=endpoint, model_path=model_path, served_model_name=served,
         master=(mine(parts) or [None])[0], workers=tuple(mine(workers)), router=(mine([router]) or [None])[0],
@@ -467,5 +473,5 @@ def plan_single_server(
     return ClusterPlan(
         endpoint=url, model_path=path, served_model_name=served, master=None,
         workers=(Part(name=name, argv=argv, health_url=url + "/health"),),
-        router=None, env=compat.child_env(host=host),
+        router=None, env=compat.with_cpu_threads(compat.child_env(host=host), 1),
     )

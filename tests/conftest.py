@@ -21,6 +21,11 @@ from bana_sglang import models
 from bana_sglang.launch import READY_MARK, Cluster, plan_single_server
 from bana_sglang.procs import PortAllocator
 
+# Every SGLang process of the suite (the plain reference server and the
+# clusters' workers) computes with one OpenMP thread: the same floats whatever
+# the machine's core count, and no oversubscription of a small CI machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "data" / "traces"
 

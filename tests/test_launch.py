@@ -70,11 +70,32 @@ def test_extra_args_reach_the_right_role(monkeypatch):
     assert plan.router.argv[-2:] == ("--policy", "round_robin")
 
 
+def test_cpu_workers_share_the_machines_cores_unless_told(monkeypatch):
+    """torch's default (every core in every worker) oversubscribes a machine running
+    several workers; the launcher divides the CPUs among them, and an operator's
+    OMP_NUM_THREADS or --cpu-threads wins."""
+    import os
+
+    monkeypatch.setenv("BANA_DEVICE", "cpu")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpus = len(os.sched_getaffinity(0))
+    plan = launch.plan_cluster(launch.LaunchConfig(num_prefill=2, num_decode=1))
+    assert plan.env["OMP_NUM_THREADS"] == str(max(1, cpus // 3))
+    assert launch.plan_single_server().env["OMP_NUM_THREADS"] == str(cpus)
+    assert launch.plan_cluster(launch.LaunchConfig(cpu_threads=3)).env["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert launch.plan_cluster(launch.LaunchConfig(cpu_threads=3)).env["OMP_NUM_THREADS"] == "5"
+    monkeypatch.setenv("BANA_DEVICE", "cuda")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert "OMP_NUM_THREADS" not in launch.plan_cluster(launch.LaunchConfig()).env  # GPU: torch's default
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--num-prefill", "0"], "at least one prefill"),
     (["--port", "70000"], "not a TCP port"),
     (["--model-path", "/nonexistent/model"], "neither an embedded model"),
     (["--balancer", "bana", "--router", "sglang"], "--balancer needs --router bana"),
+    (["--cpu-threads", "-1"], "--cpu-threads -1"),
 ])
 def test_cli_rejects_bad_arguments(argv, message):
     out = subprocess.run([sys.executable, "-m", "bana_sglang.launch", *argv, "--dry-run"],

@@ -131,6 +131,33 @@ def child_env(base: Mapping[str, str] | None = None, *, host: str = "127.0.0.1")
     return env
 
 
+def cpu_threads(workers_here: int, threads: int = 0) -> int:
+    """OpenMP threads of each SGLang worker on a CPU machine: ``threads``, or this
+    process's CPUs divided among the ``workers_here`` workers (at least 1).
+
+    The default of torch (every core in every worker) oversubscribes a machine
+    that runs several workers: measured on 2 cores with a 1P1D cluster, decode
+    steps during a 2048-token prefill took 0.24 s with 2 threads per worker
+    against 0.095 s with 1 (bench: docs/RESULTS.md, "CPU threads per worker")."""
+    if threads < 0:
+        raise ValueError(f"--cpu-threads {threads}: give a positive count, or 0 for automatic")
+    if threads:
+        return threads
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, workers_here))
+
+
+def with_cpu_threads(env: dict[str, str], workers_here: int, threads: int = 0) -> dict[str, str]:
+    """``env`` with ``OMP_NUM_THREADS`` set for CPU workers (an operator's own value wins;
+    nothing changes on GPU machines)."""
+    if cpu_mode() and "OMP_NUM_THREADS" not in env:
+        env = {**env, "OMP_NUM_THREADS": str(cpu_threads(workers_here, threads))}
+    return env
+
+
 def server_args(role: str, *, user_args: list[str] | tuple[str, ...] = ()) -> list[str]:
     """SGLang flags the CPU needs for a worker of ``role`` (prefill|decode|null).
 
