@@ -162,3 +162,38 @@ def test_profile_round_trip_for_calibration(tmp_path):
     assert q.kv_capacity_tokens == p.kv_capacity_tokens
     assert q.prefill_seconds(1000, 0) == pytest.approx(p.prefill_seconds(1000, 0))
     assert "mfu: measured: test" in q.assumptions
+
+
+def test_workers_sharing_a_host_slow_each_other_down_while_both_compute(tmp_path):
+    """Processor sharing on one host's cores: a prefill that runs while the decode
+    worker decodes takes the profile's contention factor longer (the live CPU
+    cluster's case: both workers on the same 2 cores); the decode steps it
+    overlaps are slower too; on separate hosts nothing changes."""
+    from dataclasses import replace
+
+    from bana_sglang.sim.profiles import save_profile
+    from bana_sglang.sim.workloads import SimRequest
+
+    prof = save_profile(replace(load_profile("cpu_small"), host_contention_prefill=2.0,
+                                host_contention_decode=1.5), tmp_path / "shared.json")
+    p = load_profile(prof)
+    alone = p.prefill_seconds(2000, 0)
+    # a short prompt that decodes for a long time, then a long prompt during its decode
+    reqs = [SimRequest(0, 0.0, 64, 3000, (101,)), SimRequest(1, 2.0, 2000, 2, (202,))]
+
+    def run(shared: bool):
+        cfg = SimConfig(profile=str(prof), num_workers=2, store="global", page_tokens=64, shared_host=shared)
+        sim = Simulation(cfg, reqs, check=True)
+        sim.run()
+        return {r.rid: r for r in sim.records}
+
+    apart, shared = run(False), run(True)
+    assert apart[1].ttft == pytest.approx(alone, rel=0.02)
+    assert shared[1].ttft == pytest.approx(2.0 * alone, rel=0.02)  # the decode ran throughout
+    assert shared[1].first_token < shared[0].finish
+    # request 0 decoded 1/1.5 of its steps during the overlap; the steps it lost run at
+    # the end, at a larger KV (a little slower): about a third of the overlap, not less
+    overlap = shared[1].first_token - 2.0
+    lost = shared[0].finish - apart[0].finish
+    assert overlap / 3 <= lost <= 1.1 * overlap / 3
+    assert Simulation(SimConfig(profile=str(prof), num_workers=2, shared_host=True), []).run().finished == 0

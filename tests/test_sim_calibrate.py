@@ -59,3 +59,32 @@ def test_the_simulator_takes_the_workload_block_size():
     reqs = [SimRequest(rid=i, arrival=0.5 * i, input_len=64, output_len=4, hashes=(1, 2)) for i in range(4)]
     res = simulate(SimConfig(profile="cpu_small", num_workers=2, page_tokens=32, store="global"), reqs)
     assert res.finished == 4 and res.hit_rate > 0  # the shared 2 x 32-token prefix is reused
+
+
+def test_contention_factors_come_from_the_shared_over_alone_ratios_and_go_into_the_profile(tmp_path):
+    from bana_sglang.sim.calibrate import contention_factors, decode_gaps_during
+
+    c = {"prefill_alone_s": 4.0, "prefill_shared_s": 5.5, "decode_alone_s": 0.08, "decode_shared_s": 0.1}
+    f = contention_factors(c)
+    assert math.isclose(f["host_contention_prefill"], 1.375) and math.isclose(f["host_contention_decode"], 1.25)
+    # faster under load is noise: the factor stays 1
+    assert contention_factors({**c, "decode_shared_s": 0.07})["host_contention_decode"] == 1.0
+    with pytest.raises(ValueError, match="prefill_alone_s"):
+        contention_factors({**c, "prefill_alone_s": 0})
+    base = load_profile("cpu_small")
+    prefill = [(n, base.prefill_seconds(n, 0)) for n in (128, 1024, 2048)]
+    decode = [(b, b * 144, base.decode_step_seconds(b, b * 144)) for b in (1, 4)]
+    got, fit = calibrate(base, prefill, decode, c)
+    assert math.isclose(got.host_contention_prefill, 1.375) and fit["contention"]["decode_shared_s"] == 0.1
+    again = load_profile(save_profile(got, tmp_path / "p.json"))
+    assert math.isclose(again.host_contention_decode, 1.25)
+    # only the gaps inside the window count
+    recs = [SimpleNamespace(chunks=((0.0, 1), (1.0, 1), (1.2, 1), (1.5, 1), (3.0, 1)))]
+    assert [round(g, 3) for g in decode_gaps_during(recs, 1.0, 2.0)] == [0.2, 0.3]
+
+
+def test_a_contention_factor_below_one_is_refused():
+    from bana_sglang.sim.profiles import ProfileError
+
+    with pytest.raises(ProfileError, match="contention"):
+        replace(load_profile("cpu_small"), host_contention_decode=0.5)

@@ -9,7 +9,12 @@ and measures, through the router, one request at a time:
   PD bootstrap and transfer, the first decode step);
 - decode: the mean TPOT of batches of streamed requests, from which the
   per-step overhead ``decode_fixed_s`` is what the profile's decode law
-  (with the fitted ``mfu``) leaves unexplained.
+  (with the fitted ``mfu``) leaves unexplained;
+- host contention (both workers share this machine's cores): a
+  ``CONTENTION_PROMPT``-token prefill while a batch of 4 decodes, against each
+  alone. ``host_contention_prefill`` is the prefill's TTFT with / alone,
+  ``host_contention_decode`` the decode steps' mean gap during that prefill /
+  the batch's TPOT alone. The fidelity run simulates one shared host with them.
 It writes a profile JSON (default ``profiles/cpu_small_calibrated.json``)
 whose fitted fields cite the run, and prints the fit's residuals.
 
@@ -37,6 +42,7 @@ logger = logging.getLogger("bana_sglang.sim.calibrate")
 
 PREFILL_LENGTHS = (128, 512, 1024, 2048, 3072)
 DECODE_BATCHES = (1, 4, 8)
+CONTENTION_PROMPT = 2048
 
 
 def _cluster(model: str, port: int, log_dir: Path):
@@ -80,10 +86,11 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tuple[int, int, float]]) -> tuple[
-        Profile, dict]:
+def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tuple[int, int, float]],
+              contention: dict | None = None) -> tuple[Profile, dict]:
     """Fit ``mfu``/``prefill_fixed_s`` to (prompt tokens, TTFT) and ``decode_fixed_s``
-    to (batch, KV tokens, TPOT). Pure: the numbers in, a profile out."""
+    to (batch, KV tokens, TPOT); ``contention`` (from :func:`measure_contention`)
+    sets the host contention factors. Pure: the numbers in, a profile out."""
     xs = [base.prefill_flops(n, 0) for n, _ in prefill]
     a, b = fit_line(xs, [t for _, t in prefill])
     if b <= 0:
@@ -94,10 +101,34 @@ def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tupl
     p = replace(base, mfu=min(1.0, mfu), peak_flops=base.peak_flops * max(1.0, mfu), prefill_fixed_s=max(0.0, a))
     rest = [t - (p.decode_step_seconds(bsz, kv) - p.decode_fixed_s) for bsz, kv, t in decode]
     p = replace(p, decode_fixed_s=max(1e-4, statistics.median(rest)))
+    if contention:
+        p = replace(p, **contention_factors(contention))
     fit = {"prefill": [{"tokens": n, "measured_s": t, "fitted_s": p.prefill_seconds(n, 0)} for n, t in prefill],
            "decode": [{"batch": bsz, "kv_tokens": kv, "measured_s": t, "fitted_s": p.decode_step_seconds(bsz, kv)}
                       for bsz, kv, t in decode]}
+    if contention:
+        fit["contention"] = {**contention, **contention_factors(contention)}
     return p, fit
+
+
+def contention_factors(c: dict) -> dict[str, float]:
+    """The profile's contention factors from :func:`measure_contention`'s numbers
+    (never below 1: a faster run under load is noise, not help)."""
+    for k in ("prefill_alone_s", "prefill_shared_s", "decode_alone_s", "decode_shared_s"):
+        if not c.get(k) or c[k] <= 0:
+            raise ValueError(f"contention measurement {k!r} is missing or not positive: {c.get(k)!r}")
+    return {"host_contention_prefill": max(1.0, c["prefill_shared_s"] / c["prefill_alone_s"]),
+            "host_contention_decode": max(1.0, c["decode_shared_s"] / c["decode_alone_s"])}
+
+
+def decode_gaps_during(decoding: list, t0: float, t1: float) -> list[float]:
+    """Gaps between consecutive streamed chunks of ``decoding`` records that lie
+    within ``[t0, t1]`` (client clock)."""
+    gaps = []
+    for r in decoding:
+        ts = [t for t, _ in r.chunks]
+        gaps += [b - a for a, b in zip(ts, ts[1:]) if a >= t0 and b <= t1]
+    return gaps
 
 
 def measure(endpoint: str, repeats: int = 2) -> tuple[list[tuple[int, float]], list[tuple[int, int, float]]]:
@@ -124,6 +155,37 @@ def measure(endpoint: str, repeats: int = 2) -> tuple[list[tuple[int, float]], l
     return prefill, decode
 
 
+def measure_contention(endpoint: str, repeats: int = 2) -> dict:
+    """A ``CONTENTION_PROMPT``-token prefill and a batch of 4 decodes, each alone
+    and then together (the prefill arrives 1.5 s into the decode); means over
+    ``repeats``."""
+    from bench.workloads import Request
+
+    cfg = _client(endpoint)
+    out: dict[str, list[float]] = {}
+    seed = 5000
+    for _ in range(repeats):
+        seed += 10
+        recs = _replay(cfg, [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed + i, 128), max_tokens=33)
+                             for i in range(4)])
+        out.setdefault("decode_alone_s", []).append(statistics.fmean(r.tpot for r in recs))
+        rec, = _replay(cfg, [Request(rid=9, arrival_s=0.0, prompt=_fresh(seed + 5, CONTENTION_PROMPT), max_tokens=2)])
+        out.setdefault("prefill_alone_s", []).append(rec.ttft)
+        big = Request(rid=99, arrival_s=1.5, prompt=_fresh(seed + 6, CONTENTION_PROMPT), max_tokens=2)
+        recs = _replay(cfg, [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed + 7 + i, 128), max_tokens=160)
+                             for i in range(4)] + [big])
+        b = next(r for r in recs if r.rid == 99)
+        gaps = decode_gaps_during([r for r in recs if r.rid != 99], b.send_s, b.first_token_s)
+        if not gaps:
+            raise RuntimeError("no decode step fell within the prefill: the decode batch ended too early")
+        out.setdefault("prefill_shared_s", []).append(b.ttft)
+        out.setdefault("decode_shared_s", []).append(statistics.fmean(gaps))
+        logger.info("contention: prefill %.2fs alone, %.2fs with decode; decode step %.4fs alone, %.4fs during "
+                    "the prefill", out["prefill_alone_s"][-1], b.ttft, out["decode_alone_s"][-1],
+                    out["decode_shared_s"][-1])
+    return {k: statistics.fmean(v) for k, v in out.items()}
+
+
 def fidelity_compare(live: list, sim_result, duration_live: float) -> list[dict]:
     """Rows (metric, live, simulated, relative error) from live records and a SimResult."""
     from bana_sglang.sim.metrics import percentile
@@ -146,11 +208,13 @@ def run_calibrate(args) -> int:
         old = json.loads(Path(args.measurements).read_text())
         prefill = [(r["tokens"], r["measured_s"]) for r in old["prefill"]]
         decode = [(r["batch"], r["kv_tokens"], r["measured_s"]) for r in old["decode"]]
+        contention = {k: v for k, v in old.get("contention", {}).items() if k.endswith("_s")} or None
     else:
         log_dir = Path(args.log_dir or f"/tmp/bana-calibrate-{int(time.time())}")
         with _cluster(args.model, args.port, log_dir) as cluster:
             prefill, decode = measure(cluster.plan.endpoint, args.repeats)
-    prof, fit = calibrate(base, prefill, decode)
+            contention = measure_contention(cluster.plan.endpoint, args.repeats)
+    prof, fit = calibrate(base, prefill, decode, contention)
     prof = replace(prof, name=out.stem)
     day = time.strftime("%Y-%m-%d", time.gmtime())
     notes = {
@@ -163,6 +227,10 @@ def run_calibrate(args) -> int:
                            "first decode step included)",
         "decode_fixed_s": f"fitted {day}: median TPOT of batches {list(DECODE_BATCHES)} minus the decode law's "
                           "memory/compute term",
+        "host_contention_prefill": f"measured {day}: TTFT of a {CONTENTION_PROMPT}-token prompt while 4 requests "
+                                   "decode / alone (both workers on this machine's cores)",
+        "host_contention_decode": f"measured {day}: mean decode step of 4 requests during a {CONTENTION_PROMPT}-"
+                                  "token prefill / their TPOT alone",
     }
     inherited = dict(x.split(": ", 1) for x in (*base.sources, *base.assumptions) if ": " in x)
     save_profile(prof, out, {**inherited, **notes})
@@ -173,6 +241,11 @@ def run_calibrate(args) -> int:
         print(f"  prefill {row['tokens']:5d} tok: measured {row['measured_s']:.3f}s fitted {row['fitted_s']:.3f}s")
     for row in fit["decode"]:
         print(f"  decode batch {row['batch']}: measured {row['measured_s']:.4f}s fitted {row['fitted_s']:.4f}s")
+    if "contention" in fit:
+        c = fit["contention"]
+        print(f"  contention: prefill {c['prefill_alone_s']:.2f}s alone, {c['prefill_shared_s']:.2f}s with decode "
+              f"(x{c['host_contention_prefill']:.2f}); decode step {c['decode_alone_s']:.4f}s alone, "
+              f"{c['decode_shared_s']:.4f}s during prefill (x{c['host_contention_decode']:.2f})")
     return 0
 
 
@@ -196,8 +269,10 @@ def run_fidelity(args) -> int:
     block = max(1, round(MOONCAKE_BLOCK * args.length_scale))
     sim_reqs = [SimRequest(rid=r.rid, arrival=r.arrival_s, input_len=len(r.prompt), output_len=r.max_tokens,
                            hashes=tuple(r.prefix_ids)) for r in wl.requests]
+    # both live workers share this machine's cores: one simulated host
     sim_cfg = system_config("bana_no_migration", SimConfig(profile=str(args.profile_path), num_workers=2,
-                                                           prefill_fraction=0.5, page_tokens=block))
+                                                           prefill_fraction=0.5, page_tokens=block,
+                                                           shared_host=True))
     res = simulate(sim_cfg, sim_reqs, system="bana_no_migration")
     makespan = max(r.end_s for r in live) - min(r.scheduled_s for r in live) if live else duration
     rows = fidelity_compare(live, res, makespan)
@@ -215,8 +290,10 @@ def run_fidelity(args) -> int:
             f"{machine_description()}.", "",
             f"Profile `{prof.name}` (from `python -m bana_sglang.sim calibrate`): effective prefill rate "
             f"{prof.flops_per_s / 1e9:.1f} GFLOP/s, prefill fixed {prof.prefill_fixed_s:.3f} s, decode fixed "
-            f"{prof.decode_fixed_s:.4f} s. The live 1P1D cluster and the simulated one (2 workers, "
-            "`bana_no_migration`) get the same requests: arrivals, prompt and output lengths, block hashes.", ""]
+            f"{prof.decode_fixed_s:.4f} s, host contention x{prof.host_contention_prefill:.2f} on prefill and "
+            f"x{prof.host_contention_decode:.2f} on decode while the other worker computes. The live 1P1D cluster "
+            "and the simulated one (2 workers on one shared host, `bana_no_migration`) get the same requests: "
+            "arrivals, prompt and output lengths, block hashes.", ""]
         write_results_section(args.results_key, args.results_title, "\n".join(intro + lines[2:] + [""]))
     if args.json:
         Path(args.json).write_text(json.dumps({"workload": wl.describe(), "rows": rows,

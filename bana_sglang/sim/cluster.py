@@ -76,7 +76,7 @@ class Worker:
                  "step_time", "batch", "heap", "base_kv", "kv_reserved", "kv_capacity",
                  "kv_base_capacity", "pending", "incoming", "version", "prefill_factor",
                  "decode_factor", "offload_phi", "colo_stepping", "lent_share", "leases",
-                 "_snap")
+                 "cont_p", "cont_d", "chunk_t", "chunk_left", "chunk_ver", "chunk_arg", "_snap")
 
     def __init__(self, wid: WorkerId, tier: Tier, profile: Profile, hbm_pages: int,
                  dram_pages: int | None) -> None:
@@ -111,6 +111,14 @@ class Worker:
         self.colo_stepping = False
         self.lent_share = 0.0  # time share spent on a donor's migrated layers
         self.leases = 0  # active migrations touching this worker (one at a time)
+        # host contention (SimConfig.shared_host): current slowdowns, and the running
+        # prefill chunk (last update, wall seconds left, event version, event payload)
+        self.cont_p = 1.0
+        self.cont_d = 1.0
+        self.chunk_t = 0.0
+        self.chunk_left = 0.0
+        self.chunk_ver = 0
+        self.chunk_arg: tuple | None = None
         self._snap: WorkerLoad | None = None
 
     # -- busy accounting ----------------------------------------------------------------

@@ -43,6 +43,7 @@ class SimConfig:
     slo_tpot_s: float = 0.1
     seed: int = 0
     page_tokens: int = PAGE  # tokens per prefix hash of the workload (the trace's block)
+    shared_host: bool = False  # every worker on one host's cores (the profile's contention factors apply)
 
     def __post_init__(self) -> None:
         if self.page_tokens < 1:

@@ -101,6 +101,7 @@ class Simulation:
         self.refused = 0
         self._returns: list[_Lease] = []
         self._finished_ids: set[int] = set()
+        self._contending = self._again = False
 
     # -- event plumbing ------------------------------------------------------------------
     def _push(self, t: float, kind: int, a=None, b=None) -> None:
@@ -217,13 +218,18 @@ class Simulation:
             w.advance(now)  # decode stalls from here until the chunk ends
             w.version += 1  # the pending decode tick is void
         w.prefilling = [j for j, _ in items]
-        w.set_busy(now, True)
+        w.chunk_t, w.chunk_left, w.chunk_arg = now, (compute + extra) * w.cont_p, (items, tail)
+        w.chunk_ver += 1
+        self._push(now + w.chunk_left, PREFILL_DONE, w, w.chunk_ver)
+        self._busy(w, True)
         w.dirty()
-        self._push(now + compute + extra, PREFILL_DONE, w, (items, tail))
 
-    def _on_prefill_done(self, w: Worker, arg: tuple[list[tuple[Job, int]], float]) -> None:
+    def _on_prefill_done(self, w: Worker, version: int) -> None:
+        if version != w.chunk_ver:
+            return  # rescheduled since (host contention changed)
         now = self.now
-        items, tail = arg
+        items, tail = w.chunk_arg
+        w.chunk_arg = None
         w.prefilling = None
         w.last_t = now
         done = []
@@ -278,7 +284,7 @@ class Simulation:
             return
         self._kick(w)
         if w.prefilling is None:
-            w.set_busy(now, False)
+            self._busy(w, False)
 
     def _on_colo_step(self, w: Worker, _b) -> None:
         w.colo_stepping = False
@@ -289,6 +295,47 @@ class Simulation:
         self._kick(w)
         if w.prefilling is None:
             self._reschedule(w)
+
+    # -- host contention -------------------------------------------------------------------
+    def _busy(self, w: Worker, busy: bool) -> None:
+        """Mark ``w`` computing or idle; on a shared host, the others' speeds follow."""
+        was = w.busy_from is not None
+        w.set_busy(self.now, busy)
+        if self.cfg.shared_host and was != busy:
+            self._contend()
+
+    def _contend(self) -> None:
+        """Every worker's slowdown from the others computing on the same cores: a
+        running prefill chunk's remaining time and the decode step time are rescaled
+        (processor sharing, with the profile's measured factors)."""
+        if self._contending:
+            self._again = True  # a rescheduled decode batch changed a busy state: go round again
+            return
+        self._contending = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                busy = sum(1 for x in self.workers if x.busy_from is not None)
+                for w in self.workers:
+                    others = busy - (w.busy_from is not None)
+                    p_mult = 1.0 + (self.p.host_contention_prefill - 1.0) * others
+                    d_mult = 1.0 + (self.p.host_contention_decode - 1.0) * others
+                    if p_mult != w.cont_p:
+                        if w.chunk_arg is not None:
+                            left = max(0.0, w.chunk_left - (self.now - w.chunk_t)) * p_mult / w.cont_p
+                            w.chunk_t, w.chunk_left = self.now, left
+                            w.chunk_ver += 1
+                            self._push(self.now + left, PREFILL_DONE, w, w.chunk_ver)
+                        w.cont_p = p_mult
+                    if d_mult != w.cont_d:
+                        ratio, w.cont_d = d_mult / w.cont_d, d_mult
+                        if w.batch:
+                            self._set_factors(w, 1.0, ratio)
+                        else:  # nothing decoding: no step to reschedule (nor a busy state to touch)
+                            w.decode_factor *= ratio
+        finally:
+            self._contending = False
 
     # -- decode --------------------------------------------------------------------------
     def _admit(self, d: Worker) -> None:
@@ -320,14 +367,14 @@ class Simulation:
         if not w.batch:
             w.step_time = None
             if w.prefilling is None:
-                w.set_busy(now, False)
+                self._busy(w, False)
             return
         w.step_time = self.p.decode_step_seconds(len(w.batch), w.kv_tokens()) * w.decode_factor
         nxt = w.next_finish()
         if nxt is None:
             raise SimError(f"{w.wid}: batch of {len(w.batch)} without a finish entry")
         self._push(now + max(0.0, nxt.finish_step - w.S) * w.step_time, DECODE_TICK, w, w.version)
-        w.set_busy(now, True)
+        self._busy(w, True)
 
     def _on_decode_tick(self, w: Worker, version: int) -> None:
         if version != w.version:

@@ -83,8 +83,11 @@ def summarise(system: str, records: list[RequestRecord], n_requests: int, *,
               slo_tpot: float, wall_s: float, rejected: int = 0) -> SimResult:
     if not records:
         nan = float("nan")
-        return SimResult(system, n_requests, 0, 0.0, *([nan] * 9), 0.0, 0.0, 0.0, 0.0, 1.0, 0.0,
-                         migrations, migration_bytes, wall_s, rejected)
+        return SimResult(system=system, num_requests=n_requests, finished=0, makespan_s=0.0, ttft_mean=nan,
+                         ttft_p50=nan, ttft_p90=nan, ttft_p99=nan, tpot_mean=nan, tpot_p90=nan, e2e_mean=nan,
+                         req_per_s=0.0, out_tok_per_s=0.0, slo_attainment=0.0, hit_rate=0.0, store_hit_rate=0.0,
+                         prefill_imbalance=1.0, prefill_cv=0.0, migrations=migrations,
+                         migration_bytes=migration_bytes, wall_s=wall_s, rejected=rejected)
     ttft = [r.ttft for r in records]
     tpot = [r.tpot for r in records if r.output_len > 1] or [0.0]
     e2e = [r.finish - r.arrival for r in records]

@@ -70,6 +70,10 @@ class Profile:
     store_bytes_per_s: float  # global store -> worker, before efficiency
     local_cache_fraction: float  # of the KV pool a prefill worker keeps as prefix cache
     store_capacity_tokens_per_worker: int
+    # Workers that share one host's cores (SimConfig.shared_host): a prefill chunk
+    # or decode step runs this many times slower while another worker computes.
+    host_contention_prefill: float = 1.0
+    host_contention_decode: float = 1.0
     sources: tuple[str, ...] = ()
     assumptions: tuple[str, ...] = ()
 
@@ -82,6 +86,8 @@ class Profile:
         for f in ("mfu", "hbm_efficiency", "net_efficiency", "mem_utilisation"):
             if not 0 < getattr(self, f) <= 1:
                 raise ProfileError(self.name, f"{f} must be in (0, 1]")
+        if min(self.host_contention_prefill, self.host_contention_decode) < 1:
+            raise ProfileError(self.name, "host contention factors must be >= 1 (1: none)")
         if not 0 <= self.pd_transfer_overlap < 1 or not 0 <= self.local_cache_fraction < 1:
             raise ProfileError(self.name, "overlap/cache fractions must be in [0, 1)")
         if self.kv_capacity_tokens < self.max_prefill_tokens:
