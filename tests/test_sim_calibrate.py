@@ -88,3 +88,61 @@ def test_a_contention_factor_below_one_is_refused():
 
     with pytest.raises(ProfileError, match="contention"):
         replace(load_profile("cpu_small"), host_contention_decode=0.5)
+
+
+def test_a_streamed_record_splits_into_its_step_time_and_the_pd_hand_off():
+    from bana_sglang.sim.calibrate import steady_and_handoff
+
+    # first token at 1.0 (the prefill's), second 0.5 s later, then 0.1 s per token
+    r = SimpleNamespace(rid=1, first_token_s=1.0, end_s=1.5 + 0.1 * 8, output_tokens=10,
+                        chunks=((1.0, 1), *((1.5 + 0.1 * i, 1) for i in range(9))))
+    steady, handoff = steady_and_handoff(r)
+    assert math.isclose(steady, 0.1) and math.isclose(handoff, 0.4)
+    merged = SimpleNamespace(rid=2, first_token_s=1.0, end_s=2.0, output_tokens=4, chunks=((1.0, 2), (2.0, 2)))
+    assert steady_and_handoff(merged) == (0.5, 0.0)  # tokens 1 and 2 in one chunk: no hand-off seen
+    with pytest.raises(ValueError, match="at least 3"):
+        steady_and_handoff(SimpleNamespace(rid=3, first_token_s=1.0, end_s=1.1, output_tokens=2,
+                                           chunks=((1.0, 1), (1.1, 1))))
+
+
+def test_the_pd_hand_off_and_the_overlap_loop_lag_show_in_simulated_latencies(tmp_path):
+    """A hand-off delays every request's first decode step (its TPOT over few
+    tokens), not its first token; the result lag holds a prefill batch's first
+    tokens until the next batch has computed."""
+    base = load_profile("cpu_small")
+    reqs = [SimRequest(rid=i, arrival=0.0, input_len=600 * (i + 1), output_len=5, hashes=(10 + i,))
+            for i in range(3)]
+
+    def run(**changes):
+        path = save_profile(replace(base, max_prefill_tokens=2048, **changes), tmp_path / "p.json")
+        from bana_sglang.sim.engine import Simulation
+
+        sim = Simulation(SimConfig(profile=str(path), num_workers=2, store="global", page_tokens=600), reqs)
+        sim.run()
+        return {r.rid: r for r in sim.records}
+
+    plain, handoff, lag = run(), run(pd_handoff_s=2.0), run(prefill_result_lag=True)
+    assert all(math.isclose(handoff[i].first_token, plain[i].first_token) for i in range(3))
+    assert all(math.isclose(handoff[i].finish - plain[i].finish, 2.0, rel_tol=0.05) for i in range(3))
+    # request 0 is alone in the first batch, 1 and 2 (1200 + 1800 tokens) follow in two chunks
+    assert lag[0].first_token > plain[0].first_token
+    assert math.isclose(lag[0].first_token, plain[1].first_token, rel_tol=1e-6)
+    assert math.isclose(lag[2].first_token, plain[2].first_token, rel_tol=1e-6)  # the last batch waits for none
+
+
+
+def test_the_decode_fit_separates_per_request_work_from_kv_reads():
+    from bana_sglang.sim.calibrate import fit_decode, fit_plane
+
+    a, b, c = fit_plane([1, 2, 3, 4], [1, 4, 9, 16], [1 + 2 * x + 0.5 * y for x, y in zip([1, 2, 3, 4], [1, 4, 9, 16])])
+    assert math.isclose(a, 1) and math.isclose(b, 2) and math.isclose(c, 0.5)
+    with pytest.raises(ValueError, match="collinear"):
+        fit_plane([1, 2, 3], [2, 4, 6], [1, 2, 3])
+    base = load_profile("cpu_small")
+    truth = replace(base, decode_fixed_s=0.02, decode_per_request_s=0.005, kv_read_bytes_per_s=4e8)
+    points = [(1, 144), (4, 576), (8, 1152), (4, 4160), (8, 4224)]
+    got = fit_decode(base, [(b, kv, truth.decode_step_seconds(b, kv)) for b, kv in points])
+    assert math.isclose(got.decode_per_request_s, 0.005, rel_tol=1e-6)
+    assert math.isclose(got.kv_read_bytes_per_s, 4e8, rel_tol=1e-6)
+    assert math.isclose(got.decode_fixed_s, 0.02, rel_tol=1e-6) and got.hbm_efficiency == base.hbm_efficiency
+    assert math.isclose(got.decode_step_seconds(16, 20000), truth.decode_step_seconds(16, 20000), rel_tol=1e-6)

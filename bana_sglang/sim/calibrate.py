@@ -40,8 +40,10 @@ from bana_sglang.sim.profiles import PROFILE_DIR, Profile, load_profile, save_pr
 
 logger = logging.getLogger("bana_sglang.sim.calibrate")
 
-PREFILL_LENGTHS = (128, 512, 1024, 2048, 3072)
+PREFILL_LENGTHS = (128, 512, 1024, 2048, 3072, 4096)
 DECODE_BATCHES = (1, 4, 8)
+# (batch, prompt tokens): short prompts at each batch size, then a large KV (one prefill chunk each)
+DECODE_POINTS = tuple((b, 128) for b in DECODE_BATCHES) + ((4, 1024), (8, 512))
 CONTENTION_PROMPT = 2048
 
 
@@ -86,11 +88,49 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def fit_plane(x1: list[float], x2: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least-squares ``y = a + b x1 + c x2`` (normal equations); returns ``(a, b, c)``."""
+    n = len(ys)
+    m1, m2, my = sum(x1) / n, sum(x2) / n, sum(ys) / n
+    u, v, w = [x - m1 for x in x1], [x - m2 for x in x2], [y - my for y in ys]
+    suu, svv, suv = sum(x * x for x in u), sum(x * x for x in v), sum(x * y for x, y in zip(u, v))
+    suw, svw = sum(x * y for x, y in zip(u, w)), sum(x * y for x, y in zip(v, w))
+    det = suu * svv - suv * suv
+    if det <= 1e-12 * max(suu * svv, 1e-300):
+        raise ValueError("the two regressors are collinear: need points that vary batch and KV apart")
+    b = (suw * svv - svw * suv) / det
+    c = (svw * suu - suw * suv) / det
+    return my - b * m1 - c * m2, b, c
+
+
+def fit_decode(p: Profile, decode: list[tuple[int, int, float]]) -> Profile:
+    """Step time = fixed + per_request x batch + weights / (hbm_bw x eff) + KV bytes / kv_rate,
+    fitted by least squares on (batch, KV tokens, step time); without a positive
+    batch coefficient, on the KV alone; with points that do not separate them,
+    only the fixed overhead is refitted (the law's other terms as they are)."""
+    batches, kv_bytes = [b for b, _, _ in decode], [kv * p.kv_bytes_per_token for _, kv, _ in decode]
+    times = [t for _, _, t in decode]
+    try:
+        a, per_req, per_byte = fit_plane(batches, kv_bytes, times)
+    except ValueError:
+        a = per_req = per_byte = 0.0
+    if per_req < 0 and len(set(kv_bytes)) > 1:  # no per-request cost visible: the KV alone
+        (a, per_byte), per_req = fit_line(kv_bytes, times), 0.0
+    if per_req < 0 or per_byte <= 0:
+        rest = [t - (p.decode_step_seconds(bsz, kv) - p.decode_fixed_s) for bsz, kv, t in decode]
+        return replace(p, decode_fixed_s=max(1e-4, statistics.median(rest)))
+    weights = p.weight_bytes / (p.hbm_bytes_per_s * p.hbm_efficiency)  # the weights' read stays the profile's
+    return replace(p, kv_read_bytes_per_s=1.0 / per_byte, decode_per_request_s=per_req,
+                   decode_fixed_s=max(1e-4, a - weights))
+
+
 def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tuple[int, int, float]],
               contention: dict | None = None) -> tuple[Profile, dict]:
     """Fit ``mfu``/``prefill_fixed_s`` to (prompt tokens, TTFT) and ``decode_fixed_s``
-    to (batch, KV tokens, TPOT); ``contention`` (from :func:`measure_contention`)
-    sets the host contention factors. Pure: the numbers in, a profile out."""
+    to (batch, KV tokens, TPOT); ``contention`` (from :func:`measure_contention`,
+    optionally with ``pd_handoff_s`` and ``prefill_result_lag``) sets the host
+    contention factors and the PD scheduling details. Pure: the numbers in, a
+    profile out."""
     xs = [base.prefill_flops(n, 0) for n, _ in prefill]
     a, b = fit_line(xs, [t for _, t in prefill])
     if b <= 0:
@@ -99,10 +139,13 @@ def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tupl
     # Faster than the profile's peak (its FLOP count or its peak is off): the
     # fitted effective rate becomes the peak, at full efficiency.
     p = replace(base, mfu=min(1.0, mfu), peak_flops=base.peak_flops * max(1.0, mfu), prefill_fixed_s=max(0.0, a))
-    rest = [t - (p.decode_step_seconds(bsz, kv) - p.decode_fixed_s) for bsz, kv, t in decode]
-    p = replace(p, decode_fixed_s=max(1e-4, statistics.median(rest)))
+    p = fit_decode(p, decode)
     if contention:
         p = replace(p, **contention_factors(contention))
+        if "pd_handoff_s" in contention:
+            p = replace(p, pd_handoff_s=max(0.0, float(contention["pd_handoff_s"])))
+        if "prefill_result_lag" in contention:
+            p = replace(p, prefill_result_lag=bool(contention["prefill_result_lag"]))
     fit = {"prefill": [{"tokens": n, "measured_s": t, "fitted_s": p.prefill_seconds(n, 0)} for n, t in prefill],
            "decode": [{"batch": bsz, "kv_tokens": kv, "measured_s": t, "fitted_s": p.decode_step_seconds(bsz, kv)}
                       for bsz, kv, t in decode]}
@@ -144,15 +187,34 @@ def measure(endpoint: str, repeats: int = 2) -> tuple[list[tuple[int, float]], l
             rec, = _replay(cfg, [Request(rid=seed, arrival_s=0.0, prompt=_fresh(seed, n), max_tokens=2)])
             prefill.append((n, rec.ttft))
             logger.info("prefill %5d tokens: TTFT %.3fs", n, rec.ttft)
-    decode = []
-    for bsz in DECODE_BATCHES:
+    decode, handoffs = [], []
+    for bsz, plen in DECODE_POINTS:
         seed += 1
-        reqs = [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed * 100 + i, 128), max_tokens=33) for i in range(bsz)]
+        reqs = [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed * 100 + i, plen), max_tokens=33) for i in range(bsz)]
         recs = _replay(cfg, reqs)
-        tpot = statistics.fmean(r.tpot for r in recs if r.tpot)
-        decode.append((bsz, bsz * (128 + 16), tpot))
-        logger.info("decode batch %d: TPOT %.4fs", bsz, tpot)
-    return prefill, decode
+        split = [steady_and_handoff(r) for r in recs]
+        tpot = statistics.fmean(x[0] for x in split)
+        handoffs += [x[1] for x in split]
+        decode.append((bsz, bsz * (plen + 16), tpot))
+        logger.info("decode batch %d: TPOT %.4fs (after the second token), hand-off %.3fs", bsz, tpot,
+                    statistics.fmean(x[1] for x in split))
+    return prefill, decode, statistics.median(handoffs)
+
+
+def steady_and_handoff(r) -> tuple[float, float]:
+    """A streamed record's decode step time after its second token, and how much
+    longer than a step the gap from its first token (the prefill's) to the second
+    took: the PD hand-off (bootstrap, KV transfer, admission)."""
+    seen, second = 0, None
+    for t, n in r.chunks:
+        seen += n
+        if seen >= 2:
+            second = t
+            break
+    if second is None or r.output_tokens < 3:
+        raise ValueError(f"request {r.rid}: needs at least 3 streamed tokens to split hand-off and steps")
+    steady = (r.end_s - second) / (r.output_tokens - 2)
+    return steady, max(0.0, (second - r.first_token_s) - steady)
 
 
 def measure_contention(endpoint: str, repeats: int = 2) -> dict:
@@ -168,7 +230,7 @@ def measure_contention(endpoint: str, repeats: int = 2) -> dict:
         seed += 10
         recs = _replay(cfg, [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed + i, 128), max_tokens=33)
                              for i in range(4)])
-        out.setdefault("decode_alone_s", []).append(statistics.fmean(r.tpot for r in recs))
+        out.setdefault("decode_alone_s", []).append(statistics.fmean(steady_and_handoff(r)[0] for r in recs))
         rec, = _replay(cfg, [Request(rid=9, arrival_s=0.0, prompt=_fresh(seed + 5, CONTENTION_PROMPT), max_tokens=2)])
         out.setdefault("prefill_alone_s", []).append(rec.ttft)
         big = Request(rid=99, arrival_s=1.5, prompt=_fresh(seed + 6, CONTENTION_PROMPT), max_tokens=2)
@@ -208,12 +270,17 @@ def run_calibrate(args) -> int:
         old = json.loads(Path(args.measurements).read_text())
         prefill = [(r["tokens"], r["measured_s"]) for r in old["prefill"]]
         decode = [(r["batch"], r["kv_tokens"], r["measured_s"]) for r in old["decode"]]
-        contention = {k: v for k, v in old.get("contention", {}).items() if k.endswith("_s")} or None
+        contention = {k: v for k, v in old.get("contention", {}).items()
+                      if k.endswith("_s") or k == "prefill_result_lag"} or None
     else:
         log_dir = Path(args.log_dir or f"/tmp/bana-calibrate-{int(time.time())}")
         with _cluster(args.model, args.port, log_dir) as cluster:
-            prefill, decode = measure(cluster.plan.endpoint, args.repeats)
+            prefill, decode, handoff = measure(cluster.plan.endpoint, args.repeats)
             contention = measure_contention(cluster.plan.endpoint, args.repeats)
+            contention["pd_handoff_s"] = handoff
+            # SGLang runs its overlap event loop unless told not to (the launcher does not)
+            contention["prefill_result_lag"] = not any(
+                "--disable-overlap-schedule" in w.argv for w in cluster.plan.workers)
     prof, fit = calibrate(base, prefill, decode, contention)
     prof = replace(prof, name=out.stem)
     day = time.strftime("%Y-%m-%d", time.gmtime())
@@ -225,8 +292,14 @@ def run_calibrate(args) -> int:
         "peak_flops": f"{base.name}'s, or the fitted effective FLOP/s where that is higher ({day})",
         "prefill_fixed_s": f"fitted {day}: intercept of the same fit (router, PD bootstrap and transfer, "
                            "first decode step included)",
-        "decode_fixed_s": f"fitted {day}: median TPOT of batches {list(DECODE_BATCHES)} minus the decode law's "
-                          "memory/compute term",
+        "decode_fixed_s": f"fitted {day}: intercept of a least-squares fit of the step time (after the second "
+                          f"token) on batch and KV bytes, (batch, prompt) {list(DECODE_POINTS)}, less the weights' read",
+        "decode_per_request_s": f"fitted {day}: the same fit's batch coefficient",
+        "kv_read_bytes_per_s": f"fitted {day}: 1 / the same fit's KV-byte coefficient",
+        "pd_handoff_s": f"measured {day}: median over the decode batches' requests of (first-to-second token gap "
+                        "- their later step time)",
+        "prefill_result_lag": "SGLang's overlap event loop (its default, kept by the launcher): a prefill batch's "
+                              "results go out after the next batch computes",
         "host_contention_prefill": f"measured {day}: TTFT of a {CONTENTION_PROMPT}-token prompt while 4 requests "
                                    "decode / alone (both workers on this machine's cores)",
         "host_contention_decode": f"measured {day}: mean decode step of 4 requests during a {CONTENTION_PROMPT}-"
@@ -246,12 +319,15 @@ def run_calibrate(args) -> int:
         print(f"  contention: prefill {c['prefill_alone_s']:.2f}s alone, {c['prefill_shared_s']:.2f}s with decode "
               f"(x{c['host_contention_prefill']:.2f}); decode step {c['decode_alone_s']:.4f}s alone, "
               f"{c['decode_shared_s']:.4f}s during prefill (x{c['host_contention_decode']:.2f})")
+        if "pd_handoff_s" in c:
+            print(f"  PD hand-off {c['pd_handoff_s']:.3f}s; prefill results lag one batch: "
+                  f"{c.get('prefill_result_lag', False)}")
     return 0
 
 
 def run_fidelity(args) -> int:
     from bana_sglang.sim.config import SimConfig, system_config
-    from bana_sglang.sim.engine import simulate
+    from bana_sglang.sim.engine import Simulation
     from bana_sglang.sim.workloads import SimRequest
     from bench import configs
     from bench.workloads import MOONCAKE_BLOCK, TokenSpace, WorkloadSpec, build
@@ -273,7 +349,8 @@ def run_fidelity(args) -> int:
     sim_cfg = system_config("bana_no_migration", SimConfig(profile=str(args.profile_path), num_workers=2,
                                                            prefill_fraction=0.5, page_tokens=block,
                                                            shared_host=True))
-    res = simulate(sim_cfg, sim_reqs, system="bana_no_migration")
+    sim = Simulation(sim_cfg, sim_reqs, system="bana_no_migration")
+    res = sim.run()
     makespan = max(r.end_s for r in live) - min(r.scheduled_s for r in live) if live else duration
     rows = fidelity_compare(live, res, makespan)
     lines = [f"Fidelity: {wl.describe()}", "",
@@ -296,6 +373,13 @@ def run_fidelity(args) -> int:
             "arrivals, prompt and output lengths, block hashes.", ""]
         write_results_section(args.results_key, args.results_title, "\n".join(intro + lines[2:] + [""]))
     if args.json:
+        sim_by_id = {r.rid: r for r in sim.records}
+        per_request = [{"rid": r.rid, "input": r.prompt_len, "output": r.output_tokens,
+                        "cached_live": r.cached_tokens, "ttft_live": r.ttft, "tpot_live": r.tpot,
+                        "cached_sim": sim_by_id[r.rid].hbm_hit_tokens + sim_by_id[r.rid].store_hit_tokens,
+                        "ttft_sim": sim_by_id[r.rid].ttft, "tpot_sim": sim_by_id[r.rid].tpot}
+                       for r in live if r.rid in sim_by_id]
         Path(args.json).write_text(json.dumps({"workload": wl.describe(), "rows": rows,
-                                               "profile": str(args.profile_path)}, indent=2))
+                                               "profile": str(args.profile_path), "requests": per_request},
+                                              indent=2))
     return 0

@@ -76,7 +76,7 @@ class Worker:
                  "step_time", "batch", "heap", "base_kv", "kv_reserved", "kv_capacity",
                  "kv_base_capacity", "pending", "incoming", "version", "prefill_factor",
                  "decode_factor", "offload_phi", "colo_stepping", "lent_share", "leases",
-                 "cont_p", "cont_d", "chunk_t", "chunk_left", "chunk_ver", "chunk_arg", "_snap")
+                 "cont_p", "cont_d", "chunk_t", "chunk_left", "chunk_ver", "chunk_arg", "lagged", "_snap")
 
     def __init__(self, wid: WorkerId, tier: Tier, profile: Profile, hbm_pages: int,
                  dram_pages: int | None) -> None:
@@ -119,6 +119,7 @@ class Worker:
         self.chunk_left = 0.0
         self.chunk_ver = 0
         self.chunk_arg: tuple | None = None
+        self.lagged: tuple | None = None  # (done jobs, tail) of the chunk before (profile.prefill_result_lag)
         self._snap: WorkerLoad | None = None
 
     # -- busy accounting ----------------------------------------------------------------

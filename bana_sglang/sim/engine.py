@@ -237,11 +237,25 @@ class Simulation:
             w.queued_tokens -= take
             if job.done_tokens == job.new_tokens:
                 done.append(job)
-        if tail > 0:
-            self._push(now + tail, PREFILL_TAIL, w, done)
-        else:
-            self._complete_prefill(w, done)
+        if not self.p.prefill_result_lag:
+            self._emit(w, done, tail)
+            self._after_chunk(w)
+            return
+        # SGLang's overlap loop: the next batch computes before this one's results go out
+        lagged, w.lagged = w.lagged, None
+        if lagged is not None:
+            self._emit(w, *lagged)
         self._after_chunk(w)
+        if w.prefilling is not None:
+            w.lagged = (done, tail)
+        else:
+            self._emit(w, done, tail)
+
+    def _emit(self, w: Worker, done: list[Job], tail: float) -> None:
+        if tail > 0:
+            self._push(self.now + tail, PREFILL_TAIL, w, done)
+        elif done:
+            self._complete_prefill(w, done)
 
     def _on_prefill_tail(self, w: Worker, done: list[Job]) -> None:
         self._complete_prefill(w, done)
@@ -348,7 +362,8 @@ class Simulation:
             d.pending.popleft()
             d.kv_reserved += job.kv_need
             d.incoming += 1
-            t = p.net_seconds(job.req.input_len * p.kv_bytes_per_token) * (1 - p.pd_transfer_overlap)
+            t = p.net_seconds(job.req.input_len * p.kv_bytes_per_token) * (1 - p.pd_transfer_overlap) \
+                + p.pd_handoff_s
             self._push(now + t, TRANSFER_DONE, d, job)
         d.dirty()
 

@@ -11,7 +11,9 @@ Time model (one worker = ``gpus`` devices in tensor parallel):
   ``fixed + (2 P n + 4 L d n (c + n / 2)) / (peak_flops * mfu)``
   (dense matmuls plus causal attention, P parameters, L layers, d = heads * head_dim);
 - decode step of a batch of ``B`` requests holding ``K`` KV tokens:
-  ``fixed + max((W + K kv_bytes) / (hbm_bw * hbm_eff), 2 P B / (peak_flops * mfu))``;
+  ``fixed + per_request B + max(W / (hbm_bw * hbm_eff) + K kv_bytes / kv_rate, 2 P B / (peak_flops * mfu))``
+  (``per_request`` is 0 and ``kv_rate`` is ``hbm_bw * hbm_eff`` in the GPU profiles; the CPU
+  calibration fits both);
 - transfers: ``bytes / (bandwidth * efficiency)``.
 
 Invariants: a ``Profile`` is frozen and validated; ``load_profile`` accepts a
@@ -74,6 +76,19 @@ class Profile:
     # or decode step runs this many times slower while another worker computes.
     host_contention_prefill: float = 1.0
     host_contention_decode: float = 1.0
+    # SGLang's scheduler details that show on a CPU worker (measured by calibration):
+    # seconds between a request's first token (prefill) and its first decode step
+    # beyond the KV transfer (bootstrap, admission), and whether a prefill batch's
+    # results wait for the next batch to compute (the overlap event loop, which on a
+    # CPU computes synchronously inside "launch")
+    pd_handoff_s: float = 0.0
+    prefill_result_lag: bool = False
+    # per running request and decode step, beyond the memory/compute law (a CPU
+    # worker's per-request work: sampling, bookkeeping, its attention call); 0 on GPUs
+    decode_per_request_s: float = 0.0
+    # KV read rate of a decode step's attention (0: hbm_bytes_per_s x hbm_efficiency, as
+    # for the weights; a CPU attention kernel reads KV far slower than its GEMMs read weights)
+    kv_read_bytes_per_s: float = 0.0
     sources: tuple[str, ...] = ()
     assumptions: tuple[str, ...] = ()
 
@@ -86,6 +101,12 @@ class Profile:
         for f in ("mfu", "hbm_efficiency", "net_efficiency", "mem_utilisation"):
             if not 0 < getattr(self, f) <= 1:
                 raise ProfileError(self.name, f"{f} must be in (0, 1]")
+        if self.kv_read_bytes_per_s < 0:
+            raise ProfileError(self.name, "kv_read_bytes_per_s must be >= 0 (0: the HBM rate)")
+        if self.decode_per_request_s < 0:
+            raise ProfileError(self.name, "decode_per_request_s must be >= 0")
+        if self.pd_handoff_s < 0:
+            raise ProfileError(self.name, "pd_handoff_s must be >= 0")
         if min(self.host_contention_prefill, self.host_contention_decode) < 1:
             raise ProfileError(self.name, "host contention factors must be >= 1 (1: none)")
         if not 0 <= self.pd_transfer_overlap < 1 or not 0 <= self.local_cache_fraction < 1:
@@ -121,10 +142,10 @@ class Profile:
         return self.prefill_fixed_s + self.prefill_flops(new, cached) / self.flops_per_s
 
     def decode_step_seconds(self, batch: int, kv_tokens: float) -> float:
-        mem = (self.weight_bytes + kv_tokens * self.kv_bytes_per_token) / (
-            self.hbm_bytes_per_s * self.hbm_efficiency)
+        hbm = self.hbm_bytes_per_s * self.hbm_efficiency
+        mem = self.weight_bytes / hbm + kv_tokens * self.kv_bytes_per_token / (self.kv_read_bytes_per_s or hbm)
         comp = 2.0 * self.num_params * batch / self.flops_per_s
-        return self.decode_fixed_s + max(mem, comp)
+        return self.decode_fixed_s + self.decode_per_request_s * batch + max(mem, comp)
 
     def net_seconds(self, nbytes: float) -> float:
         return self.transfer_fixed_s + nbytes / (self.net_bytes_per_s * self.net_efficiency)

@@ -353,6 +353,15 @@ MODEL_NOTES = """
   effects of partial attention are ignored); request migration moves a running
   request with downtime = its KV transfer time. Every migration first pays
   bytes / bandwidth + fixed cost. One migration at a time per worker.
+- **Workers sharing a host** (`shared_host`, used by the fidelity run of the
+  live CPU cluster, off at scale). A prefill chunk and a decode step run
+  `host_contention_prefill` / `host_contention_decode` times slower while another
+  worker on the host computes (processor sharing: a running chunk's remaining time
+  is rescaled whenever a worker starts or stops). The CPU profile's factors, its
+  PD hand-off delay (first token to first decode step, beyond the KV transfer) and
+  the overlap loop's result lag (a prefill batch's first tokens go out after the
+  next batch computes) are measured by `python -m bana_sglang.sim calibrate`; the
+  GPU profiles leave all three off (1, 0, no lag).
 - **Routing snapshots are exact** (the router sees the state at the decision time);
   the live router polls, so it will see staler loads.
 - **What was not tuned.** The balancer thresholds are the module defaults; profile
