@@ -146,3 +146,18 @@ def test_the_decode_fit_separates_per_request_work_from_kv_reads():
     assert math.isclose(got.kv_read_bytes_per_s, 4e8, rel_tol=1e-6)
     assert math.isclose(got.decode_fixed_s, 0.02, rel_tol=1e-6) and got.hbm_efficiency == base.hbm_efficiency
     assert math.isclose(got.decode_step_seconds(16, 20000), truth.decode_step_seconds(16, 20000), rel_tol=1e-6)
+
+
+def test_chunked_prompts_fit_the_cost_of_attending_over_a_cached_prefix():
+    from bana_sglang.sim.calibrate import chunked_prefill_seconds
+
+    base = load_profile("cpu_small")
+    truth = replace(base, mfu=0.4, prefill_fixed_s=0.2, prefix_attention_cost=3.5)
+    lengths = (128, 512, 1024, 2048, 3072, 4096)
+    prefill = [(n, truth.prefill_seconds(n, 0)) for n in lengths]
+    prefill += [(n, chunked_prefill_seconds(truth, n)) for n in (6144, 8192)]
+    decode = [(b, b * 144, truth.decode_step_seconds(b, b * 144)) for b in (1, 4, 8)]
+    got, fit = calibrate(base, prefill, decode)
+    assert math.isclose(got.prefix_attention_cost, 3.5, rel_tol=1e-6) and math.isclose(got.mfu, 0.4, rel_tol=1e-6)
+    assert all(math.isclose(r["measured_s"], r["fitted_s"], rel_tol=1e-6) for r in fit["prefill"])
+    assert math.isclose(got.prefill_seconds(1000, 0), truth.prefill_seconds(1000, 0))  # a fresh chunk: unaffected

@@ -41,6 +41,7 @@ from bana_sglang.sim.profiles import PROFILE_DIR, Profile, load_profile, save_pr
 logger = logging.getLogger("bana_sglang.sim.calibrate")
 
 PREFILL_LENGTHS = (128, 512, 1024, 2048, 3072, 4096)
+CHUNKED_LENGTHS = (6144, 8192)  # longer than a chunk: the later chunks attend over a cached prefix
 DECODE_BATCHES = (1, 4, 8)
 # (batch, prompt tokens): short prompts at each batch size, then a large KV (one prefill chunk each)
 DECODE_POINTS = tuple((b, 128) for b in DECODE_BATCHES) + ((4, 1024), (8, 512))
@@ -88,6 +89,33 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def chunked_prefill_seconds(p: Profile, n: int) -> float:
+    """A fresh ``n``-token prompt prefilled alone in chunks of ``max_prefill_tokens`` (as the simulator does)."""
+    done, t = 0, 0.0
+    while done < n:
+        take = min(p.max_prefill_tokens, n - done)
+        t += p.prefill_seconds(take, done)
+        done += take
+    return t
+
+
+def fit_prefix_cost(p: Profile, chunked: list[tuple[int, float]]) -> float:
+    """The multiplier on prefix-attention FLOPs that makes chunked prompts' predicted
+    TTFT match the measured ones (least squares through the prediction at cost 0)."""
+    base = replace(p, prefix_attention_cost=1.0)
+    xs, ys = [], []
+    for n, t in chunked:
+        done, prefix_s = 0, 0.0
+        while done < n:
+            take = min(p.max_prefill_tokens, n - done)
+            prefix_s += 4.0 * p.num_layers * p.hidden_size * take * done / p.flops_per_s
+            done += take
+        xs.append(prefix_s)
+        ys.append(t - (chunked_prefill_seconds(base, n) - prefix_s))
+    cost = sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1e-12)
+    return max(1.0, cost)
+
+
 def fit_plane(x1: list[float], x2: list[float], ys: list[float]) -> tuple[float, float, float]:
     """Least-squares ``y = a + b x1 + c x2`` (normal equations); returns ``(a, b, c)``."""
     n = len(ys)
@@ -131,6 +159,8 @@ def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tupl
     optionally with ``pd_handoff_s`` and ``prefill_result_lag``) sets the host
     contention factors and the PD scheduling details. Pure: the numbers in, a
     profile out."""
+    chunked = [(n, t) for n, t in prefill if n > base.max_prefill_tokens]
+    prefill = [(n, t) for n, t in prefill if n <= base.max_prefill_tokens]
     xs = [base.prefill_flops(n, 0) for n, _ in prefill]
     a, b = fit_line(xs, [t for _, t in prefill])
     if b <= 0:
@@ -139,6 +169,8 @@ def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tupl
     # Faster than the profile's peak (its FLOP count or its peak is off): the
     # fitted effective rate becomes the peak, at full efficiency.
     p = replace(base, mfu=min(1.0, mfu), peak_flops=base.peak_flops * max(1.0, mfu), prefill_fixed_s=max(0.0, a))
+    if chunked:
+        p = replace(p, prefix_attention_cost=fit_prefix_cost(p, chunked))
     p = fit_decode(p, decode)
     if contention:
         p = replace(p, **contention_factors(contention))
@@ -146,7 +178,8 @@ def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tupl
             p = replace(p, pd_handoff_s=max(0.0, float(contention["pd_handoff_s"])))
         if "prefill_result_lag" in contention:
             p = replace(p, prefill_result_lag=bool(contention["prefill_result_lag"]))
-    fit = {"prefill": [{"tokens": n, "measured_s": t, "fitted_s": p.prefill_seconds(n, 0)} for n, t in prefill],
+    fit = {"prefill": [{"tokens": n, "measured_s": t, "fitted_s": chunked_prefill_seconds(p, n)}
+                       for n, t in prefill + chunked],
            "decode": [{"batch": bsz, "kv_tokens": kv, "measured_s": t, "fitted_s": p.decode_step_seconds(bsz, kv)}
                       for bsz, kv, t in decode]}
     if contention:
@@ -187,6 +220,11 @@ def measure(endpoint: str, repeats: int = 2) -> tuple[list[tuple[int, float]], l
             rec, = _replay(cfg, [Request(rid=seed, arrival_s=0.0, prompt=_fresh(seed, n), max_tokens=2)])
             prefill.append((n, rec.ttft))
             logger.info("prefill %5d tokens: TTFT %.3fs", n, rec.ttft)
+    for n in CHUNKED_LENGTHS:
+        seed += 1
+        rec, = _replay(cfg, [Request(rid=seed, arrival_s=0.0, prompt=_fresh(seed, n), max_tokens=2)])
+        prefill.append((n, rec.ttft))
+        logger.info("prefill %5d tokens (chunked): TTFT %.3fs", n, rec.ttft)
     decode, handoffs = [], []
     for bsz, plen in DECODE_POINTS:
         seed += 1
@@ -296,6 +334,8 @@ def run_calibrate(args) -> int:
                           f"token) on batch and KV bytes, (batch, prompt) {list(DECODE_POINTS)}, less the weights' read",
         "decode_per_request_s": f"fitted {day}: the same fit's batch coefficient",
         "kv_read_bytes_per_s": f"fitted {day}: 1 / the same fit's KV-byte coefficient",
+        "prefix_attention_cost": f"fitted {day}: TTFT of fresh prompts {list(CHUNKED_LENGTHS)} tokens (chunked "
+                                 "prefill) against the law with the dense fit's rate",
         "pd_handoff_s": f"measured {day}: median over the decode batches' requests of (first-to-second token gap "
                         "- their later step time)",
         "prefill_result_lag": "SGLang's overlap event loop (its default, kept by the launcher): a prefill batch's "

@@ -89,6 +89,9 @@ class Profile:
     # KV read rate of a decode step's attention (0: hbm_bytes_per_s x hbm_efficiency, as
     # for the weights; a CPU attention kernel reads KV far slower than its GEMMs read weights)
     kv_read_bytes_per_s: float = 0.0
+    # attention of new tokens over a cached prefix (chunked prefill, prefix reuse) costs
+    # this many times its FLOPs at the prefill rate (1 on GPUs; the CPU fits it)
+    prefix_attention_cost: float = 1.0
     sources: tuple[str, ...] = ()
     assumptions: tuple[str, ...] = ()
 
@@ -101,6 +104,8 @@ class Profile:
         for f in ("mfu", "hbm_efficiency", "net_efficiency", "mem_utilisation"):
             if not 0 < getattr(self, f) <= 1:
                 raise ProfileError(self.name, f"{f} must be in (0, 1]")
+        if self.prefix_attention_cost <= 0:
+            raise ProfileError(self.name, "prefix_attention_cost must be positive")
         if self.kv_read_bytes_per_s < 0:
             raise ProfileError(self.name, "kv_read_bytes_per_s must be >= 0 (0: the HBM rate)")
         if self.decode_per_request_s < 0:
@@ -136,7 +141,7 @@ class Profile:
 
     def prefill_flops(self, new: int, cached: int) -> float:
         return (2.0 * self.num_params * new
-                + 4.0 * self.num_layers * self.hidden_size * new * (cached + new / 2.0))
+                + 4.0 * self.num_layers * self.hidden_size * new * (self.prefix_attention_cost * cached + new / 2.0))
 
     def prefill_seconds(self, new: int, cached: int) -> float:
         return self.prefill_fixed_s + self.prefill_flops(new, cached) / self.flops_per_s

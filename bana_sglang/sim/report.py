@@ -358,10 +358,12 @@ MODEL_NOTES = """
   `host_contention_prefill` / `host_contention_decode` times slower while another
   worker on the host computes (processor sharing: a running chunk's remaining time
   is rescaled whenever a worker starts or stops). The CPU profile's factors, its
-  PD hand-off delay (first token to first decode step, beyond the KV transfer) and
+  PD hand-off delay (first token to first decode step, beyond the KV transfer),
   the overlap loop's result lag (a prefill batch's first tokens go out after the
-  next batch computes) are measured by `python -m bana_sglang.sim calibrate`; the
-  GPU profiles leave all three off (1, 0, no lag).
+  next batch computes), the cost of attention over a cached prefix relative to the
+  prefill rate, and the decode step's per-request and KV-read terms are measured
+  by `python -m bana_sglang.sim calibrate`; the GPU profiles leave them neutral
+  (factor 1, no delay, no lag, KV read at HBM speed).
 - **Routing snapshots are exact** (the router sees the state at the decision time);
   the live router polls, so it will see staler loads.
 - **What was not tuned.** The balancer thresholds are the module defaults; profile
