@@ -101,19 +101,14 @@ def chunked_prefill_seconds(p: Profile, n: int) -> float:
 
 def fit_prefix_cost(p: Profile, chunked: list[tuple[int, float]]) -> float:
     """The multiplier on prefix-attention FLOPs that makes chunked prompts' predicted
-    TTFT match the measured ones (least squares through the prediction at cost 0)."""
-    base = replace(p, prefix_attention_cost=1.0)
+    TTFT match the measured ones (least squares; the prediction is linear in it)."""
     xs, ys = [], []
     for n, t in chunked:
-        done, prefix_s = 0, 0.0
-        while done < n:
-            take = min(p.max_prefill_tokens, n - done)
-            prefix_s += 4.0 * p.num_layers * p.hidden_size * take * done / p.flops_per_s
-            done += take
+        at1 = chunked_prefill_seconds(replace(p, prefix_attention_cost=1.0), n)
+        prefix_s = chunked_prefill_seconds(replace(p, prefix_attention_cost=2.0), n) - at1  # its seconds at cost 1
         xs.append(prefix_s)
-        ys.append(t - (chunked_prefill_seconds(base, n) - prefix_s))
-    cost = sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1e-12)
-    return max(1.0, cost)
+        ys.append(t - (at1 - prefix_s))
+    return max(1.0, sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1e-12))
 
 
 def fit_plane(x1: list[float], x2: list[float], ys: list[float]) -> tuple[float, float, float]:
@@ -172,8 +167,9 @@ def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tupl
     if chunked:
         p = replace(p, prefix_attention_cost=fit_prefix_cost(p, chunked))
     p = fit_decode(p, decode)
+    factors = contention_factors(contention) if contention else {}
     if contention:
-        p = replace(p, **contention_factors(contention))
+        p = replace(p, **factors)
         if "pd_handoff_s" in contention:
             p = replace(p, pd_handoff_s=max(0.0, float(contention["pd_handoff_s"])))
         if "prefill_result_lag" in contention:
@@ -183,7 +179,7 @@ def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tupl
            "decode": [{"batch": bsz, "kv_tokens": kv, "measured_s": t, "fitted_s": p.decode_step_seconds(bsz, kv)}
                       for bsz, kv, t in decode]}
     if contention:
-        fit["contention"] = {**contention, **contention_factors(contention)}
+        fit["contention"] = {**contention, **factors}
     return p, fit
 
 
