@@ -36,7 +36,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from bana_sglang.attention._kernels import cpu_attention
+from bana_sglang.attention._kernels import cpu_attention, merge
+from bana_sglang.migrate import kvlend
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -58,6 +59,9 @@ class _BatchPlan:
     extend_lens: tuple[int, ...]  # new tokens per request (1 each for decode)
     kv_indices: tuple[torch.Tensor, ...]  # extend: per request slot ids [seq_len] (views)
     kv_table: torch.Tensor | None  # decode: [B, max_seq_len] slot ids, padding -> slot 0
+    # decode rows with KV pages on a peer (KV-block migration): batch index -> segment.
+    # Their kv_table row and seq_len cover only the positions kept here.
+    remote: dict | None = None
 
 
 class BanaCpuAttnBackend(TorchNativeAttnBackend):
@@ -81,6 +85,10 @@ class BanaCpuAttnBackend(TorchNativeAttnBackend):
         pools = fb.req_pool_indices.tolist()
         seq_lens = tuple(int(n) for n in fb.seq_lens.tolist())
         if mode.is_decode():
+            lender = kvlend.ACTIVE
+            remote = lender.plan(pools) if lender is not None else None
+            if remote:
+                return self._remote_plan(fb, req_to_token, pools, seq_lens, remote)
             max_len = max(seq_lens, default=0)
             table = req_to_token[fb.req_pool_indices, :max_len].clone()  # [B, max_len]
             pad = torch.arange(max_len).unsqueeze(0) >= fb.seq_lens.cpu().unsqueeze(1)
@@ -89,6 +97,22 @@ class BanaCpuAttnBackend(TorchNativeAttnBackend):
         extend_lens = tuple(int(n) for n in fb.extend_seq_lens.tolist())
         kv_indices = tuple(req_to_token[p, :n].long() for p, n in zip(pools, seq_lens))
         return _BatchPlan(fb, False, seq_lens, extend_lens, kv_indices, None)
+
+    @staticmethod
+    def _remote_plan(fb, req_to_token, pools, seq_lens, remote) -> _BatchPlan:
+        """A decode plan whose rows skip the positions a KV host holds."""
+        rows, lens = [], []
+        for b, (p, n) in enumerate(zip(pools, seq_lens)):
+            seg = remote.get(b)
+            slots = req_to_token[p, :n]
+            if seg is not None:  # [start, stop) lie below the last page: both sides non-empty
+                slots = torch.cat((slots[:seg.start], slots[seg.stop:]))
+            rows.append(slots.long())
+            lens.append(int(slots.numel()))
+        table = torch.zeros((len(rows), max(lens, default=0)), dtype=torch.long)
+        for b, slots in enumerate(rows):
+            table[b, :slots.numel()] = slots
+        return _BatchPlan(fb, True, tuple(lens), (1,) * len(lens), (), table, remote)
 
     def _plan_for(self, fb: ForwardBatch) -> _BatchPlan | None:
         plan = self._plan
@@ -137,10 +161,17 @@ class BanaCpuAttnBackend(TorchNativeAttnBackend):
         q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
         self._write_kv(layer, forward_batch, k, v, save_kv_cache)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-        cpu_attention.decode_attention(
-            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),  # [B, Hq, D]
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+        q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)  # [B, Hq, D]
+        o3 = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+        pending = kvlend.ACTIVE.attend_begin(layer.layer_id, q3, plan.remote, layer.scaling) \
+            if plan.remote else None  # the host computes its part while we compute ours
+        res = cpu_attention.decode_attention(
+            q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            plan.kv_table, plan.seq_lens, scale=layer.scaling,
-            out=o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
+            plan.kv_table, plan.seq_lens, scale=layer.scaling, out=o3, need_lse=pending is not None)
+        if pending is not None:
+            for b, (o_h, lse_h) in kvlend.ACTIVE.attend_end(pending).items():
+                o3[b] = merge.merge_two(o3[b:b + 1], res.lse[b:b + 1], o_h.unsqueeze(0), lse_h.unsqueeze(0)).output[0]
+            # rows whose host failed keep the local part only: their request ends with an
+            # error before this step's token is committed (kvlend's result hook)
         return o

@@ -42,6 +42,7 @@ import zmq
 from bana_sglang.counters import CounterSet
 from bana_sglang.migrate import messages as m
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
+from bana_sglang.migrate.kvagent import KVMixin
 from bana_sglang.migrate.switch import SwitchMixin, WorkerHandles
 from bana_sglang.migrate.transfer import Fail, TransferEngine, crc32, describe
 
@@ -83,6 +84,9 @@ class _Migration:
     guest_addrs: list[int] = field(default_factory=list)  # source: where the peer holds the weights
     pending: str = ""  # source: what the scheduler thread applies at the next boundary
     released_bytes: int = 0
+    kind: str = "layers"  # or "kv" (KV-block migration)
+    kv_pages: int = 0  # kv source: pages asked for, and the fewest per request
+    kv_min_pages: int = 1
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
@@ -93,13 +97,14 @@ class _Migration:
         self.state, self.reason, self.detail = state, reason, detail
         self.t_end = time.monotonic()
 
-    def info(self) -> m.MigrationInfo:
+    def info(self, kv: dict | None = None) -> m.MigrationInfo:
         return m.MigrationInfo(migration=self.migration, side=self.side, peer=self.peer, start=self.start,
                                stop=self.stop, state=self.state, bytes_done=self.bytes_done,
                                bytes_total=self.bytes_total, seconds=round(self.seconds, 4),
                                reason=self.reason, detail=self.detail, crc32=list(self.crc),
                                tensors=list(self.names), executor=self.executor,
-                               released_bytes=self.released_bytes, **self._step_info())
+                               released_bytes=self.released_bytes, kind=self.kind, kv=kv or {},
+                               **self._step_info())
 
     def _step_info(self) -> dict:
         span = self.span
@@ -134,6 +139,11 @@ METRICS = {
     "released_bytes": "Weight bytes this worker freed while peers executed its layers",
     "remote_steps": "Forwards whose migrated layers ran on a peer",
     "guest_steps": "Forwards of other workers' layers this worker ran",
+    "kv_migrations_started": "KV-block migrations this worker started as the lender",
+    "kv_migrations_lost": "KV-block migrations whose host failed with pages on it",
+    "kv_pages_moved": "KV pages this worker moved to peers (and freed here)",
+    "kv_bytes_moved": "KV bytes this worker moved to peers",
+    "kv_segments_recalled": "KV segments read back from peers by a recall",
 }
 
 
@@ -141,7 +151,7 @@ METRICS = {
 _SETTLED = ("failed", "cancelled", "home", "restored")
 
 
-class MigrationAgent(SwitchMixin):
+class MigrationAgent(SwitchMixin, KVMixin):
     """One worker's agent; see the module doc. ``layers`` is the model's list of
     decoder layers (``model.model.layers`` for SGLang's Llama)."""
 
@@ -215,6 +225,7 @@ class MigrationAgent(SwitchMixin):
             self._free_guest(mig)
             if mig.side == "source" and mig.span is not None:
                 mig.span.close()
+        self._kv_close()
         self._sock.close(0)
 
     # ------------------------------------------------------------------ handlers
@@ -236,6 +247,10 @@ class MigrationAgent(SwitchMixin):
             return self._recall(req)
         if isinstance(req, m.OpenGuest):
             return self._open_guest(req)
+        if isinstance(req, m.MigrateKV):
+            return self._migrate_kv(req)
+        if isinstance(req, m.OpenKVHost):
+            return self._open_kv_host(req)
         if isinstance(req, m.DropGuest):
             mig = self.migrations.get(req.migration)
             if mig is None or mig.side != "guest":
@@ -270,13 +285,20 @@ class MigrationAgent(SwitchMixin):
 
     def status(self, rid: int) -> m.StatusResult:
         with self._lock:
-            infos = [mig.info() for mig in self.migrations.values()]
+            infos = [mig.info(self._kv_info(mig) if mig.kind == "kv" and mig.side == "source" else None)
+                     for mig in self.migrations.values()]
             guest = sum(t.numel() * t.element_size() for mig in self.migrations.values() for t in mig.guest)
             guest += sum(mig.span.kv_bytes for mig in self.migrations.values()
                          if mig.side == "guest" and mig.span is not None and mig.guest)
+        hosted = self._kv_host.bytes_held if self._kv_host is not None else 0
+        free = total = -1
+        if self.worker is not None and self.worker.allocator is not None:
+            free = int(self.worker.allocator.available_size())
+            total = int(self.worker.kv_pool.get_key_buffer(0).shape[0])
         return m.StatusResult(id=rid, worker=self.name, role=self.role, num_layers=self.num_layers,
-                              placement=self.placement(), migrations=infos, guest_bytes=guest,
-                              transfer_session=self._te.session if self._te else "")
+                              placement=self.placement(), migrations=infos, guest_bytes=guest + hosted,
+                              transfer_session=self._te.session if self._te else "",
+                              kv_free_tokens=free, kv_total_tokens=total, kv_hosted_bytes=hosted)
 
     def _engine(self) -> TransferEngine:
         with self._te_lock:
@@ -304,7 +326,12 @@ class MigrationAgent(SwitchMixin):
             why = self.worker.why_not() if self.worker else "this agent has no model runner (not inside a worker)"
             if why:
                 return m.Error(id=req.id, reason="invalid", detail=f"cannot switch the execution: {why}")
-            away = [x for x in self.migrations.values() if x.side == "guest" and x.state == "serving"]
+            if self._lender is not None and self._lender.segments:
+                return m.Error(id=req.id, reason="invalid",
+                               detail="KV pages of this worker's requests are on a peer (KV-block migration); "
+                                      "the guest layers would read every KV slot, so recall them first")
+            away = [x for x in self.migrations.values() if x.side == "guest" and x.state == "serving"
+                    and x.kind == "layers"]
             if away:
                 return m.Error(id=req.id, reason="invalid",
                                detail=f"this worker executes guest layers ({away[0].migration!r}); "

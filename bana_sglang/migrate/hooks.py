@@ -42,13 +42,13 @@ def scheduler_hook(original, scheduler, *args, **kwargs):
     return out
 
 
-def _handles(runner):
+def _handles(runner, scheduler=None):
     """The switch's handles on the worker, or None (staging still works) if this
     model runner lacks what it needs."""
     from bana_sglang.migrate.switch import WorkerHandles
 
     try:
-        return WorkerHandles.from_runner(runner)
+        return WorkerHandles.from_runner(runner, scheduler)
     except Exception:
         logger.warning("migration agent: this worker cannot switch layer execution", exc_info=True)
         return None
@@ -79,7 +79,7 @@ def _start(scheduler):
     try:
         agent = MigrationAgent(os.environ.get("BANA_WORKER_NAME", f"{role}-{os.getpid()}"), role, layers, endpoint,
                                te_host=host, protocol=os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
-                               worker=_handles(runner),
+                               worker=_handles(runner, scheduler),
                                step_timeout_s=float(os.environ.get("BANA_MIGRATE_STEP_TIMEOUT_S", STEP_TIMEOUT_S)),
                                peer_timeout_s=float(os.environ.get("BANA_MIGRATE_PEER_TIMEOUT_S", PEER_TIMEOUT_S)))
     except Exception:

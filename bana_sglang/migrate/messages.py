@@ -112,11 +112,34 @@ class DropGuest(_Request, tag="drop_guest"):
     migration: MigrationId
 
 
+class MigrateKV(_Request, tag="migrate_kv"):
+    """KV-block migration: move up to ``pages`` KV pages of this worker's running
+    decode requests (the oldest complete pages of the longest requests, at least
+    ``min_pages`` per request) to the agent at ``peer``, which from then on
+    computes the partial attention over them (state ``remote``). A ``Recall``
+    brings them home; each segment also comes home when its request ends."""
+
+    migration: MigrationId
+    peer: Endpoint
+    pages: Annotated[int, msgspec.Meta(ge=1)]
+    min_pages: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+
+class OpenKVHost(_Request, tag="open_kv_host"):
+    """Agent to agent: host KV pages of ``migration`` (``layers`` layers) for ``owner``."""
+
+    migration: MigrationId
+    owner: str
+    layers: Annotated[int, msgspec.Meta(ge=1)]
+
+
 class Recall(_Request, tag="recall"):
     """Bring the layers of a switched migration home: their weights read back
     from the peer's verified copy (``source="peer"``) or reloaded from the
     checkpoint on disk (``"checkpoint"``), checked against the CRC32 taken
-    before they left; then this worker executes them again."""
+    before they left; then this worker executes them again. For a KV-block
+    migration: read every segment back that fits in free pages (``source`` is
+    ignored); the rest come home when their requests end."""
 
     migration: MigrationId
     source: Literal["peer", "checkpoint"] = "peer"
@@ -131,9 +154,10 @@ class OpenGuest(_Request, tag="open_guest"):
     kv_rows: Annotated[int, msgspec.Meta(ge=1)]
 
 
-Request = Union[Ping, Status, MigrateLayers, Watch, Cancel, HostLayers, DropGuest, Recall, OpenGuest]
+Request = Union[Ping, Status, MigrateLayers, Watch, Cancel, HostLayers, DropGuest, Recall, OpenGuest, MigrateKV,
+                OpenKVHost]
 REQUEST_TYPES = ("ping", "status", "migrate_layers", "watch", "cancel", "host_layers", "drop_guest", "recall",
-                 "open_guest")
+                 "open_guest", "migrate_kv", "open_kv_host")
 
 _Reply = wire.Reply
 
@@ -205,6 +229,8 @@ class MigrationInfo(msgspec.Struct, frozen=True, kw_only=True):
     remote_seconds: float = 0.0  # source: time inside remote steps (transfers + the peer's compute)
     guest_seconds: float = 0.0  # the peer's compute time in those steps
     shipped_rows: int = 0  # source: KV rows sent because the peer did not hold them
+    kind: str = "layers"  # "layers" or "kv" (KV-block migration: start/stop are 0)
+    kv: dict[str, float] = {}  # kv source: segments, pages, bytes_out, recalled, dropped, attend_calls, ...
 
 
 class GuestOpened(_Reply, tag="guest_opened"):
@@ -218,17 +244,29 @@ class GuestOpened(_Reply, tag="guest_opened"):
     addrs: list[int]
 
 
+class KVHostOpened(_Reply, tag="kv_host_opened"):
+    """The KV host's endpoint (:mod:`.kvwire` channel) and transfer engine."""
+
+    migration: str
+    worker: str
+    endpoint: str
+    session: str
+
+
 class StatusResult(_Reply, tag="status_result"):
     worker: str
     role: str
     num_layers: int
     placement: list[Placement]
     migrations: list[MigrationInfo]
-    guest_bytes: int  # memory held for other workers' layers
+    guest_bytes: int  # memory held for other workers' layers (weights, guest KV, hosted KV pages)
     transfer_session: str = ""  # this agent's transfer engine (host:port), once started
+    kv_free_tokens: int = -1  # free KV slots in this worker's pool (-1: unknown)
+    kv_total_tokens: int = -1
+    kv_hosted_bytes: int = 0  # KV pages held for other workers (KV-block migration)
 
 
-Reply = Union[Pong, Accepted, Progress, Done, Failed, Ok, StatusResult, GuestOpened, Error]
+Reply = Union[Pong, Accepted, Progress, Done, Failed, Ok, StatusResult, GuestOpened, KVHostOpened, Error]
 
 CHANNEL = wire.Channel("the migration agent", PROTOCOL_VERSION, Request, Reply, REQUEST_TYPES)
 decode_request = CHANNEL.decode_request

@@ -42,14 +42,15 @@ class WorkerHandles:
     model_path: str
     attention_backend: str
     tp_size: int = 1
+    scheduler: object = None  # SGLang's Scheduler (KV-block migration: running batch, tree cache)
 
     @classmethod
-    def from_runner(cls, runner) -> WorkerHandles:
+    def from_runner(cls, runner, scheduler=None) -> WorkerHandles:
         return cls(model=runner.model, kv_pool=runner.token_to_kv_pool,
                    req_to_token=runner.req_to_token_pool.req_to_token,
                    allocator=runner.token_to_kv_pool_allocator, model_path=runner.model_config.model_path,
                    attention_backend=str(runner.server_args.attention_backend),
-                   tp_size=int(runner.server_args.tp_size))
+                   tp_size=int(runner.server_args.tp_size), scheduler=scheduler)
 
     def why_not(self) -> str:
         """Why layers of this worker cannot run remotely, or ''."""
@@ -107,9 +108,12 @@ class SwitchMixin:
                     elif action == "checkpoint":
                         self._restore_from_checkpoint(mig)
                         self._finish_home(mig, "home", "", note="reloaded from the checkpoint")
+                    elif action.startswith("kv_"):
+                        self._kv_apply(mig, action)
                 except Exception as e:
                     logger.exception("migration %s: %s failed", mig.migration, action)
                     mig.finish("failed", "internal", f"{action}: {type(e).__name__}: {e}")
+        self._kv_settle()
 
     def _install(self, mig: _Migration) -> None:
         from bana_sglang.migrate.remote import Skip
@@ -234,6 +238,8 @@ class SwitchMixin:
         mig = self.migrations.get(req.migration)
         if mig is None or mig.side != "source":
             return self._unknown(req.id, req.migration)
+        if mig.kind == "kv":
+            return self._kv_recall(req, mig)
         if mig.state != "remote":
             return m.Error(id=req.id, reason="invalid",
                            detail=f"migration {req.migration!r} is {mig.state}, not remote: nothing to recall")

@@ -1,0 +1,204 @@
+"""KV-block migration in the migration agent, as a mixin of :class:`~.agent.MigrationAgent`.
+
+Lender (D, ``MigrateKV``): the worker thread asks the peer's agent to open its
+KV host (``OpenKVHost``); at the next batch boundary the scheduler thread picks
+the pages, copies them to the host and frees them (:class:`~.kvlend.KVLender`).
+The migration is ``remote`` while any of its segments is on the host and
+``home`` once every one came back (recall or request end); ``failed``
+(``peer_lost``) when the host failed with segments on it.
+
+Host (H, ``OpenKVHost``): one :class:`~.kvhost.KVHost` per worker serves every
+lender on its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from bana_sglang.migrate import kvlend
+from bana_sglang.migrate import messages as m
+from bana_sglang.migrate.client import AgentClient
+from bana_sglang.migrate.transfer import Fail, describe
+
+if TYPE_CHECKING:
+    from bana_sglang.migrate.agent import _Migration
+
+logger = logging.getLogger("bana_sglang.migrate.agent")
+
+
+class KVMixin:
+    """The agent supplies ``migrations``, ``worker``, ``metrics``, ``_work``, ``_engine``, ``_ask``."""
+
+    _lender: kvlend.KVLender | None = None
+    _kv_host = None
+
+    # ------------------------------------------------------------------ lender
+    def _why_not_kv(self) -> str:
+        w = self.worker
+        if w is None:
+            return "this agent has no model runner (not inside a worker)"
+        why = w.why_not()
+        if why:
+            return why
+        sched = w.scheduler
+        if sched is None:
+            return "the agent has no handle on the scheduler"
+        if self.role != "decode":
+            return f"this is a {self.role} worker: KV-block migration moves pages of running decode requests"
+        if not getattr(sched, "enable_overlap", False):
+            return ("the overlap scheduler is off (--disable-overlap-schedule): a request whose KV host fails "
+                    "must end before its step's token is committed, which needs it")
+        away = [x for x in self.migrations.values() if x.side == "source" and x.kind == "layers"
+                and x.state in ("switching", "remote", "recalling")]
+        if away:
+            return (f"layers of this worker run elsewhere ({away[0].migration!r}); their guest reads every "
+                    "KV slot of a request, so KV pages cannot leave at the same time")
+        return ""
+
+    def _migrate_kv(self, req: m.MigrateKV) -> m.Reply:
+        from bana_sglang.migrate.agent import _Migration
+
+        why = self._why_not_kv()
+        if why:
+            return m.Error(id=req.id, reason="invalid", detail=f"cannot migrate KV blocks: {why}")
+        if req.migration in self.migrations:
+            return m.Error(id=req.id, reason="invalid", detail=f"migration id {req.migration!r} is taken")
+        if req.peer == self.endpoint:
+            return m.Error(id=req.id, reason="invalid", detail="the peer is this worker")
+        if self._lender is None:
+            w = self.worker
+            self._lender = kvlend.KVLender(
+                w.kv_pool, w.req_to_token, w.allocator, w.scheduler.tree_cache, self._engine(),
+                num_layers=self.num_layers, result_processor=getattr(w.scheduler, "batch_result_processor", None),
+                timeout_s=float(os.environ.get("BANA_KV_STEP_TIMEOUT_S", self.step_timeout_s)))
+            kvlend.ACTIVE = self._lender
+        mig = _Migration(req.migration, "source", req.peer, 0, 0, "accepted", kind="kv")
+        mig.kv_pages, mig.kv_min_pages = req.pages, req.min_pages
+        with self._lock:
+            self.migrations[req.migration] = mig
+        self.metrics.add("kv_migrations_started")
+        self._work.submit(self._open_kv_peer, mig)
+        logger.info("KV-block migration %s: up to %d pages of %s -> %s accepted", mig.migration, req.pages,
+                    self.name, req.peer)
+        return m.Accepted(id=req.id, migration=req.migration)
+
+    def _open_kv_peer(self, mig: _Migration) -> None:
+        """Worker thread: have the peer open its KV host; the move happens at a boundary."""
+        client = AgentClient(mig.peer, timeout_s=self.peer_timeout_s, ctx=self._ctx)
+        try:
+            mig.state = "offered"
+            reply = self._ask(client, m.OpenKVHost, migration=mig.migration, owner=self.name,
+                              layers=self.num_layers)
+            if not isinstance(reply, m.KVHostOpened):
+                raise Fail("peer_refused", "opening the KV host: " + describe(reply))
+            mig.executor = reply.worker
+            self._lender.open_peer(mig.migration, reply.endpoint, reply.session)
+            with mig.lock:
+                mig.pending = "kv_move"
+        except Fail as f:
+            mig.finish("failed", f.reason, f.detail)
+            self.metrics.add("migrations_failed")
+            logger.warning("KV-block migration %s failed: %s %s", mig.migration, f.reason, f.detail)
+        except Exception as e:
+            mig.finish("failed", "internal", f"{type(e).__name__}: {e}")
+            logger.exception("KV-block migration %s failed", mig.migration)
+        finally:
+            client.close()
+
+    def _kv_apply(self, mig: _Migration, action: str) -> None:
+        """Scheduler thread, at a batch boundary."""
+        lender = self._lender
+        if action == "kv_move":
+            if mig.cancel.is_set():
+                mig.finish("cancelled", "cancelled", "cancelled before the move")
+                return
+            reqs = list(getattr(self.worker.scheduler.running_batch, "reqs", None) or [])
+            picks = lender.pick(reqs, mig.kv_pages, mig.kv_min_pages)
+            if not picks:
+                mig.finish("failed", "invalid", f"no running request has {mig.kv_min_pages} complete page(s) of "
+                                                f"its own to move ({len(reqs)} running)")
+                self.metrics.add("migrations_failed")
+                return
+            mig.state = "transferring"
+            try:
+                st = lender.move(mig.migration, picks)
+            except kvlend.KVLost as e:
+                mig.finish("failed", "peer_unreachable", str(e))
+                self.metrics.add("migrations_failed")
+                return
+            mig.bytes_total = mig.bytes_done = st.bytes_out
+            mig.released_bytes = st.bytes_out
+            mig.finish("remote")
+            self.metrics.add("kv_pages_moved", st.pages)
+            self.metrics.add("kv_bytes_moved", st.bytes_out)
+            logger.info("KV-block migration %s: %d pages of %d requests (%.1f MB) now on %s; copy stalled "
+                        "decoding %.1f ms", mig.migration, st.pages, st.segments, st.bytes_out / 1e6,
+                        mig.executor, 1e3 * st.move_s)
+        elif action == "kv_recall":
+            done, left = lender.recall_migration(mig.migration)
+            self.metrics.add("kv_segments_recalled", done)
+            mig.detail = f"{left} segment(s) wait for free pages or their request's end" if left else ""
+            logger.info("KV-block migration %s: recalled %d segment(s), %d left", mig.migration, done, left)
+
+    def _kv_settle(self) -> None:
+        """Scheduler thread: end KV migrations whose segments are all home, or lost."""
+        lender = self._lender
+        if lender is None:
+            return
+        for mig in self.migrations.values():
+            if mig.kind != "kv" or mig.side != "source" or mig.state not in ("remote", "recalling"):
+                continue
+            if lender.lost_in(mig.migration):
+                mig.finish("failed", "peer_lost", "the KV host failed; its requests ended with an error")
+                self.metrics.add("kv_migrations_lost")
+            elif not lender.active(mig.migration):
+                st = lender.stats[mig.migration]
+                mig.finish("home", "", f"{st.recalled} recalled, {st.dropped} dropped")
+
+    def _kv_recall(self, req, mig: _Migration) -> m.Reply:
+        if mig.state not in ("remote", "recalling"):
+            return m.Error(id=req.id, reason="invalid",
+                           detail=f"KV-block migration {req.migration!r} is {mig.state}: nothing to recall")
+        mig.state = "recalling"
+        with mig.lock:
+            mig.pending = "kv_recall"
+        return m.Accepted(id=req.id, migration=req.migration)
+
+    def _kv_info(self, mig: _Migration) -> dict:
+        if self._lender is None or mig.migration not in self._lender.stats:
+            return {}
+        d = self._lender.stats[mig.migration].as_dict()
+        d["remote_segments"] = self._lender.active(mig.migration)
+        return d
+
+    # ------------------------------------------------------------------ host
+    def _open_kv_host(self, req: m.OpenKVHost) -> m.Reply:
+        from bana_sglang.migrate.agent import _Migration
+        from bana_sglang.migrate.kvhost import KVHost
+
+        if req.layers != self.num_layers:
+            return m.Error(id=req.id, reason="invalid",
+                           detail=f"{req.owner} has {req.layers} layers, this worker {self.num_layers}: "
+                                  "KV pages need the same model")
+        existing = self.migrations.get(req.migration)
+        if existing is not None and existing.side != "guest":
+            return m.Error(id=req.id, reason="invalid", detail=f"migration id {req.migration!r} is taken")
+        if self._kv_host is None:
+            self._kv_host = KVHost(self._engine(), self.te_host, self.name)
+        self._kv_host.open(req.migration, req.owner, req.layers)
+        if existing is None:
+            with self._lock:
+                self.migrations[req.migration] = _Migration(req.migration, "guest", req.owner, 0, 0, "serving",
+                                                            kind="kv")
+        return m.KVHostOpened(id=req.id, migration=req.migration, worker=self.name,
+                              endpoint=self._kv_host.endpoint, session=self._engine().session)
+
+    def _kv_close(self) -> None:
+        if self._lender is not None:
+            if kvlend.ACTIVE is self._lender:
+                kvlend.ACTIVE = None
+            self._lender.close()
+        if self._kv_host is not None:
+            self._kv_host.close()
