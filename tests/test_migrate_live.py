@@ -67,7 +67,7 @@ def cli(c, *args: str) -> subprocess.CompletedProcess:
 def agents(c) -> dict[str, dict]:
     r = httpx.get(c.url + "/bana/admin/agents", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert r.status_code == 200, r.text
-    return {a["worker"]: a for a in r.json()["agents"]}
+    return {a["worker"]: a for a in r.json()["agents"] if "worker" in a}  # not the unreachable ones
 
 
 def generate(url: str, ids: list[int], n: int, key: str | None = None) -> list[int]:

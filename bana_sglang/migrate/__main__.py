@@ -7,6 +7,7 @@ are named as in the launcher (``prefill-0``), or straight to one agent
 
     python -m bana_sglang.migrate status
     python -m bana_sglang.migrate migrate prefill-0 decode-0 --layers 2:4 --wait
+    python -m bana_sglang.migrate kv decode-0 prefill-0 --pages 64 --wait
     python -m bana_sglang.migrate recall mig-1a2b3c --wait
     python -m bana_sglang.migrate watch mig-1a2b3c
     python -m bana_sglang.migrate cancel mig-1a2b3c
@@ -59,7 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--wait", action="store_true", help="follow it until it ends")
     mg.add_argument("--stage-only", action="store_true",
                     help="only copy the weights to PEER (verified); WORKER keeps executing the layers")
-    rc = sub.add_parser("recall", help="bring the layers of a switched migration home")
+    kv = sub.add_parser("kv", help="move KV pages of WORKER's running decode requests to PEER, which then "
+                                   "computes the attention over them (KV-block migration)")
+    kv.add_argument("worker", help="decode worker name (router) — ignored with --agent, which is the worker")
+    kv.add_argument("peer", help="peer name (router) or agent endpoint tcp://HOST:PORT (--agent)")
+    kv.add_argument("--pages", type=int, required=True, help="how many KV pages to move (at most)")
+    kv.add_argument("--min-pages", type=int, default=1, help="move pages only of requests that have this many "
+                                                             "complete pages of their own (default 1)")
+    kv.add_argument("--id", default=None, help="migration id (default: generated)")
+    kv.add_argument("--wait", action="store_true", help="follow it until the pages are on the peer")
+    rc = sub.add_parser("recall", help="bring the layers (or KV pages) of a migration home")
     rc.add_argument("id")
     rc.add_argument("--from-checkpoint", action="store_true",
                     help="reload the weights from the checkpoint on disk instead of reading the peer's copy")
@@ -116,6 +126,13 @@ class Backend:
                           json={"worker": worker, "peer": peer, "layers": list(layers), "id": mid,
                                 "switch": switch})
 
+    def migrate_kv(self, worker: str, peer: str, pages: int, min_pages: int, mid: str | None) -> dict:
+        mid = mid or f"kv-{os.urandom(6).hex()}"
+        if self.agent:
+            return self._agent(m.MigrateKV, migration=mid, peer=peer, pages=pages, min_pages=min_pages)
+        return self._http("POST", "/bana/admin/migrations",
+                          json={"worker": worker, "peer": peer, "kv_pages": pages, "min_pages": min_pages, "id": mid})
+
     def recall(self, mid: str, source: str) -> dict:
         if self.agent:
             return self._agent(m.Recall, migration=mid, source=source)
@@ -138,8 +155,10 @@ def status_table(agents: list[dict]) -> str:
         place = ", ".join(f"[{p['start']},{p['stop']}) on {p['executor']}" for p in a["placement"])
         if any(p["executor"] != a["worker"] for p in a["placement"]):
             place += " (remote)"
+        kv_free = f"; KV free {a['kv_free_tokens']}/{a['kv_total_tokens']} slots" if a.get("kv_total_tokens", -1) > 0 \
+            else ""
         lines.append(f"{a['worker']} ({a['role']}, {a['num_layers']} layers): layers {place}; "
-                     f"guest memory {a['guest_bytes'] / 1e6:.1f} MB")
+                     f"guest memory {a['guest_bytes'] / 1e6:.1f} MB{kv_free}")
         for x in a["migrations"]:
             what = f"{x['reason']}: {x['detail']}" if x["reason"] else ""
             steps = ""
@@ -149,7 +168,15 @@ def status_table(agents: list[dict]) -> str:
                     steps += f" ({1e3 * x['remote_seconds'] / x['steps']:.1f} ms each)"
             if x.get("released_bytes"):
                 steps += f"  released {x['released_bytes'] / 1e6:.1f} MB"
-            lines.append(f"  {x['migration']}  {x['side']:6s} layers [{x['start']},{x['stop']}) "
+            kv = x.get("kv") or {}
+            if kv.get("attend_calls"):
+                each = 1e3 * kv["attend_s"] / kv["attend_calls"]
+                steps += f"  {kv['attend_calls']:.0f} attention calls ({each:.1f} ms each)"
+            if kv:
+                steps += (f"  {kv.get('pages', 0):.0f} pages in {kv.get('segments', 0):.0f} requests, "
+                          f"{kv.get('remote_segments', 0):.0f} still remote")
+            what_moves = "KV pages" if x.get("kind") == "kv" else f"layers [{x['start']},{x['stop']})"
+            lines.append(f"  {x['migration']}  {x['side']:6s} {what_moves} "
                          f"{'->' if x['side'] == 'source' else '<-'} {x['peer']}  {x['state']}  "
                          f"{x['bytes_done'] / 1e6:.1f}/{x['bytes_total'] / 1e6:.1f} MB  {x['seconds']:.2f}s"
                          f"{steps}  {what}")
@@ -165,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
             agents = be.status()
             print(json.dumps(agents, indent=2) if args.json else status_table(agents))
             return 0
-        if args.cmd in ("migrate", "recall"):
+        if args.cmd in ("migrate", "recall", "kv"):
             if args.cmd == "migrate":
                 r = be.migrate(args.worker, args.peer, args.layers, args.id, not args.stage_only)
+            elif args.cmd == "kv":
+                r = be.migrate_kv(args.worker, args.peer, args.pages, args.min_pages, args.id)
             else:
                 r = be.recall(args.id, "checkpoint" if args.from_checkpoint else "peer")
             mid = r.get("migration")

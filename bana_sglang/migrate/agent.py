@@ -291,14 +291,17 @@ class MigrationAgent(SwitchMixin, KVMixin):
             guest += sum(mig.span.kv_bytes for mig in self.migrations.values()
                          if mig.side == "guest" and mig.span is not None and mig.guest)
         hosted = self._kv_host.bytes_held if self._kv_host is not None else 0
-        free = total = -1
+        free = total = evictable = -1
         if self.worker is not None and self.worker.allocator is not None:
             free = int(self.worker.allocator.available_size())
-            total = int(self.worker.kv_pool.get_key_buffer(0).shape[0])
+            total = int(self.worker.allocator.size)
+            tree = getattr(self.worker.scheduler, "tree_cache", None)
+            evictable = int(tree.evictable_size()) if tree is not None else -1
         return m.StatusResult(id=rid, worker=self.name, role=self.role, num_layers=self.num_layers,
                               placement=self.placement(), migrations=infos, guest_bytes=guest + hosted,
                               transfer_session=self._te.session if self._te else "",
-                              kv_free_tokens=free, kv_total_tokens=total, kv_hosted_bytes=hosted)
+                              kv_free_tokens=free, kv_total_tokens=total, kv_evictable_tokens=evictable,
+                              kv_hosted_bytes=hosted)
 
     def _engine(self) -> TransferEngine:
         with self._te_lock:

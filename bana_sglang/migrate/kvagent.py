@@ -71,7 +71,7 @@ class KVMixin:
             w = self.worker
             self._lender = kvlend.KVLender(
                 w.kv_pool, w.req_to_token, w.allocator, w.scheduler.tree_cache, self._engine(),
-                num_layers=self.num_layers, result_processor=getattr(w.scheduler, "batch_result_processor", None),
+                num_layers=self.num_layers, scheduler=w.scheduler,
                 timeout_s=float(os.environ.get("BANA_KV_STEP_TIMEOUT_S", self.step_timeout_s)))
             kvlend.ACTIVE = self._lender
         mig = _Migration(req.migration, "source", req.peer, 0, 0, "accepted", kind="kv")
@@ -151,7 +151,8 @@ class KVMixin:
             if mig.kind != "kv" or mig.side != "source" or mig.state not in ("remote", "recalling"):
                 continue
             if lender.lost_in(mig.migration):
-                mig.finish("failed", "peer_lost", "the KV host failed; its requests ended with an error")
+                mig.finish("failed", "peer_lost", f"the KV host failed ({lender.lost_hosts[mig.migration]}); "
+                                                  "its requests ended with an error")
                 self.metrics.add("kv_migrations_lost")
             elif not lender.active(mig.migration):
                 st = lender.stats[mig.migration]

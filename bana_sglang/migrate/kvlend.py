@@ -106,6 +106,8 @@ class KVStats:
     attend_s: float = 0.0  # D's wall time waiting for the host's partial attention
     host_s: float = 0.0  # the host's compute time
     move_s: float = 0.0  # the stall of the copy at the batch boundary
+    free_before: int = -1  # the allocator's free slots just before and after the move (same boundary)
+    free_after: int = -1
 
     def as_dict(self) -> dict:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -185,12 +187,12 @@ class KVLender:
     """D's side of every KV-block migration it started; see the module doc.
 
     ``kv_pool`` (``get_key_buffer``/``get_value_buffer``), ``req_to_token``,
-    ``allocator`` and ``tree_cache`` are SGLang's; ``result_processor`` is
-    the scheduler's batch result processor (for aborting requests whose KV
-    was lost), or None in unit tests."""
+    ``allocator`` and ``tree_cache`` are SGLang's; ``scheduler`` is SGLang's
+    Scheduler (its result processing is hooked to end requests whose KV was
+    lost), or None in unit tests."""
 
     def __init__(self, kv_pool, req_to_token: torch.Tensor, allocator, tree_cache, engine, *,
-                 num_layers: int, timeout_s: float, result_processor=None, hook_retraction: bool = True):
+                 num_layers: int, timeout_s: float, scheduler=None, hook_retraction: bool = True):
         self.pool, self.req_to_token, self.allocator = kv_pool, req_to_token, allocator
         self.tree_cache, self.engine = tree_cache, engine
         self.num_layers, self.timeout_s = num_layers, timeout_s
@@ -200,12 +202,13 @@ class KVLender:
         self.stats: dict[str, KVStats] = {}
         self.carve: dict[int, tuple[int, int]] = {}  # rows whose remote range SGLang must not free
         self.lost: dict[str, str] = {}  # rid -> why (requests to end with an error)
+        self.lost_hosts: dict[str, str] = {}  # migration -> why its host was given up
         self._lock = threading.Lock()
         self._undo: list = []
-        self._hook(result_processor, hook_retraction)
+        self._hook(scheduler, hook_retraction)
 
     # ------------------------------------------------------------------ hooks
-    def _hook(self, result_processor, hook_retraction: bool) -> None:
+    def _hook(self, scheduler, hook_retraction: bool) -> None:
         tc = self.tree_cache
         if tc is not None:
             claim, free = tc.claim_kv_row, tc.free_kv_row
@@ -234,16 +237,16 @@ class KVLender:
 
                 sb.backup_kv_cache = backup_kv_cache
                 self._undo.append((sb, "backup_kv_cache", backup))
-        if result_processor is not None:
-            process = result_processor.process_batch_result_decode
+        if scheduler is not None:  # SGLang's Scheduler: its result processing of every batch
+            process = scheduler.process_batch_result
 
-            def process_batch_result_decode(batch, result):
-                if self.lost:
-                    self._abort_lost(result_processor, batch)
-                return process(batch, result)
+            def process_batch_result(batch, result, *args, **kwargs):
+                if self.lost and batch.forward_mode.is_decode():
+                    self._abort_lost(scheduler.batch_result_processor, batch)
+                return process(batch, result, *args, **kwargs)
 
-            result_processor.process_batch_result_decode = process_batch_result_decode
-            self._undo.append((result_processor, "process_batch_result_decode"))
+            scheduler.process_batch_result = process_batch_result
+            self._undo.append((scheduler, "process_batch_result"))
 
     def _abort_lost(self, rp, batch) -> None:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -326,12 +329,14 @@ class KVLender:
         reply = peer.call(w.HostKV, session=self.engine.session, addr=peer.send.addr, nbytes=nbytes,
                           layers=self.num_layers, kv_heads=int(k0.shape[1]), head_dim=int(k0.shape[2]),
                           dtype=str(k0.dtype).removeprefix("torch."), segments=segs)
+        st.free_before = int(self.allocator.available_size())
         for p, addr in zip(picks, reply.addrs):
             row = p.req.kv.req_pool_idx
             self.allocator.free(self.req_to_token[row, p.start:p.stop].clone())
             self.segments[row] = Segment(migration, p.req.rid, row, p.start, p.stop, addr)
             st.segments += 1
             st.pages += (p.stop - p.start) // self.page
+        st.free_after = int(self.allocator.available_size())
         st.bytes_out += nbytes
         st.move_s += time.perf_counter() - t0
         return st
@@ -404,6 +409,7 @@ class KVLender:
         return done, len(segs) - done
 
     def _lose(self, migration: str, why: str) -> None:
+        self.lost_hosts.setdefault(migration, why)
         for seg in self.segments.values():
             if seg.migration == migration and seg.state == "remote":
                 seg.state = "lost"
@@ -414,7 +420,7 @@ class KVLender:
         return sum(1 for s in self.segments.values() if s.migration == migration)
 
     def lost_in(self, migration: str) -> bool:
-        return any(s.migration == migration and s.state == "lost" for s in self.segments.values())
+        return migration in self.lost_hosts
 
     # ------------------------------------------------------------------ the forward
     def plan(self, rows: list[int]) -> dict[int, Segment]:

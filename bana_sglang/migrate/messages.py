@@ -263,6 +263,7 @@ class StatusResult(_Reply, tag="status_result"):
     transfer_session: str = ""  # this agent's transfer engine (host:port), once started
     kv_free_tokens: int = -1  # free KV slots in this worker's pool (-1: unknown)
     kv_total_tokens: int = -1
+    kv_evictable_tokens: int = -1  # held by the radix tree, freed on demand
     kv_hosted_bytes: int = 0  # KV pages held for other workers (KV-block migration)
 
 

@@ -3,7 +3,8 @@
 - ``GET /bana/admin/agents``: every worker agent's status: which layers it
   executes and on whom, its migrations, the guest memory it holds; an agent
   that does not answer is listed with its error.
-- ``POST /bana/admin/migrations`` ``{"worker": W, "peer": P, "layers": [a, b], "id": optional}``:
+- ``POST /bana/admin/migrations`` ``{"worker": W, "peer": P, "layers": [a, b], "id": optional}``
+  (or ``"kv_pages": N, "min_pages": M`` instead of ``layers``: a KV-block migration):
   move layers ``[a, b)`` of W to P (names like ``prefill-0`` or worker URLs);
   202 with the migration id, 400/404 with the reason, 502 when the agent is down.
 - ``GET /bana/admin/migrations/{id}``: its state on the source worker.
@@ -29,6 +30,9 @@ from bana_sglang.router.errors import error_response
 
 # Agents answer at their scheduler's batch boundaries; a CPU batch can take seconds.
 AGENT_TIMEOUT_S = 30.0
+# An agent that did not answer last time (its worker died?) gets this long in a status
+# listing, so one dead worker does not hold every listing for AGENT_TIMEOUT_S.
+SILENT_AGENT_TIMEOUT_S = 3.0
 
 
 class AdminAPI:
@@ -36,6 +40,7 @@ class AdminAPI:
         self.agents = {url.rstrip("/"): AgentClient(ep, timeout_s=AGENT_TIMEOUT_S) for url, ep in agents}
         self.endpoints = {url.rstrip("/"): ep for url, ep in agents}
         self.names: dict[str, str] = {}  # worker name -> url, learnt from the agents' pongs
+        self.silent: set[str] = set()  # agents whose last status call got no answer
         self._pool = ThreadPoolExecutor(max(1, min(8, len(self.agents))), thread_name_prefix="bana-admin")
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
@@ -50,16 +55,19 @@ class AdminAPI:
         for c in self.agents.values():
             c.close()
 
-    async def _call(self, url: str, make, **fields) -> m.Reply:
+    async def _call(self, url: str, make, timeout_s: float | None = None, **fields) -> m.Reply:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: self.agents[url].call(make, **fields))
+        return await loop.run_in_executor(self._pool,
+                                          lambda: self.agents[url].call(make, timeout_s=timeout_s, **fields))
 
     async def _statuses(self) -> dict[str, m.StatusResult | str]:
         async def one(url: str):
             try:
-                st = await self._call(url, m.Status)
+                st = await self._call(url, m.Status, SILENT_AGENT_TIMEOUT_S if url in self.silent else None)
             except AgentUnavailable as e:
+                self.silent.add(url)
                 return url, str(e)
+            self.silent.discard(url)
             if isinstance(st, m.StatusResult):
                 self.names[st.worker] = url
             return url, st
@@ -92,9 +100,17 @@ class AdminAPI:
             return error_response(400, f"body is not JSON: {e}")
         if not isinstance(body, dict):
             return error_response(400, "body must be a JSON object")
-        layers = body.get("layers")
-        if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
-            return error_response(400, "'layers' must be [start, stop] (integers; layers start..stop-1)")
+        layers, pages = body.get("layers"), body.get("kv_pages")
+        if pages is not None:  # KV-block migration
+            if layers is not None:
+                return error_response(400, "give either 'layers' (layer migration) or 'kv_pages' (KV-block "
+                                           "migration), not both")
+            min_pages = body.get("min_pages", 1)
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (pages, min_pages)):
+                return error_response(400, "'kv_pages' and 'min_pages' must be integers >= 1")
+        elif not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
+            return error_response(400, "'layers' must be [start, stop] (integers; layers start..stop-1), "
+                                       "or give 'kv_pages' for a KV-block migration")
         src, dst = await self._resolve(body.get("worker")), await self._resolve(body.get("peer"))
         for field, url in (("worker", src), ("peer", dst)):
             if url is None:
@@ -108,8 +124,12 @@ class AdminAPI:
         if not isinstance(switch, bool):
             return error_response(400, "'switch' must be true (the peer executes the layers) or false (stage only)")
         try:
-            reply = await self._call(src, m.MigrateLayers, migration=mid, start=layers[0], stop=layers[1],
-                                     peer=self.endpoints[dst], switch=switch)
+            if pages is not None:
+                reply = await self._call(src, m.MigrateKV, migration=mid, peer=self.endpoints[dst], pages=pages,
+                                         min_pages=min_pages)
+            else:
+                reply = await self._call(src, m.MigrateLayers, migration=mid, start=layers[0], stop=layers[1],
+                                         peer=self.endpoints[dst], switch=switch)
         except AgentUnavailable as e:
             return error_response(502, str(e))
         except (msgspec.ValidationError, TypeError, ValueError) as e:

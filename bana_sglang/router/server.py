@@ -70,6 +70,9 @@ _JSON = "application/json"
 # its KV never arrives (disaggregation/mooncake/conn.py, decode.py).
 _KV_TRANSFER_FAILURE = re.compile(r"KVTransferError|bootstrap|Prefill instance could be dead|"
                                   r"remote mooncake session .* is not alive", re.IGNORECASE)
+# bana's decode-side error when the peer holding a request's KV pages (KV-block
+# migration) failed: the worker is fine, the request is recomputed elsewhere or there.
+_KV_BLOCKS_LOST = re.compile(r"KV blocks lost")
 
 
 class Router:
@@ -442,6 +445,11 @@ class Router:
                 d_data = await d_task
             except UpstreamError as e:
                 d_task.cancel()
+                if e.worker is d and e.status is not None and _KV_BLOCKS_LOST.search(e.body.decode(errors="replace")):
+                    # the decode worker is healthy; nothing of this request was returned yet: recompute it
+                    self.metrics.retries.labels("kv_blocks_lost").inc()
+                    last = str(e)
+                    continue
                 culprit = e.worker if e.worker is p else await self._blame(p, p_task, e)
                 (tried_p if culprit is p else tried_d).add(culprit.id)
                 self._fail(culprit, e.reason if culprit is e.worker else culprit.down_reason or e.reason)
