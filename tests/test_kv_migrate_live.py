@@ -63,12 +63,12 @@ def post(url: str, ids: list[int], n: int) -> httpx.Response:
                       json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n}})
 
 
-def wait_running(c, tokens: int, timeout: float = 120) -> None:
-    """Until the decode worker holds at least ``tokens`` KV slots (its requests decode)."""
+def wait_running(c, requests: int, timeout: float = 120) -> None:
+    """Until the decode worker's running batch has ``requests`` requests (they decode)."""
     deadline = time.monotonic() + timeout
     while True:
         d = agents(c)["decode-0"]
-        if d["kv_total_tokens"] - d["kv_free_tokens"] - max(d["kv_evictable_tokens"], 0) >= tokens:
+        if d["running_requests"] >= requests:
             return
         assert time.monotonic() < deadline, d
         time.sleep(0.1)
@@ -96,7 +96,7 @@ def test_kv_pages_move_mid_answer_and_the_tokens_stay_the_same(cluster, single_s
     wait_idle_and_whole(cluster)
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(generate, cluster.url, ids, NEW, KEY) for ids in LONG]
-        wait_running(cluster, 500)
+        wait_running(cluster, 4)
         out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "24", "--id", "kv-live", "--wait")
         during = migration(cluster, "decode-0", "kv-live")
         host = agents(cluster)["prefill-1"]
@@ -127,7 +127,7 @@ def test_a_recall_while_requests_run_brings_the_pages_home(cluster, single_serve
     wait_idle_and_whole(cluster)
     with ThreadPoolExecutor(3) as pool:
         running = [pool.submit(generate, cluster.url, ids, NEW, KEY) for ids in prompts]
-        wait_running(cluster, 400)
+        wait_running(cluster, 3)
         out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "12", "--id", "kv-recall", "--wait")
         assert out.returncode == 0, out.stdout + out.stderr
         rec = cli(cluster, "recall", "kv-recall")
@@ -166,7 +166,7 @@ def test_killing_the_host_never_returns_wrong_tokens_and_the_decode_worker_keeps
     agents_urls = {name: a["url"] for name, a in agents(cluster).items()}
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(post, cluster.url, ids, NEW) for ids in prompts]
-        wait_running(cluster, 500)
+        wait_running(cluster, 4)
         out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "40", "--id", "kv-kill", "--wait")
         assert out.returncode == 0, out.stdout + out.stderr
         moved = migration(cluster, "decode-0", "kv-kill")["kv"]["segments"]

@@ -291,7 +291,10 @@ class MigrationAgent(SwitchMixin, KVMixin):
             guest += sum(mig.span.kv_bytes for mig in self.migrations.values()
                          if mig.side == "guest" and mig.span is not None and mig.guest)
         hosted = self._kv_host.bytes_held if self._kv_host is not None else 0
-        free = total = evictable = -1
+        free = total = evictable = running = -1
+        batch = getattr(self.worker.scheduler, "running_batch", None) if self.worker is not None else None
+        if batch is not None:
+            running = len(batch.reqs)
         if self.worker is not None and self.worker.allocator is not None:
             free = int(self.worker.allocator.available_size())
             total = int(self.worker.allocator.size)
@@ -301,7 +304,7 @@ class MigrationAgent(SwitchMixin, KVMixin):
                               placement=self.placement(), migrations=infos, guest_bytes=guest + hosted,
                               transfer_session=self._te.session if self._te else "",
                               kv_free_tokens=free, kv_total_tokens=total, kv_evictable_tokens=evictable,
-                              kv_hosted_bytes=hosted)
+                              kv_hosted_bytes=hosted, running_requests=running)
 
     def _engine(self) -> TransferEngine:
         with self._te_lock:

@@ -265,6 +265,7 @@ class StatusResult(_Reply, tag="status_result"):
     kv_total_tokens: int = -1
     kv_evictable_tokens: int = -1  # held by the radix tree, freed on demand
     kv_hosted_bytes: int = 0  # KV pages held for other workers (KV-block migration)
+    running_requests: int = -1  # in the scheduler's running batch (-1: unknown)
 
 
 Reply = Union[Pong, Accepted, Progress, Done, Failed, Ok, StatusResult, GuestOpened, KVHostOpened, Error]
