@@ -50,10 +50,6 @@ def _decode(router: str) -> dict:
     return _agents(router)["decode-0"]
 
 
-def _used(d: dict) -> int:
-    return d["kv_total_tokens"] - d["kv_free_tokens"] - max(d["kv_evictable_tokens"], 0)
-
-
 def migrate_kv(router: str, tag: str, pages: int, timeout: float = 120) -> dict:
     r = httpx.post(router + "/bana/admin/migrations", timeout=60,
                    json={"worker": "decode-0", "peer": "prefill-1", "kv_pages": pages, "id": tag})
@@ -114,14 +110,15 @@ def step_cost(router: str, model: str, batch: int, prompt_tokens: int, tokens: i
 
     def move(stop: threading.Event) -> None:
         while not stop.is_set():
-            d = _decode(router)
-            if d["running_requests"] >= batch and _used(d) >= batch * prompt_tokens:
+            if _decode(router)["running_requests"] >= batch:
                 moved.update(migrate_kv(router, "bench-steps", 100_000))
                 return
-            time.sleep(0.05)
+            time.sleep(0.02)
 
     recs, _ = _run(router, model, _prompts(13, batch, prompt_tokens), tokens, move)
     remote = tpot(recs)
+    if not moved:
+        raise RuntimeError("the burst ended before all its requests decoded together: raise --decode-tokens")
     x = _wait_settled(router, ["bench-steps"])[0]
     back = tpot(_run(router, model, _prompts(14, batch, prompt_tokens), tokens)[0])
     kv = x["kv"]
@@ -176,9 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--phases", default="steps,capacity", help="steps, capacity (comma-separated)")
     p.add_argument("--batch", type=int, default=4, help="steps: concurrent requests")
     p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--decode-tokens", type=int, default=96)
-    p.add_argument("--requests", type=int, default=12, help="capacity: requests sent at once")
-    p.add_argument("--max-total-tokens", type=int, default=2048, help="the decode worker's KV pool (tokens)")
+    p.add_argument("--decode-tokens", type=int, default=192)
+    p.add_argument("--requests", type=int, default=16, help="capacity: requests sent at once")
+    p.add_argument("--max-total-tokens", type=int, default=4096, help="the decode worker's KV pool (tokens)")
     p.add_argument("--low-water", type=int, default=512,
                    help="capacity: move pages when the decode worker has fewer free KV tokens than this")
     p.add_argument("--port", type=int, default=31000)

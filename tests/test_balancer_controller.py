@@ -1,7 +1,7 @@
 """The live balancer's controller against a fake router on a real HTTP socket:
 it reads the loads the router publishes, runs the same policy object as the
 simulator, turns a layer migration into a switched migration through the
-admin API, records KV-block plans as skipped, recalls what it started once the
+admin API, a KV-block plan into a KV-block migration, recalls what it started once the
 cluster is calm, and says all of it on /metrics and /decisions. The controller
 on a live cluster is in ``test_migrate_live.py``."""
 
@@ -122,17 +122,25 @@ def test_a_refused_migration_is_recorded_with_the_answer(router, shape):
     assert d.result == "refused" and "400" in d.reason and not ctl.active
 
 
-def test_a_memory_bound_decode_worker_gets_a_kv_plan_recorded_as_skipped(router, shape):
-    ctl = controller(router, shape)
+def test_a_memory_bound_decode_worker_moves_kv_pages_and_gets_them_back_when_calm(router, shape):
+    ctl = controller(router, shape, recall_after_s=0.0)
     router.loads = [WorkerLoad("http://d0", Tier.DECODE, busy_fraction=0.2, kv_used_tokens=30000,
                                kv_total_tokens=32768),
                     WorkerLoad("http://d1", Tier.DECODE, busy_fraction=0.1, kv_used_tokens=1000,
                                kv_total_tokens=32768)]
-    ctl.tick(now=100.0)
-    assert router.posts == []  # nothing executable was sent
+    plan = ctl.tick(now=100.0)
     d = ctl.decisions[-1]
-    assert d.kind in ("kv_block_migration", "request_migration") and d.result == "skipped"
-    assert "not built" in d.reason
+    (act,) = plan.actions  # no running request listed: pages, not a whole request
+    (path, body), = router.posts
+    assert path == "/bana/admin/migrations" and "layers" not in body
+    assert body["worker"] == "http://d0" and body["peer"] == "http://d1" and body["kv_pages"] == act.pages > 0
+    assert (d.kind, d.result, d.migration, d.detail) == ("kv_block_migration", "started", body["id"],
+                                                         f"{act.pages} KV pages")
+    router.loads = [WorkerLoad("http://d0", Tier.DECODE, kv_total_tokens=32768),
+                    WorkerLoad("http://d1", Tier.DECODE, kv_total_tokens=32768)]
+    ctl.tick(now=200.0)
+    assert router.posts[-1] == (f"/bana/admin/migrations/{body['id']}/recall", {})
+    assert ctl.decisions[-1].detail == f"{act.pages} KV pages" and not ctl.active
 
 
 def test_the_none_policy_never_acts(router, shape):

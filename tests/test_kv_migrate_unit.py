@@ -144,7 +144,10 @@ def test_the_oldest_own_complete_pages_of_the_longest_requests_are_picked(engine
     lender.close()
 
 
-def test_moved_pages_are_freed_and_partial_attention_merges_to_the_whole(engines, host):
+@pytest.mark.parametrize("inline", [True, False], ids=["queries-inline", "queries-through-the-transfer-engine"])
+def test_moved_pages_are_freed_and_partial_attention_merges_to_the_whole(engines, host, inline, monkeypatch):
+    if not inline:
+        monkeypatch.setattr(w, "INLINE_MAX", 0)
     pool, alloc, r2t, reqs = cluster()
     lender = lender_for(engines, host, pool, alloc, r2t)
     ref = {(r.rid, i): full_kv(pool, r2t, r, i) for r in reqs for i in range(LAYERS)}

@@ -8,9 +8,11 @@ router's admin API:
 
 - a :class:`~.balancer.LayerMigration` becomes a switched layer migration
   (the peer executes the donor's tail layers);
-- KV-block and request migrations are recorded as ``skipped`` (not built:
-  issue 8), never silently dropped;
-- a layer migration it started is recalled once the cluster has stayed
+- a :class:`~.balancer.KVBlockMigration` becomes a KV-block migration of
+  that many pages of the donor's running requests to the receiver;
+- request migrations are recorded as ``skipped`` (live request migration is
+  not built), never silently dropped;
+- a migration it started is recalled once the cluster has stayed
   below the policy's ``min_peak`` for ``--recall-after-s`` (the load that
   justified it is gone), and at shutdown.
 
@@ -94,7 +96,7 @@ class _Active:
     migration: str
     src: str
     dst: str
-    layers: tuple[int, int]
+    what: str  # "layers [a, b)" or "N KV pages"
     since: float
 
 
@@ -151,22 +153,24 @@ class Controller:
     def _carry_out(self, act, plan: Plan) -> None:
         base = dict(at=time.time(), src=act.src, dst=act.dst, reason=plan.reason, peak_before=plan.peak_before,
                     peak_after=plan.peak_after)
-        if not isinstance(act, LayerMigration):
-            kind = "kv_block_migration" if isinstance(act, KVBlockMigration) else "request_migration"
-            self._record(Decision(kind=kind, detail=f"{act.bytes / 1e6:.1f} MB", result="skipped",
-                                  **base | {"reason": plan.reason + "; not built (issue 8)"}))
+        if isinstance(act, KVBlockMigration):
+            kind, detail, body = "kv_block_migration", f"{act.pages} KV pages", {"kv_pages": act.pages}
+        elif isinstance(act, LayerMigration):
+            kind, detail = "layer_migration", f"layers [{act.layers[0]}, {act.layers[1]})"
+            body = {"layers": list(act.layers), "switch": True}
+        else:
+            self._record(Decision(kind="request_migration", detail=f"{act.bytes / 1e6:.1f} MB", result="skipped",
+                                  **base | {"reason": plan.reason + "; live request migration is not built"}))
             return
         self._seq += 1
         mid = f"bal-{os.getpid()}-{self._seq}"
-        detail = f"layers [{act.layers[0]}, {act.layers[1]})"
-        r = self.http.post("/bana/admin/migrations", json={"worker": act.src, "peer": act.dst,
-                                                           "layers": list(act.layers), "id": mid, "switch": True})
+        r = self.http.post("/bana/admin/migrations", json={"worker": act.src, "peer": act.dst, "id": mid, **body})
         if r.status_code != 202:
-            self._record(Decision(kind="layer_migration", detail=detail, result="refused",
+            self._record(Decision(kind=kind, detail=detail, result="refused",
                                   **base | {"reason": f"{plan.reason}; {r.status_code} {r.text[:200]}"}))
             return
-        self.active.append(_Active(mid, act.src, act.dst, act.layers, time.monotonic()))
-        self._record(Decision(kind="layer_migration", detail=detail, result="started", migration=mid, **base))
+        self.active.append(_Active(mid, act.src, act.dst, detail, time.monotonic()))
+        self._record(Decision(kind=kind, detail=detail, result="started", migration=mid, **base))
 
     def _maybe_recall(self, plan: Plan, now: float) -> None:
         if not self.active:
@@ -188,7 +192,7 @@ class Controller:
             ok = r.status_code in (200, 202)
             # a migration the owner already restored (its peer failed) has nothing to recall
             self._record(Decision(at=time.time(), kind="recall", src=a.src, dst=a.dst,
-                                  detail=f"layers [{a.layers[0]}, {a.layers[1]})", reason=reason,
+                                  detail=a.what, reason=reason,
                                   peak_before=self.peak, peak_after=self.peak,
                                   result="recalled" if ok else f"failed: {r.status_code} {r.text[:120]}",
                                   migration=a.migration))

@@ -28,7 +28,7 @@ import zmq
 
 from bana_sglang.attention._kernels import cpu_attention
 from bana_sglang.migrate import kvwire as w
-from bana_sglang.migrate.remote import StepBuffer
+from bana_sglang.migrate.remote import StepBuffer, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -83,21 +83,25 @@ class KVHost:
         while not self._stop.is_set():
             if not self._sock.poll(100, zmq.POLLIN):
                 continue
-            try:
-                ident, frame = self._sock.recv_multipart()[:2]
-            except ValueError:
+            frames = self._sock.recv_multipart(copy=False)
+            if len(frames) < 2:
                 continue
+            ident, frame, payload = frames[0].bytes, frames[1].bytes, frames[2].buffer if len(frames) > 2 else None
             req = w.decode_request(frame)
+            out: list = []
             if not isinstance(req, w.Error):
                 try:
-                    req = self.handle(req)
+                    req = self.handle(req, payload)
+                    if isinstance(req, tuple):
+                        req, *out = req
                 except Exception as e:  # a bug: answer, log, keep serving
                     logger.exception("KV host: %s failed", type(req).__name__)
                     req = w.Error(id=req.id, reason="internal", detail=f"{type(e).__name__}: {e}")
-            self._sock.send_multipart([ident, w.encode(req)])
+            self._sock.send_multipart([ident, w.encode(req), *out], copy=False)
         self._sock.close(0)
 
-    def handle(self, req) -> w.Reply:
+    def handle(self, req, payload=None):
+        """The reply to ``req``, or (reply, payload) for an inline Attend."""
         hosted = self.hosted.get(req.migration)
         if hosted is None:
             return w.Error(id=req.id, reason="invalid", detail=f"no KV migration {req.migration!r} opened here")
@@ -105,7 +109,7 @@ class KVHost:
             return self._drop(req, hosted)
         if isinstance(req, w.HostKV):
             return self._host(req, hosted)
-        return self._attend(req, hosted)
+        return self._attend(req, hosted, payload)
 
     def _read(self, req, dst: list[torch.Tensor], addrs: list[int]) -> str:
         try:  # bounded by the request's deadline: a frozen lender must not hold this thread
@@ -140,20 +144,28 @@ class KVHost:
         return w.KVHosted(id=req.id, addrs=[t.data_ptr() for t in tensors],
                           seconds=round(time.perf_counter() - t0, 6))
 
-    def _attend(self, req: w.Attend, hosted: _Hosted) -> w.Reply:
+    def _attend(self, req: w.Attend, hosted: _Hosted, payload=None):
         missing = [k for k in req.keys if k not in hosted.segments]
         if missing:
             return w.Error(id=req.id, reason="invalid", detail=f"segment {missing[0]!r} is not hosted here")
         if req.layer >= hosted.layers:
             return w.Error(id=req.id, reason="invalid", detail=f"layer {req.layer} of {hosted.layers}")
-        self.recv.ensure(req.nbytes)
-        err = self._read(req, [self.recv.buf[:req.nbytes]], [req.addr])
-        if err:
-            self.recv.close()  # unregistration waits for the late read, which may still land in it
-            self.recv = StepBuffer(self.engine)
-            return w.Error(id=req.id, reason="transfer", detail=err)
+        if req.inline:
+            if payload is None or len(payload) < req.nbytes or req.nbytes > w.INLINE_MAX:
+                return w.Error(id=req.id, reason="invalid", detail="an inline Attend needs its payload frame "
+                                                                    f"(at most {w.INLINE_MAX} bytes)")
+            buf = torch.frombuffer(bytearray(payload[:req.nbytes]), dtype=torch.uint8) if req.nbytes else \
+                torch.empty(0, dtype=torch.uint8)
+        else:
+            self.recv.ensure(req.nbytes)
+            err = self._read(req, [self.recv.buf[:req.nbytes]], [req.addr])
+            if err:
+                self.recv.close()  # unregistration waits for the late read, which may still land in it
+                self.recv = StepBuffer(self.engine)
+                return w.Error(id=req.id, reason="transfer", detail=err)
+            buf = self.recv.buf
         try:
-            q = self.recv.views(req.layout, req.nbytes)["q"]
+            q = unpack(buf, req.layout, req.nbytes)["q"]
             if q.dim() != 3 or q.shape[0] != len(req.keys):
                 raise ValueError(f"q {tuple(q.shape)} for {len(req.keys)} keys")
         except (ValueError, KeyError) as e:
@@ -171,6 +183,9 @@ class KVHost:
         dt = time.perf_counter() - t0
         hosted.attend_calls += 1
         hosted.compute_s += dt
+        if req.inline:
+            return (w.Attended(id=req.id, addr=0, nbytes=nbytes, layout=layout, compute_s=round(dt, 6),
+                               inline=True), self.send.buf[:nbytes].numpy().tobytes())
         return w.Attended(id=req.id, addr=self.send.addr, nbytes=nbytes, layout=layout, compute_s=round(dt, 6))
 
     def _drop(self, req: w.DropKV, hosted: _Hosted) -> w.Reply:

@@ -58,7 +58,7 @@ import torch
 import zmq
 
 from bana_sglang.migrate import kvwire as w
-from bana_sglang.migrate.remote import StepBuffer
+from bana_sglang.migrate.remote import StepBuffer, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ class KVPeer:
         self.recv = StepBuffer(engine)
         self._sock: zmq.Socket | None = None
         self._ids = itertools.count(1)
+        self.payload: bytes | None = None
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -131,27 +132,30 @@ class KVPeer:
             self._sock.connect(self.endpoint)
         return self._sock
 
-    def post(self, make, **fields) -> int:
+    def post(self, make, payload=None, **fields) -> int:
         rid = next(self._ids)
-        self._socket().send(w.encode(make(id=rid, deadline=time.time() + self.timeout_s,
-                                          migration=self.migration, **fields)))
+        frame = w.encode(make(id=rid, deadline=time.time() + self.timeout_s, migration=self.migration, **fields))
+        self._socket().send_multipart([frame] if payload is None else [frame, payload], copy=False)
         return rid
 
     def wait(self, rid: int, timeout_s: float | None = None):
-        """The reply to request ``rid``; raises :class:`KVLost` on silence or an error reply."""
+        """The reply to request ``rid``; raises :class:`KVLost` on silence or an error reply.
+        A second frame of the reply (an inline payload) is left in ``self.payload``."""
         sock = self._socket()
         end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while (left := end - time.monotonic()) > 0:
             if not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 continue
+            frames = sock.recv_multipart()
             try:
-                reply = w.decode_reply(sock.recv())
+                reply = w.decode_reply(frames[0])
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 raise KVLost(f"undecodable reply from the KV host: {e}") from e
             if reply.id != rid:
                 continue  # a late answer (a drop we did not wait for, a step that timed out)
             if isinstance(reply, w.Error):
                 raise KVLost(f"the KV host refused: {reply.reason}: {reply.detail}")
+            self.payload = frames[1] if len(frames) > 1 else None
             return reply
         self.close_socket()
         raise KVLost(f"no answer from the KV host at {self.endpoint} within {self.timeout_s:.0f}s")
@@ -440,8 +444,13 @@ class KVLender:
             peer = self.peers[mid]
             try:
                 layout, nbytes = peer.send.pack({"q": q[rows].contiguous()})
-                rid = peer.post(w.Attend, layer=layer, keys=[remote[b].rid for b in rows], scale=scale,
-                                session=self.engine.session, addr=peer.send.addr, nbytes=nbytes, layout=layout)
+                keys = [remote[b].rid for b in rows]
+                if nbytes <= w.INLINE_MAX:  # a few KB: in the message, not two transfer-engine reads
+                    rid = peer.post(w.Attend, peer.send.buf[:nbytes].numpy(), layer=layer, keys=keys, scale=scale,
+                                    session="", addr=0, nbytes=nbytes, layout=layout, inline=True)
+                else:
+                    rid = peer.post(w.Attend, layer=layer, keys=keys, scale=scale, session=self.engine.session,
+                                    addr=peer.send.addr, nbytes=nbytes, layout=layout)
             except zmq.ZMQError as e:
                 self._lose(mid, f"sending to the KV host: {e}")
                 continue
@@ -457,9 +466,16 @@ class KVLender:
             t0 = time.perf_counter()
             try:
                 reply = peer.wait(rid)
-                peer.recv.ensure(reply.nbytes)
-                peer.read([peer.recv.buf[:reply.nbytes]], [reply.addr])
-                t = peer.recv.views(reply.layout, reply.nbytes)
+                if reply.inline:
+                    data = peer.payload or b""
+                    if len(data) < reply.nbytes:
+                        raise KVLost(f"the KV host's inline answer has {len(data)} of {reply.nbytes} bytes")
+                    t = unpack(torch.frombuffer(bytearray(data[:reply.nbytes]), dtype=torch.uint8),
+                               reply.layout, reply.nbytes)
+                else:
+                    peer.recv.ensure(reply.nbytes)
+                    peer.read([peer.recv.buf[:reply.nbytes]], [reply.addr])
+                    t = peer.recv.views(reply.layout, reply.nbytes)
                 o, lse = t["output"], t["lse"]
                 if o.shape[0] != len(rows) or lse.shape[0] != len(rows):
                     raise KVLost(f"the KV host answered {o.shape[0]} rows for {len(rows)}")

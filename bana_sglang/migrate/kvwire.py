@@ -16,7 +16,11 @@ with the Mooncake transfer engine and names it by ``session``/``addr`` and a
   tensors' addresses, from which D reads them back on recall.
 - :class:`Attend`: queries ``[len(keys), q_heads, head_dim]`` of one layer;
   H answers ``output`` ``[len(keys), q_heads, v_head_dim]`` and ``lse``
-  ``[len(keys), q_heads]`` (natural log, float32) in its buffer.
+  ``[len(keys), q_heads]`` (natural log, float32) in its buffer. With
+  ``inline`` (payloads under :data:`INLINE_MAX` bytes: a decode step's queries
+  are a few KB) the packed tensors ride as raw bytes in a second ZMQ frame of
+  the request and of the reply, laid out as ``layout`` says, instead of two
+  transfer-engine reads: per layer and step, the round trip is what counts.
 - :class:`DropKV`: forget segments (after a recall, or when the request ended).
 
 Envelope and errors as in :mod:`bana_sglang.wire`; reasons added here:
@@ -35,6 +39,7 @@ from bana_sglang.migrate.steps import TensorSlot
 from bana_sglang.wire import Error, encode
 
 PROTOCOL_VERSION = 1
+INLINE_MAX = 256 * 1024  # Attend payloads up to this size travel inline (second frame)
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Key = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -72,9 +77,10 @@ class Attend(_Request, tag="attend"):
     keys: list[Key]
     scale: float
     session: str
-    addr: Annotated[int, msgspec.Meta(ge=1)]
+    addr: NonNeg  # 0 with inline
     nbytes: NonNeg
     layout: list[TensorSlot]
+    inline: bool = False  # the packed queries are the request's second frame; answer the same way
 
 
 class DropKV(_Request, tag="drop_kv"):
@@ -94,10 +100,11 @@ class KVHosted(_Reply, tag="kv_hosted"):
 
 
 class Attended(_Reply, tag="attended"):
-    addr: int
+    addr: int  # 0 when inline (the reply's second frame holds the bytes)
     nbytes: int
     layout: list[TensorSlot]
     compute_s: float
+    inline: bool = False
 
 
 class Dropped(_Reply, tag="dropped"):
