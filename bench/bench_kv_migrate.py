@@ -109,8 +109,13 @@ def step_cost(router: str, model: str, batch: int, prompt_tokens: int, tokens: i
     moved: dict = {}
 
     def move(stop: threading.Event) -> None:
+        # once every request decodes and has written about half its answer (the pages a request
+        # owns are its answer's: its prompt's pages belong to the decode worker's radix tree)
+        want = batch * (prompt_tokens + tokens // 2)
         while not stop.is_set():
-            if _decode(router)["running_requests"] >= batch:
+            d = _decode(router)
+            if d["running_requests"] >= batch and \
+                    d["kv_total_tokens"] - d["kv_free_tokens"] - max(d["kv_evictable_tokens"], 0) >= want:
                 moved.update(migrate_kv(router, "bench-steps", 100_000))
                 return
             time.sleep(0.02)
@@ -243,8 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = "\n".join(report)
     (out / "report.md").write_text(text + "\n")
     print(text)
-    if args.write_results:
-        write_results_section("kv-migrate", "KV-block migration", text)
+    if args.write_results:  # one section per phase set, so the two can come from runs with different pools
+        name = "+".join(sorted(phases))
+        write_results_section(f"kv-migrate-{name}", f"KV-block migration ({name.replace('+', ', ')})", text)
     return 0
 
 

@@ -13,7 +13,9 @@ They speak the part of the PD contract a router depends on:
   entry of a ``logprob_start_len`` window is ``None``;
 - ``mode`` injects faults: ``refuse`` (nothing listens), ``hang`` (prefill:
   accepts, never answers, sends no KV: an unreachable host), ``error500``,
-  ``break_stream`` (the connection drops after two stream chunks);
+  ``break_stream`` (the connection drops after two stream chunks),
+  ``kv_lost_once`` (decode: the first request ends 503 "KV blocks lost", as a
+  decode worker whose KV-block host died answers);
   ``loads_delay_s`` makes ``/v1/loads`` slow, as a CPU worker busy in a long
   prefill is.
 
@@ -118,6 +120,9 @@ class FakeWorker:
             return web.json_response({"error": {"message": f"KVTransferError(bootstrap_room={room}): "
                                                 "Prefill instance could be dead"}}, status=500)
         FakeWorker.rooms.pop(room, None)
+        if self.mode == "kv_lost_once" and len(self.bodies) == 1:
+            return web.json_response({"object": "error", "message": "KV blocks lost: no answer from the KV host",
+                                      "code": 503}, status=503)
         if not body.get("stream"):
             return web.json_response({"text": "decoded", "output_ids": list(range(self.chunks)),
                                       "meta_info": {"input_token_logprobs": [], "room": room}})

@@ -160,12 +160,13 @@ def test_bad_kv_commands_are_refused_with_the_reason(cluster):
 def test_killing_the_host_never_returns_wrong_tokens_and_the_decode_worker_keeps_serving(cluster,
                                                                                         single_server):
     prompts = prompts_of(23, 4, base=140, step=30)
-    want = [generate(single_server, ids, NEW) for ids in prompts]
+    n = 2 * NEW  # long enough that the kill lands while every request still decodes
+    want = [generate(single_server, ids, n) for ids in prompts]
     wait_idle_and_whole(cluster)
     host_pid = _pid_of(cluster, "prefill-1")  # its scheduler, where the KV host runs
     agents_urls = {name: a["url"] for name, a in agents(cluster).items()}
     with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(post, cluster.url, ids, NEW) for ids in prompts]
+        running = [pool.submit(post, cluster.url, ids, n) for ids in prompts]
         wait_running(cluster, 4)
         out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "40", "--id", "kv-kill", "--wait")
         assert out.returncode == 0, out.stdout + out.stderr

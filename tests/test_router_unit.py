@@ -174,6 +174,22 @@ def test_a_decode_that_reports_missing_kv_blames_the_prefill_and_stays_routable(
     run(go())
 
 
+def test_a_request_whose_kv_host_died_is_recomputed_and_the_decode_worker_stays_up():
+    """A decode worker answers 503 "KV blocks lost" (the peer holding pages of the
+    request died, KV-block migration): the request is sent again (recomputed) and
+    the decode worker, which is healthy, is not marked down."""
+    async def go():
+        p, d = FakeWorker("prefill"), FakeWorker("decode", "kv_lost_once")
+        async with running([p], [d]) as (router, c):
+            async with c.post("/generate", json={"text": "q", "sampling_params": {"max_new_tokens": 2}}) as r:
+                assert r.status == 200, await r.text()
+                assert (await r.json())["text"] == "decoded"
+            assert len(d.bodies) == 2 and len(p.bodies) == 2  # sent twice, to the same pair
+            assert all(w.healthy for w in router.workers)
+            assert 'bana_router_retries_total{reason="kv_blocks_lost"} 1.0' in router.metrics.render().decode()
+    run(go())
+
+
 def test_a_slow_load_answer_does_not_take_a_worker_out_of_routing(monkeypatch):
     """A busy CPU worker answers /v1/loads late: it stays routable (slow is not
     dead), and the other workers' snapshots keep coming (one poller per worker)."""
