@@ -88,7 +88,7 @@ def wait_idle_and_whole(c, timeout: float = 60) -> dict:
 
 
 LONG = prompts_of(21, 4, base=120, step=40)  # 120..240-token prompts
-NEW = 120  # tokens each; they decode for seconds on this machine
+NEW = 200  # tokens each: the requests overlap for seconds on this machine
 
 
 def test_kv_pages_move_mid_answer_and_the_tokens_stay_the_same(cluster, single_server):
@@ -96,7 +96,7 @@ def test_kv_pages_move_mid_answer_and_the_tokens_stay_the_same(cluster, single_s
     wait_idle_and_whole(cluster)
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(generate, cluster.url, ids, NEW, KEY) for ids in LONG]
-        wait_running(cluster, 4)
+        wait_running(cluster, 2)
         out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "24", "--id", "kv-live", "--wait")
         during = migration(cluster, "decode-0", "kv-live")
         host = agents(cluster)["prefill-1"]
@@ -127,7 +127,7 @@ def test_a_recall_while_requests_run_brings_the_pages_home(cluster, single_serve
     wait_idle_and_whole(cluster)
     with ThreadPoolExecutor(3) as pool:
         running = [pool.submit(generate, cluster.url, ids, NEW, KEY) for ids in prompts]
-        wait_running(cluster, 3)
+        wait_running(cluster, 2)
         out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "12", "--id", "kv-recall", "--wait")
         assert out.returncode == 0, out.stdout + out.stderr
         rec = cli(cluster, "recall", "kv-recall")
@@ -160,14 +160,14 @@ def test_bad_kv_commands_are_refused_with_the_reason(cluster):
 def test_killing_the_host_never_returns_wrong_tokens_and_the_decode_worker_keeps_serving(cluster,
                                                                                         single_server):
     prompts = prompts_of(23, 4, base=140, step=30)
-    n = 2 * NEW  # long enough that the kill lands while every request still decodes
+    n = 2 * NEW  # long enough that the kill lands while the requests still decode
     want = [generate(single_server, ids, n) for ids in prompts]
     wait_idle_and_whole(cluster)
     host_pid = _pid_of(cluster, "prefill-1")  # its scheduler, where the KV host runs
     agents_urls = {name: a["url"] for name, a in agents(cluster).items()}
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(post, cluster.url, ids, n) for ids in prompts]
-        wait_running(cluster, 4)
+        wait_running(cluster, 2)
         out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "40", "--id", "kv-kill", "--wait")
         assert out.returncode == 0, out.stdout + out.stderr
         moved = migration(cluster, "decode-0", "kv-kill")["kv"]["segments"]
