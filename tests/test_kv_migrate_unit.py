@@ -153,6 +153,8 @@ def test_moved_pages_are_freed_and_partial_attention_merges_to_the_whole(engines
     ref = {(r.rid, i): full_kv(pool, r2t, r, i) for r in reqs for i in range(LAYERS)}
     before = alloc.available_size()
     st = lender.move("kv-1", lender.pick(reqs, pages=11))
+    lender.close_peer("kv-1")  # refused: segments are on the host
+    assert "kv-1" in lender.peers
     assert st.segments == 2 and st.pages == 11  # req-0 [0,36) then req-1 [0,8)
     assert alloc.available_size() == before + 11 * PAGE
     assert st.bytes_out >= 11 * PAGE * LAYERS * 2 * HKV * D * 4
@@ -201,7 +203,9 @@ def test_recall_and_release_restore_the_exact_bytes_and_free_every_page_once(eng
         for i in range(LAYERS):
             k, v = full_kv(pool, r2t, r, i)
             assert torch.equal(k, ref[r.rid][i][0]) and torch.equal(v, ref[r.rid][i][1])
-    time.sleep(0.2)
+    lender.close_peer("kv-1")  # settled: its socket and buffers go (the drops still go out: linger)
+    assert "kv-1" not in lender.peers and lender.stats["kv-1"].recalled == 2
+    time.sleep(0.3)
     assert host.info()["kv-1"]["segments"] == 0
     # every request ends: SGLang's release frees each row once; the pool is whole again
     alloc.free(taken)
@@ -245,6 +249,8 @@ def test_a_dead_host_loses_its_segments_without_hanging(engines):
     assert got == {} and time.monotonic() - t0 < 5
     assert lender.lost == {"req-0": lender.lost["req-0"]} and "no answer" in lender.lost["req-0"]
     assert lender.lost_in("kv-1") and lender.segments[0].state == "lost"
+    lender.close_peer("kv-1")  # lost segments never talk to the host again
+    assert "kv-1" not in lender.peers
     # a lost segment is never read again, and its request's release carves its range
     assert lender.attend_begin(1, torch.randn(3, HQ, D), lender.plan([0, 1, 2]), scale=0.3).calls == []
     lender.tree_cache.claim_kv_row(reqs[0])

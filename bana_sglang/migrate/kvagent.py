@@ -113,6 +113,7 @@ class KVMixin:
         if action == "kv_move":
             if mig.cancel.is_set():
                 mig.finish("cancelled", "cancelled", "cancelled before the move")
+                lender.close_peer(mig.migration)
                 return
             reqs = list(getattr(self.worker.scheduler.running_batch, "reqs", None) or [])
             picks = lender.pick(reqs, mig.kv_pages, mig.kv_min_pages)
@@ -120,6 +121,7 @@ class KVMixin:
                 mig.finish("failed", "invalid", f"no running request has {mig.kv_min_pages} complete page(s) of "
                                                 f"its own to move ({len(reqs)} running)")
                 self.metrics.add("migrations_failed")
+                lender.close_peer(mig.migration)
                 return
             mig.state = "transferring"
             try:
@@ -127,6 +129,7 @@ class KVMixin:
             except kvlend.KVLost as e:
                 mig.finish("failed", "peer_unreachable", str(e))
                 self.metrics.add("migrations_failed")
+                lender.close_peer(mig.migration)
                 return
             mig.bytes_total = mig.bytes_done = st.bytes_out
             mig.released_bytes = st.bytes_out
@@ -157,6 +160,9 @@ class KVMixin:
             elif not lender.active(mig.migration):
                 st = lender.stats[mig.migration]
                 mig.finish("home", "", f"{st.recalled} recalled, {st.dropped} dropped")
+            else:
+                continue
+            lender.close_peer(mig.migration)  # its buffers and socket; lost segments still release later
 
     def _kv_recall(self, req, mig: _Migration) -> m.Reply:
         if mig.state not in ("remote", "recalling"):

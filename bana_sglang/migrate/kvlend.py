@@ -128,7 +128,8 @@ class KVPeer:
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             self._sock = zmq.Context.instance().socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
+            # a DropKV posted just before the migration settles still goes out after close()
+            self._sock.setsockopt(zmq.LINGER, 2000)
             self._sock.connect(self.endpoint)
         return self._sock
 
@@ -281,6 +282,15 @@ class KVLender:
         with self._lock:
             self.peers[migration] = KVPeer(migration, endpoint, session, self.engine, self.timeout_s)
             self.stats[migration] = KVStats()
+
+    def close_peer(self, migration: str) -> None:
+        """Free a settled migration's socket and step buffers (its stats stay). Not while
+        a segment of it is on the host; lost ones never talk to the host again."""
+        if any(seg.migration == migration and seg.state == "remote" for seg in self.segments.values()):
+            return
+        peer = self.peers.pop(migration, None)
+        if peer is not None:
+            peer.close()
 
     # ------------------------------------------------------------------ choosing pages
     def pick(self, reqs, pages: int, min_pages: int = 1) -> list[Pick]:
