@@ -7,7 +7,7 @@ are validated and recorded there, and bulk work (checksums, transfer-engine
 reads) runs on the agent's own worker thread, whose progress later polls and
 ``Watch`` requests read. The scheduler loop never waits on a transfer.
 
-Layer migration, as far as it goes today (``MigrateLayers`` X -> Y):
+Layer migration, staging (``MigrateLayers`` X -> Y):
 1. X checksums (CRC32) every parameter of layers ``[start, stop)`` and
    registers their memory with its Mooncake transfer engine;
 2. X offers them to Y (:class:`~.messages.HostLayers`: addresses, sizes,
@@ -17,9 +17,9 @@ Layer migration, as far as it goes today (``MigrateLayers`` X -> Y):
    verifies every CRC32;
 4. X follows Y's progress; the migration ends ``staged`` (Y holds a verified
    copy) or ``failed`` with a reason; ``Cancel`` makes Y drop its copy.
-X never stops using its own layers: switching the execution of the staged
-layers to Y (hidden states over the wire, guest KV) is not built yet, so
-:meth:`placement` always reports X executing all its layers.
+With ``switch`` the execution then moves to Y (:mod:`.switch`), and
+:meth:`placement` reports who executes which layers. KV-block migration
+(``MigrateKV``) is :mod:`.kvagent`'s.
 
 Invariants: every request gets exactly one reply; an exception while handling
 one becomes an ``internal`` error reply (logged with its traceback) and the
