@@ -94,14 +94,16 @@ class LaunchedCluster:
 
 
 @contextlib.contextmanager
-def launched_cluster(args: list[str], log_dir: Path, timeout: float = 900) -> Iterator[LaunchedCluster]:
-    """Start the launcher with ``args`` (ports chosen here), wait for its ready
-    line, yield, then SIGTERM it unless a test already stopped it."""
+def launched_cluster(args: list[str], log_dir: Path, timeout: float = 900,
+                     env: dict[str, str] | None = None) -> Iterator[LaunchedCluster]:
+    """Start the launcher with ``args`` (ports chosen here) and ``env`` added to
+    this process's environment, wait for its ready line, yield, then SIGTERM it
+    unless a test already stopped it."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "bana_sglang.launch", "--port", str(port),
          "--worker-base-port", str(free_port_block()), "--log-dir", str(log_dir), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
     )
     lines: list[str] = []
     ready = threading.Event()

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +25,7 @@ import httpx
 import pytest
 from conftest import launched_cluster
 from test_migrate_live import KEY as KEY_OF_THE_HELPERS
-from test_migrate_live import _pid_of, agents, counter, generate, migration, prompts_of, wait_state
+from test_migrate_live import _pid_of, agents, cli, counter, generate, migration, prompts_of, wait_state
 
 pytestmark = pytest.mark.slow
 
@@ -37,25 +35,10 @@ PAGE = 16  # the launcher's page size with the global store
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    env = {"BANA_KV_STEP_TIMEOUT_S": "5", "BANA_MIGRATE_PEER_TIMEOUT_S": "20"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with launched_cluster(["--num-prefill", "2", "--num-decode", "1", "--api-key", KEY],
-                              tmp_path_factory.mktemp("kv-migrate-logs")) as c:
-            yield c
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def cli(c, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bana_sglang.migrate", "--router", c.url, *args],
-                          capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "BANA_API_KEY": KEY})
+    with launched_cluster(["--num-prefill", "2", "--num-decode", "1", "--api-key", KEY],
+                          tmp_path_factory.mktemp("kv-migrate-logs"),
+                          env={"BANA_KV_STEP_TIMEOUT_S": "5", "BANA_MIGRATE_PEER_TIMEOUT_S": "20"}) as c:
+        yield c
 
 
 def post(url: str, ids: list[int], n: int) -> httpx.Response:

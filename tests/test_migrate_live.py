@@ -43,19 +43,10 @@ KEY = "migrate-test-key"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     # a guest silent this long is gone (the failure tests stop one with SIGSTOP)
-    env = {"BANA_MIGRATE_STEP_TIMEOUT_S": "8", "BANA_MIGRATE_PEER_TIMEOUT_S": "10"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with launched_cluster(["--num-prefill", "1", "--num-decode", "1", "--api-key", KEY],
-                              tmp_path_factory.mktemp("migrate-logs")) as c:
-            yield c
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with launched_cluster(["--num-prefill", "1", "--num-decode", "1", "--api-key", KEY],
+                          tmp_path_factory.mktemp("migrate-logs"),
+                          env={"BANA_MIGRATE_STEP_TIMEOUT_S": "8", "BANA_MIGRATE_PEER_TIMEOUT_S": "10"}) as c:
+        yield c
 
 
 def cli(c, *args: str) -> subprocess.CompletedProcess:

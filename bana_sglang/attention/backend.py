@@ -170,8 +170,12 @@ class BanaCpuAttnBackend(TorchNativeAttnBackend):
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
             plan.kv_table, plan.seq_lens, scale=layer.scaling, out=o3, need_lse=pending is not None)
         if pending is not None:
-            for b, (o_h, lse_h) in kvlend.ACTIVE.attend_end(pending).items():
-                o3[b] = merge.merge_two(o3[b:b + 1], res.lse[b:b + 1], o_h.unsqueeze(0), lse_h.unsqueeze(0)).output[0]
+            host = kvlend.ACTIVE.attend_end(pending)
+            if host:  # one merge for every row with a host part
+                rows = torch.tensor(sorted(host))
+                o_h = torch.stack([host[b][0] for b in rows.tolist()])
+                lse_h = torch.stack([host[b][1] for b in rows.tolist()])
+                o3[rows] = merge.merge_two(o3[rows], res.lse[rows], o_h, lse_h).output
             # rows whose host failed keep the local part only: their request ends with an
             # error before this step's token is committed (kvlend's result hook)
         return o
