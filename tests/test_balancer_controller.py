@@ -27,6 +27,7 @@ class FakeRouter:
         self.loads: list[WorkerLoad] = []
         self.posts: list[tuple[str, dict]] = []
         self.refuse = False
+        self.movable: dict[str, list[dict]] = {}  # worker url -> what its agent lists as movable
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -39,6 +40,9 @@ class FakeRouter:
                 self.wfile.write(data)
 
             def do_GET(self):
+                if self.path == "/bana/admin/agents":
+                    self._send(200, {"agents": [{"url": u, "movable": mv} for u, mv in fake.movable.items()]})
+                    return
                 assert self.path == "/bana/router/workers"
                 self._send(200, {"workers": [{"url": w.worker_id, "healthy": True, "load": load_to_json(w)}
                                              for w in fake.loads]})
@@ -141,6 +145,28 @@ def test_a_memory_bound_decode_worker_moves_kv_pages_and_gets_them_back_when_cal
     ctl.tick(now=200.0)
     assert router.posts[-1] == (f"/bana/admin/migrations/{body['id']}/recall", {})
     assert ctl.decisions[-1].detail == f"{act.pages} KV pages" and not ctl.active
+
+
+def test_a_memory_bound_decode_worker_hands_a_listed_request_to_its_peer(router, shape):
+    ctl = controller(router, shape)
+    router.loads = [WorkerLoad("http://d0", Tier.DECODE, busy_fraction=0.2, kv_used_tokens=30000,
+                               kv_total_tokens=32768),
+                    WorkerLoad("http://d1", Tier.DECODE, busy_fraction=0.1, kv_used_tokens=1000,
+                               kv_total_tokens=32768)]
+    router.movable = {"http://d0": [{"rid": "bana-m-small", "kv_tokens": 3000, "tokens_left": 50},
+                                    {"rid": "bana-m-big", "kv_tokens": 9000, "tokens_left": 400}]}
+    plan = ctl.tick(now=100.0)
+    (act,) = plan.actions
+    (path, body), = router.posts
+    # the largest request that fits the equalising target moves, whole
+    assert body == {"worker": "http://d0", "peer": "http://d1", "id": body["id"], "request": "bana-m-big"}
+    d = ctl.decisions[-1]
+    assert (d.kind, d.result, d.migration) == ("request_migration", "started", body["id"]) and act.bytes > 0
+    assert not ctl.active  # nothing to recall: the request lives on d1 now
+    router.loads = [WorkerLoad("http://d0", Tier.DECODE, kv_total_tokens=32768),
+                    WorkerLoad("http://d1", Tier.DECODE, kv_total_tokens=32768)]
+    ctl.tick(now=200.0)
+    assert len(router.posts) == 1
 
 
 def test_the_none_policy_never_acts(router, shape):

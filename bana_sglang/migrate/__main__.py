@@ -8,6 +8,7 @@ are named as in the launcher (``prefill-0``), or straight to one agent
     python -m bana_sglang.migrate status
     python -m bana_sglang.migrate migrate prefill-0 decode-0 --layers 2:4 --wait
     python -m bana_sglang.migrate kv decode-0 prefill-0 --pages 64 --wait
+    python -m bana_sglang.migrate request decode-0 decode-1 --wait
     python -m bana_sglang.migrate recall mig-1a2b3c --wait
     python -m bana_sglang.migrate watch mig-1a2b3c
     python -m bana_sglang.migrate cancel mig-1a2b3c
@@ -69,6 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "complete pages of their own (default 1)")
     kv.add_argument("--id", default=None, help="migration id (default: generated)")
     kv.add_argument("--wait", action="store_true", help="follow it until the pages are on the peer")
+    rq = sub.add_parser("request", help="move a running request of decode worker WORKER to another decode "
+                                        "worker; the router relays the rest of its stream")
+    rq.add_argument("worker", help="decode worker name (router) — ignored with --agent, which is the worker")
+    rq.add_argument("peer", nargs="?", default="",
+                    help="target decode worker name (router) or agent endpoint (--agent); default: the router's "
+                         "load-aware choice")
+    rq.add_argument("--rid", default="", help="the request (default: the migratable one with the most tokens left)")
+    rq.add_argument("--id", default=None, help="migration id (default: generated)")
+    rq.add_argument("--wait", action="store_true", help="follow it until the request is handed off")
     rc = sub.add_parser("recall", help="bring the layers (or KV pages) of a migration home")
     rc.add_argument("id")
     rc.add_argument("--from-checkpoint", action="store_true",
@@ -133,6 +143,13 @@ class Backend:
         return self._http("POST", "/bana/admin/migrations",
                           json={"worker": worker, "peer": peer, "kv_pages": pages, "min_pages": min_pages, "id": mid})
 
+    def migrate_request(self, worker: str, peer: str, rid: str, mid: str | None) -> dict:
+        mid = mid or f"req-{os.urandom(6).hex()}"
+        if self.agent:
+            return self._agent(m.MigrateRequest, migration=mid, peer=peer, rid=rid)
+        return self._http("POST", "/bana/admin/migrations",
+                          json={"worker": worker, "peer": peer or None, "request": rid or True, "id": mid})
+
     def recall(self, mid: str, source: str) -> dict:
         if self.agent:
             return self._agent(m.Recall, migration=mid, source=source)
@@ -175,7 +192,8 @@ def status_table(agents: list[dict]) -> str:
             if kv:
                 steps += (f"  {kv.get('pages', 0):.0f} pages in {kv.get('segments', 0):.0f} requests, "
                           f"{kv.get('remote_segments', 0):.0f} still remote")
-            what_moves = "KV pages" if x.get("kind") == "kv" else f"layers [{x['start']},{x['stop']})"
+            what_moves = {"kv": "KV pages", "request": "request"}.get(x.get("kind"),
+                                                                      f"layers [{x['start']},{x['stop']})")
             lines.append(f"  {x['migration']}  {x['side']:6s} {what_moves} "
                          f"{'->' if x['side'] == 'source' else '<-'} {x['peer']}  {x['state']}  "
                          f"{x['bytes_done'] / 1e6:.1f}/{x['bytes_total'] / 1e6:.1f} MB  {x['seconds']:.2f}s"
@@ -192,11 +210,13 @@ def main(argv: list[str] | None = None) -> int:
             agents = be.status()
             print(json.dumps(agents, indent=2) if args.json else status_table(agents))
             return 0
-        if args.cmd in ("migrate", "recall", "kv"):
+        if args.cmd in ("migrate", "recall", "kv", "request"):
             if args.cmd == "migrate":
                 r = be.migrate(args.worker, args.peer, args.layers, args.id, not args.stage_only)
             elif args.cmd == "kv":
                 r = be.migrate_kv(args.worker, args.peer, args.pages, args.min_pages, args.id)
+            elif args.cmd == "request":
+                r = be.migrate_request(args.worker, args.peer, args.rid, args.id)
             else:
                 r = be.recall(args.id, "checkpoint" if args.from_checkpoint else "peer")
             mid = r.get("migration")

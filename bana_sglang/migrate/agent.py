@@ -43,6 +43,7 @@ from bana_sglang.counters import CounterSet
 from bana_sglang.migrate import messages as m
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
 from bana_sglang.migrate.kvagent import KVMixin
+from bana_sglang.migrate.reqmove import RequestMixin
 from bana_sglang.migrate.switch import SwitchMixin, WorkerHandles
 from bana_sglang.migrate.transfer import Fail, TransferEngine, crc32, describe
 
@@ -87,6 +88,8 @@ class _Migration:
     kind: str = "layers"  # or "kv" (KV-block migration)
     kv_pages: int = 0  # kv source: pages asked for, and the fewest per request
     kv_min_pages: int = 1
+    req: object = None  # request source: the SGLang request while it stops
+    handoff: tuple = ()  # request source: (prompt ids, answer ids) once handed off
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
@@ -144,6 +147,8 @@ METRICS = {
     "kv_pages_moved": "KV pages this worker moved to peers (and freed here)",
     "kv_bytes_moved": "KV bytes this worker moved to peers",
     "kv_segments_recalled": "KV segments read back from peers by a recall",
+    "request_migrations_started": "Live request migrations this worker accepted as the source",
+    "requests_handed_off": "Running requests this worker stopped for the router to continue elsewhere",
 }
 
 
@@ -151,7 +156,7 @@ METRICS = {
 _SETTLED = ("failed", "cancelled", "home", "restored")
 
 
-class MigrationAgent(SwitchMixin, KVMixin):
+class MigrationAgent(SwitchMixin, KVMixin, RequestMixin):
     """One worker's agent; see the module doc. ``layers`` is the model's list of
     decoder layers (``model.model.layers`` for SGLang's Llama)."""
 
@@ -175,6 +180,7 @@ class MigrationAgent(SwitchMixin, KVMixin):
         self._work = ThreadPoolExecutor(1, thread_name_prefix=f"bana-migrate-{name}")
         self._lock = threading.Lock()
         self.migrations: dict[str, _Migration] = {}
+        self.handoffs: dict[str, _Migration] = {}  # rid -> its request migration
         self.metrics = CounterSet("bana_migrate", METRICS)
         self._closed = False
         logger.info("migration agent of %s (%s, %d layers) on %s", name, role, self.num_layers, self.endpoint)
@@ -251,6 +257,10 @@ class MigrationAgent(SwitchMixin, KVMixin):
             return self._migrate_kv(req)
         if isinstance(req, m.OpenKVHost):
             return self._open_kv_host(req)
+        if isinstance(req, m.MigrateRequest):
+            return self._migrate_request(req)
+        if isinstance(req, m.Handoff):
+            return self._handoff(req)
         if isinstance(req, m.DropGuest):
             mig = self.migrations.get(req.migration)
             if mig is None or mig.side != "guest":
@@ -293,8 +303,10 @@ class MigrationAgent(SwitchMixin, KVMixin):
         hosted = self._kv_host.bytes_held if self._kv_host is not None else 0
         free = total = evictable = running = -1
         batch = getattr(self.worker.scheduler, "running_batch", None) if self.worker is not None else None
+        movable = []
         if batch is not None:
             running = len(batch.reqs)
+            movable = self.movable_requests(batch.reqs)
         if self.worker is not None and self.worker.allocator is not None:
             free = int(self.worker.allocator.available_size())
             total = int(self.worker.allocator.size)
@@ -304,7 +316,7 @@ class MigrationAgent(SwitchMixin, KVMixin):
                               placement=self.placement(), migrations=infos, guest_bytes=guest + hosted,
                               transfer_session=self._te.session if self._te else "",
                               kv_free_tokens=free, kv_total_tokens=total, kv_evictable_tokens=evictable,
-                              kv_hosted_bytes=hosted, running_requests=running)
+                              kv_hosted_bytes=hosted, running_requests=running, movable=movable)
 
     def _engine(self) -> TransferEngine:
         with self._te_lock:
@@ -435,8 +447,10 @@ class MigrationAgent(SwitchMixin, KVMixin):
         mig = self.migrations.get(req.migration)
         if mig is None or mig.side != "source":
             return self._unknown(req.id, req.migration)
-        if mig.state in _SETTLED:
+        if mig.state in _SETTLED or mig.state == "handed_off":
             return m.Ok(id=req.id, note=f"already {mig.state}")
+        if mig.state == "stopping":
+            return m.Ok(id=req.id, note="too late: the request stops at this boundary and is handed off")
         if mig.state == "remote":  # switched: cancelling brings the layers home
             return self._recall(m.Recall(id=req.id, deadline=req.deadline, migration=req.migration))
         if mig.state == "recalling":

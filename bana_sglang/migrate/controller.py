@@ -10,8 +10,10 @@ router's admin API:
   (the peer executes the donor's tail layers);
 - a :class:`~.balancer.KVBlockMigration` becomes a KV-block migration of
   that many pages of the donor's running requests to the receiver;
-- request migrations are recorded as ``skipped`` (live request migration is
-  not built), never silently dropped;
+- a :class:`~.balancer.RequestMigration` moves that running request (listed
+  by the donor's agent as movable) to the receiving decode worker; the
+  router continues its stream there. It is not recalled: the request simply
+  lives on the receiver now;
 - a migration it started is recalled once the cluster has stayed
   below the policy's ``min_peak`` for ``--recall-after-s`` (the load that
   justified it is gone), and at shutdown.
@@ -51,6 +53,7 @@ from bana_sglang.migrate.balancer import (
     MigrationCostModel,
     ModelShape,
     Plan,
+    RunningRequest,
     get_balancer,
 )
 from bana_sglang.router.policy import WorkerLoad
@@ -132,10 +135,22 @@ class Controller:
         workers = self.http.get("/bana/router/workers").raise_for_status().json()["workers"]
         return [load_from_json(w["load"]) for w in workers if w.get("healthy") and "load" in w]
 
+    def running(self) -> dict[str, list[RunningRequest]]:
+        """The requests each decode worker's agent lists as movable (request migration's candidates);
+        empty when the router has no agents or cannot list them."""
+        try:
+            r = self.http.get("/bana/admin/agents")
+        except httpx.HTTPError:
+            return {}
+        if r.status_code != 200:
+            return {}
+        return {a["url"]: [RunningRequest(x["rid"], x["kv_tokens"], x["tokens_left"]) for x in a.get("movable", ())]
+                for a in r.json().get("agents", ()) if a.get("movable")}
+
     def tick(self, now: float | None = None) -> Plan:
         now = time.monotonic() if now is None else now
         loads = self.loads()
-        plan = self.balancer.plan(loads, now)
+        plan = self.balancer.plan(loads, now, self.running())
         self.ticks += 1
         self.peak = plan.peak_before
         for act in plan.actions:
@@ -159,9 +174,8 @@ class Controller:
             kind, detail = "layer_migration", f"layers [{act.layers[0]}, {act.layers[1]})"
             body = {"layers": list(act.layers), "switch": True}
         else:
-            self._record(Decision(kind="request_migration", detail=f"{act.bytes / 1e6:.1f} MB", result="skipped",
-                                  **base | {"reason": plan.reason + "; live request migration is not built"}))
-            return
+            kind, detail = "request_migration", f"{act.request} ({act.bytes / 1e6:.1f} MB of KV)"
+            body = {"request": act.request}
         self._seq += 1
         mid = f"bal-{os.getpid()}-{self._seq}"
         r = self.http.post("/bana/admin/migrations", json={"worker": act.src, "peer": act.dst, "id": mid, **body})
@@ -169,7 +183,8 @@ class Controller:
             self._record(Decision(kind=kind, detail=detail, result="refused",
                                   **base | {"reason": f"{plan.reason}; {r.status_code} {r.text[:200]}"}))
             return
-        self.active.append(_Active(mid, act.src, act.dst, detail, time.monotonic()))
+        if kind != "request_migration":  # a moved request has nothing to recall
+            self.active.append(_Active(mid, act.src, act.dst, detail, time.monotonic()))
         self._record(Decision(kind=kind, detail=detail, result="started", migration=mid, **base))
 
     def _maybe_recall(self, plan: Plan, now: float) -> None:

@@ -37,13 +37,15 @@ PROTOCOL_VERSION = 1
 
 MigrationId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 Endpoint = Annotated[str, msgspec.Meta(pattern=r"^tcp://[^:/\s]+:[0-9]{1,5}$")]
+OptionalEndpoint = Annotated[str, msgspec.Meta(pattern=r"^(tcp://[^:/\s]+:[0-9]{1,5})?$")]
 LayerIndex = Annotated[int, msgspec.Meta(ge=0)]
 
 SOURCE_STATES = ("accepted", "checksumming", "offered", "transferring", "staged", "switching", "remote",
-                 "recalling", "home", "restored", "failed", "cancelled")
+                 "recalling", "home", "restored", "failed", "cancelled", "stopping", "handed_off")
 GUEST_STATES = ("pulling", "verified", "serving", "failed", "dropped")
 # states a Watch reports as Done: nothing is in flight (``remote`` lasts until a recall)
-TERMINAL = ("staged", "remote", "home", "restored", "failed", "cancelled", "verified", "serving", "dropped")
+TERMINAL = ("staged", "remote", "home", "restored", "failed", "cancelled", "verified", "serving", "dropped",
+            "handed_off")
 
 
 class _Request(wire.Request, kw_only=True, frozen=True):
@@ -125,6 +127,27 @@ class MigrateKV(_Request, tag="migrate_kv"):
     min_pages: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
+class MigrateRequest(_Request, tag="migrate_request"):
+    """Live request migration: at the next batch boundary, end the running
+    request ``rid`` (empty: the migratable request with the most tokens left)
+    with the ``migrated`` finish reason; its KV (prompt and answer so far) is
+    published to the global store as at any request end, and the router, which
+    sees that finish reason in the stream, continues the request on another
+    decode worker (``peer``: that worker's agent endpoint; empty: the router's
+    choice) and relays the rest into the same client stream. Only requests the
+    router marked migratable (rid prefix ``bana-m-``) can move."""
+
+    migration: MigrationId
+    peer: OptionalEndpoint = ""
+    rid: str = ""
+
+
+class Handoff(_Request, tag="handoff"):
+    """Router to agent: the tokens of a request this worker handed off, to continue it."""
+
+    rid: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+
+
 class OpenKVHost(_Request, tag="open_kv_host"):
     """Agent to agent: host KV pages of ``migration`` (``layers`` layers) for ``owner``."""
 
@@ -155,9 +178,9 @@ class OpenGuest(_Request, tag="open_guest"):
 
 
 Request = Union[Ping, Status, MigrateLayers, Watch, Cancel, HostLayers, DropGuest, Recall, OpenGuest, MigrateKV,
-                OpenKVHost]
+                OpenKVHost, MigrateRequest, Handoff]
 REQUEST_TYPES = ("ping", "status", "migrate_layers", "watch", "cancel", "host_layers", "drop_guest", "recall",
-                 "open_guest", "migrate_kv", "open_kv_host")
+                 "open_guest", "migrate_kv", "open_kv_host", "migrate_request", "handoff")
 
 _Reply = wire.Reply
 
@@ -229,7 +252,7 @@ class MigrationInfo(msgspec.Struct, frozen=True, kw_only=True):
     remote_seconds: float = 0.0  # source: time inside remote steps (transfers + the peer's compute)
     guest_seconds: float = 0.0  # the peer's compute time in those steps
     shipped_rows: int = 0  # source: KV rows sent because the peer did not hold them
-    kind: str = "layers"  # "layers" or "kv" (KV-block migration: start/stop are 0)
+    kind: str = "layers"  # "layers", "kv" (KV-block migration) or "request" (live request migration); start/stop 0
     kv: dict[str, float] = {}  # kv source: segments, pages, bytes_out, recalled, dropped, attend_calls, ...
 
 
@@ -253,6 +276,25 @@ class KVHostOpened(_Reply, tag="kv_host_opened"):
     session: str
 
 
+class HandoffInfo(_Reply, tag="handoff_info"):
+    """A handed-off request: its prompt and the tokens it produced here (the
+    last one's KV is not computed yet), and where its migration asked it to go."""
+
+    rid: str
+    migration: str
+    peer: str  # the target decode worker's agent endpoint, or "" (the router picks)
+    input_ids: list[int]
+    output_ids: list[int]
+
+
+class MovableRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A running request this decode worker could hand off (``MigrateRequest``)."""
+
+    rid: str
+    kv_tokens: int
+    tokens_left: int
+
+
 class StatusResult(_Reply, tag="status_result"):
     worker: str
     role: str
@@ -266,9 +308,11 @@ class StatusResult(_Reply, tag="status_result"):
     kv_evictable_tokens: int = -1  # held by the radix tree, freed on demand
     kv_hosted_bytes: int = 0  # KV pages held for other workers (KV-block migration)
     running_requests: int = -1  # in the scheduler's running batch (-1: unknown)
+    movable: list[MovableRequest] = []  # running requests that could move (at most 32, most tokens left first)
 
 
-Reply = Union[Pong, Accepted, Progress, Done, Failed, Ok, StatusResult, GuestOpened, KVHostOpened, Error]
+Reply = Union[Pong, Accepted, Progress, Done, Failed, Ok, StatusResult, GuestOpened, KVHostOpened, HandoffInfo,
+              Error]
 
 CHANNEL = wire.Channel("the migration agent", PROTOCOL_VERSION, Request, Reply, REQUEST_TYPES)
 decode_request = CHANNEL.decode_request

@@ -110,10 +110,13 @@ class SwitchMixin:
                         self._finish_home(mig, "home", "", note="reloaded from the checkpoint")
                     elif action.startswith("kv_"):
                         self._kv_apply(mig, action)
+                    elif action == "req_stop":
+                        self._req_stop(mig)
                 except Exception as e:
                     logger.exception("migration %s: %s failed", mig.migration, action)
                     mig.finish("failed", "internal", f"{action}: {type(e).__name__}: {e}")
         self._kv_settle()
+        self._req_settle()
 
     def _install(self, mig: _Migration) -> None:
         from bana_sglang.migrate.remote import Skip

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "reachability /health reports; repeatable; never gates routing")
     p.add_argument("--agent", action="append", default=[], metavar="WORKER_URL=tcp://HOST:PORT",
                    help="a worker's migration agent, for the admin endpoints (/bana/admin/...); repeatable")
+    p.add_argument("--no-request-migration", dest="request_migration", action="store_false",
+                   help="do not mark streamed requests migratable (a decode worker's agent can then not hand "
+                        "them off to another decode worker; needs --agent to work at all)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -107,6 +110,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         store_page_size=args.store_page_size,
         watch=tuple(tuple(w.split("=", 1)) if "=" in w else ("", w) for w in args.watch),
         agents=tuple(tuple(a.split("=", 1)) if "=" in a else (a, "") for a in args.agent),
+        request_migration=args.request_migration,
     )
 
 

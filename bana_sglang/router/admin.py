@@ -6,6 +6,9 @@
 - ``POST /bana/admin/migrations`` ``{"worker": W, "peer": P, "layers": [a, b], "id": optional}``
   (or ``"kv_pages": N, "min_pages": M`` instead of ``layers``: a KV-block migration):
   move layers ``[a, b)`` of W to P (names like ``prefill-0`` or worker URLs);
+  ``"request": RID`` (or ``true``: the request with the most tokens left) moves
+  a running request of decode worker W to decode worker P (optional: the
+  router's choice) and this router continues its stream there;
   202 with the migration id, 400/404 with the reason, 502 when the agent is down.
 - ``GET /bana/admin/migrations/{id}``: its state on the source worker.
 - ``DELETE /bana/admin/migrations/{id}``: cancel it.
@@ -30,17 +33,19 @@ from bana_sglang.router.errors import error_response
 
 # Agents answer at their scheduler's batch boundaries; a CPU batch can take seconds.
 AGENT_TIMEOUT_S = 30.0
-# An agent that did not answer last time (its worker died?) gets this long in a status
-# listing, so one dead worker does not hold every listing for AGENT_TIMEOUT_S.
+# An agent that did not answer last time, or whose worker the router marked down, gets
+# this long in a status listing, so one dead worker does not hold every listing for
+# AGENT_TIMEOUT_S.
 SILENT_AGENT_TIMEOUT_S = 3.0
 
 
 class AdminAPI:
-    def __init__(self, agents: tuple[tuple[str, str], ...]):
+    def __init__(self, agents: tuple[tuple[str, str], ...], is_down=lambda url: False):
         self.agents = {url.rstrip("/"): AgentClient(ep, timeout_s=AGENT_TIMEOUT_S) for url, ep in agents}
         self.endpoints = {url.rstrip("/"): ep for url, ep in agents}
         self.names: dict[str, str] = {}  # worker name -> url, learnt from the agents' pongs
         self.silent: set[str] = set()  # agents whose last status call got no answer
+        self.is_down = is_down  # the router's view: a worker marked down gets the short timeout too
         self._pool = ThreadPoolExecutor(max(1, min(8, len(self.agents))), thread_name_prefix="bana-admin")
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
@@ -55,6 +60,10 @@ class AdminAPI:
         for c in self.agents.values():
             c.close()
 
+    async def call(self, url: str, make, timeout_s: float | None = None, **fields) -> m.Reply:
+        """One request to the agent of worker ``url`` (raises AgentUnavailable)."""
+        return await self._call(url, make, timeout_s, **fields)
+
     async def _call(self, url: str, make, timeout_s: float | None = None, **fields) -> m.Reply:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool,
@@ -63,7 +72,8 @@ class AdminAPI:
     async def _statuses(self) -> dict[str, m.StatusResult | str]:
         async def one(url: str):
             try:
-                st = await self._call(url, m.Status, SILENT_AGENT_TIMEOUT_S if url in self.silent else None)
+                quick = url in self.silent or self.is_down(url)
+                st = await self._call(url, m.Status, SILENT_AGENT_TIMEOUT_S if quick else None)
             except AgentUnavailable as e:
                 self.silent.add(url)
                 return url, str(e)
@@ -100,7 +110,9 @@ class AdminAPI:
             return error_response(400, f"body is not JSON: {e}")
         if not isinstance(body, dict):
             return error_response(400, "body must be a JSON object")
-        layers, pages = body.get("layers"), body.get("kv_pages")
+        layers, pages, request_ = body.get("layers"), body.get("kv_pages"), body.get("request")
+        if request_ is not None:
+            return await self._migrate_request(body, request_)
         if pages is not None:  # KV-block migration
             if layers is not None:
                 return error_response(400, "give either 'layers' (layer migration) or 'kv_pages' (KV-block "
@@ -130,6 +142,33 @@ class AdminAPI:
             else:
                 reply = await self._call(src, m.MigrateLayers, migration=mid, start=layers[0], stop=layers[1],
                                          peer=self.endpoints[dst], switch=switch)
+        except AgentUnavailable as e:
+            return error_response(502, str(e))
+        except (msgspec.ValidationError, TypeError, ValueError) as e:
+            return error_response(400, f"invalid migration request: {e}")
+        return self._reply(reply, accepted=202)
+
+    async def _migrate_request(self, body: dict, rid: object) -> web.Response:
+        if not (rid is True or (isinstance(rid, str) and rid)):
+            return error_response(400, "'request' must be a request id or true (the one with the most tokens left)")
+        if body.get("layers") is not None or body.get("kv_pages") is not None:
+            return error_response(400, "give one of 'layers', 'kv_pages' or 'request'")
+        src = await self._resolve(body.get("worker"))
+        if src is None:
+            return error_response(404, f"worker {body.get('worker')!r} is not a worker with a migration agent "
+                                       f"(known: {', '.join(sorted(self.names) or sorted(self.agents))})")
+        peer = ""
+        if body.get("peer") is not None:
+            dst = await self._resolve(body.get("peer"))
+            if dst is None:
+                return error_response(404, f"peer {body.get('peer')!r} is not a worker with a migration agent")
+            if dst == src:
+                return error_response(400, "worker and peer must differ")
+            peer = self.endpoints[dst]
+        mid = body.get("id") or f"req-{uuid.uuid4().hex[:12]}"
+        try:
+            reply = await self._call(src, m.MigrateRequest, migration=mid, peer=peer,
+                                     rid="" if rid is True else rid)
         except AgentUnavailable as e:
             return error_response(502, str(e))
         except (msgspec.ValidationError, TypeError, ValueError) as e:

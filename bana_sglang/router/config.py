@@ -32,6 +32,7 @@ class RouterConfig:
     store_page_size: int = 16
     watch: tuple[tuple[str, str], ...] = ()  # (name, host:port) of other parts reported by /health
     agents: tuple[tuple[str, str], ...] = ()  # (worker url, tcp://host:port of its migration agent)
+    request_migration: bool = True  # mark streamed requests migratable (live request migration)
 
     # ``watch`` entries are checked by TCP connect; they never gate routing.
 

@@ -42,6 +42,13 @@ class RouterMetrics:
                                       ["outcome"], registry=r)
         self.global_cached_tokens = Counter("bana_router_global_cached_tokens_total",
                                             "Prompt tokens the global KV index reported cached", registry=r)
+        self.request_migrations = Counter("bana_router_request_migrations_total",
+                                          "Streams whose request moved to another decode worker, by outcome "
+                                          "(continued, failed, published_late: continued before the index "
+                                          "listed every handed-off page)", ["result"], registry=r)
+        self.migration_stall_seconds = Histogram("bana_router_request_migration_stall_seconds",
+                                                 "Handoff seen to the continuation's first byte (the client's "
+                                                 "stall)", buckets=_SLOW, registry=r)
         self.route_seconds = Histogram("bana_router_routing_seconds", "Time to pick a worker pair",
                                        buckets=_FAST, registry=r)
         self.ttfb_seconds = Histogram("bana_router_first_byte_seconds",

@@ -44,6 +44,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from bana_sglang.migrate import messages as m
+from bana_sglang.migrate.client import AgentUnavailable
+from bana_sglang.migrate.transfer import describe
 from bana_sglang.router.admin import AdminAPI
 from bana_sglang.router.config import RouterConfig
 from bana_sglang.router.metrics import RouterMetrics
@@ -58,6 +61,8 @@ from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check
 from bana_sglang.router.errors import ClientError, UpstreamError, error_body, error_response, sse_error
 from bana_sglang.router.generate import fix_logprob_window, merge_input_logprobs, split_generate
 from bana_sglang.router.monitor import WorkerMonitor
+from bana_sglang.migrate.reqmove import PREFIX as MIGRATABLE
+from bana_sglang.router.splice import Splicer, mark, migratable
 from bana_sglang.router.workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -73,6 +78,10 @@ _KV_TRANSFER_FAILURE = re.compile(r"KVTransferError|bootstrap|Prefill instance c
 # bana's decode-side error when the peer holding a request's KV pages (KV-block
 # migration) failed: the worker is fine, the request is recomputed elsewhere or there.
 _KV_BLOCKS_LOST = re.compile(r"KV blocks lost")
+# Request migration: how long to wait for the stopped request's tokens (its worker's
+# agent answers at a batch boundary) and for its pages to be listed in the global index.
+HANDOFF_WAIT_S = 10.0
+PUBLISH_WAIT_S = 2.0
 
 
 class Router:
@@ -97,7 +106,8 @@ class Router:
 
             self.global_index = GlobalIndexView(cfg.global_index, layout_for(cfg.model_path, cfg.store_page_size),
                                                 metrics=self.metrics)
-        self.admin = AdminAPI(cfg.agents)
+        by_url = {w.url.rstrip("/"): w for w in self.workers}
+        self.admin = AdminAPI(cfg.agents, is_down=lambda url: url in by_url and not by_url[url].healthy)
         self.monitor = WorkerMonitor(self.workers, self.metrics, poll_interval_s=cfg.poll_interval_s,
                                      model_names=cfg.model_names, watch=cfg.watch)
         self.session: aiohttp.ClientSession | None = None
@@ -342,12 +352,16 @@ class Router:
             return cands[0]
         return self.by_id[wid]
 
-    def _pairs(self, route: RouteRequest, tried_p: set, tried_d: set):
+    def _pairs(self, route: RouteRequest, tried_p: set, tried_d: set, prefer_d: Worker | None = None):
         """Up to ``max_attempts`` (prefill, decode) pairs, skipping workers that
-        already failed this request (the caller adds them to ``tried_*``)."""
+        already failed this request (the caller adds them to ``tried_*``);
+        ``prefer_d``, while healthy and untried, is the decode worker."""
         for _ in range(self.cfg.max_attempts):
             p = self._pick(Tier.PREFILL, route, tried_p)
-            d = self._pick(Tier.DECODE, route, tried_d)
+            if prefer_d is not None and prefer_d.healthy and prefer_d.id not in tried_d:
+                d = prefer_d
+            else:
+                d = self._pick(Tier.DECODE, route, tried_d)
             if p is None or d is None:
                 return
             yield p, d
@@ -511,17 +525,23 @@ class Router:
             return web.Response(status=status, body=data, content_type=_JSON)
         return await self._pd_stream(request, path, body, route, label, t0)
 
-    async def _pd_stream(self, request: web.Request, path: str, body: dict, route: RouteRequest,
-                         label: str, t0: float) -> web.StreamResponse:
+    async def _open_stream(self, path: str, body: dict, route: RouteRequest, *, avoid_d: frozenset = frozenset(),
+                           prefer_d: Worker | None = None) -> _Upstream | web.Response | str:
+        """Send a streamed PD request and wait for its first byte, retrying other
+        pairs on failures before it. Returns the open upstream, a worker's 4xx
+        answer (the client's problem), or why no pair could serve it."""
         assert self.session is not None
         tried_p: set = set()
-        tried_d: set = set()
+        tried_d: set = {w.id for w in self.decode if w.url in avoid_d}
         last = "no worker"
-        for p, d in self._pairs(route, tried_p, tried_d):
+        for attempt, (p, d) in enumerate(self._pairs(route, tried_p, tried_d, prefer_d=prefer_d)):
+            if attempt and str(body.get("rid", "")).startswith(MIGRATABLE):
+                # a retry may meet the same worker while it still holds the first try: SGLang refuses a
+                # duplicate rid
+                body = dict(body, rid=f"{body['rid'].split('~')[0]}~{attempt}")
             bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
             resp: aiohttp.ClientResponse | None = None
             try:
-                # ---- before the first byte: failures are retried elsewhere
                 try:
                     resp = await self.session.post(d.url + path, json=bp)
                 except (aiohttp.ClientConnectionError, ConnectionError, asyncio.TimeoutError) as e:
@@ -530,9 +550,8 @@ class Router:
                     data = await resp.read()
                     if resp.status < 500:
                         p_task.cancel()
-                        self._count(label, resp.status, t0)
-                        return web.Response(status=resp.status, body=data,
-                                            content_type=resp.content_type or _JSON)
+                        d.end(d_tok)
+                        return web.Response(status=resp.status, body=data, content_type=resp.content_type or _JSON)
                     raise UpstreamError(d, f"answered {resp.status}: {data[:200]!r}", resp.status, data)
                 first = asyncio.ensure_future(resp.content.readany())
                 while True:
@@ -546,9 +565,9 @@ class Router:
                         raise exc
                     if isinstance(exc, ClientError):
                         first.cancel()
-                        self._count(label, exc.status, t0)
-                        return web.Response(status=exc.status, body=exc.body,
-                                            content_type=exc.content_type or _JSON)
+                        resp.close()
+                        d.end(d_tok)
+                        return web.Response(status=exc.status, body=exc.body, content_type=exc.content_type or _JSON)
                 try:
                     chunk = first.result()
                 except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
@@ -572,47 +591,142 @@ class Router:
                 p_task.cancel()
                 d.end(d_tok)
                 raise
-            # ---- committed: relay chunk by chunk
-            drained = False
-            out = web.StreamResponse(status=200, headers={
-                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
-                "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            try:
-                await out.prepare(request)
-                await out.write(chunk)
-                self.metrics.ttfb_seconds.labels(label).observe(time.perf_counter() - t0)
-                while True:
-                    try:
-                        chunk = await resp.content.readany()
-                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
-                            asyncio.TimeoutError) as e:
-                        why = f"decode worker {d.url} failed mid-stream: {type(e).__name__}"
-                        logger.warning("%s", why)
-                        self.metrics.stream_errors.inc()
-                        if not isinstance(e, asyncio.TimeoutError):
-                            self._fail(d, why)
-                        await out.write(sse_error(why))
-                        break
-                    if not chunk:
-                        drained = True
-                        break
+            return _Upstream(p, d, resp, chunk, p_task, d_tok, rid=str(body.get("rid", "")))
+        return last
+
+    async def _pd_stream(self, request: web.Request, path: str, body: dict, route: RouteRequest,
+                         label: str, t0: float) -> web.StreamResponse:
+        splice = None
+        if self.cfg.request_migration and self.admin.agents and migratable(label, body):
+            body = mark(body, self._rooms)
+            splice = Splicer(label, body)
+        up = await self._open_stream(path, body, route)
+        if isinstance(up, web.Response):
+            self._count(label, up.status, t0)
+            return up
+        if isinstance(up, str):
+            self._count(label, 502, t0)
+            return error_response(502, f"no worker pair could serve the request: {up}")
+        # ---- committed: relay chunk by chunk
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": up.resp.headers.get("Content-Type", "text/event-stream"),
+            "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        chunk = up.first
+        try:
+            await out.prepare(request)
+            self.metrics.ttfb_seconds.labels(label).observe(time.perf_counter() - t0)
+            while True:
+                if splice is None:
                     await out.write(chunk)
-                await out.write_eof()
-            except (ConnectionResetError, asyncio.CancelledError):
-                logger.info("client went away; aborting its request on %s", d.url)
-                p_task.cancel()
-                raise
-            finally:
-                # a fully read answer returns its connection to the pool; else abort it
-                (resp.release if drained else resp.close)()
-                d.end(d_tok)
-                if not p_task.done():
-                    # the prefill answer is only bookkeeping once decode streams
-                    p_task.add_done_callback(_swallow)
-            self._count(label, 200, t0)
-            return out
-        self._count(label, 502, t0)
-        return error_response(502, f"no worker pair could serve the request: {last}")
+                else:
+                    for ev in splice.feed(chunk):
+                        await out.write(ev)
+                    if splice.migrated is not None:
+                        up.finish(drained=False)
+                        nxt = await self._continue(splice, up, route)
+                        if isinstance(nxt, bytes):  # nothing could continue it: the client is told
+                            await out.write(nxt)
+                            break
+                        up, chunk = nxt, nxt.first
+                        continue
+                try:
+                    chunk = await up.resp.content.readany()
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
+                        asyncio.TimeoutError) as e:
+                    why = f"decode worker {up.d.url} failed mid-stream: {type(e).__name__}"
+                    logger.warning("%s", why)
+                    self.metrics.stream_errors.inc()
+                    if not isinstance(e, asyncio.TimeoutError):
+                        self._fail(up.d, why)
+                    await out.write(sse_error(why))
+                    break
+                if not chunk:
+                    if splice is not None:
+                        await out.write(splice.flush())
+                    up.drained = True
+                    break
+            await out.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            logger.info("client went away; aborting its request on %s", up.d.url)
+            up.p_task.cancel()
+            raise
+        finally:
+            up.finish(drained=up.drained)
+        self._count(label, 200, t0)
+        return out
+
+    async def _continue(self, splice: Splicer, up: _Upstream, route: RouteRequest) -> _Upstream | bytes:
+        """The decode worker ``up.d`` handed the request off: continue it on
+        another pair. Returns the new upstream, or the error events to end the
+        client's stream with."""
+        t0 = time.perf_counter()
+        mid, rid = splice.migrated, up.rid
+        why = await self._handoff(up.d, rid)
+        if isinstance(why, str):
+            return self._migration_failed(mid, why)
+        info = why
+        path, body = splice.continuation(info.input_ids, info.output_ids)
+        ids = body.get("input_ids") or body.get("prompt")
+        await self._await_published(ids)
+        nroute = await self._route_request(ids, splice.tokens_left())
+        prefer = self._decode_by_agent(info.peer)
+        nxt = await self._open_stream(path, body, nroute, avoid_d=frozenset({up.d.url}), prefer_d=prefer)
+        if isinstance(nxt, web.Response):
+            return self._migration_failed(mid, f"the continuation was refused ({nxt.status}): "
+                                               f"{nxt.body[:200]!r}")
+        if isinstance(nxt, str):
+            return self._migration_failed(mid, f"no worker pair could continue it: {nxt}")
+        stall = time.perf_counter() - t0
+        self.metrics.request_migrations.labels("continued").inc()
+        self.metrics.migration_stall_seconds.observe(stall)
+        logger.info("request migration %s: %s continues on %s (via %s) after %d tokens on %s; client stall "
+                    "%.0f ms", mid, rid, nxt.d.url, nxt.p.url, splice.done_tokens, up.d.url, 1e3 * stall)
+        return nxt
+
+    async def _handoff(self, d: Worker, rid: str):
+        """The handed-off request's tokens from ``d``'s agent (it answers once the request stopped)."""
+        if d.url not in self.admin.agents:
+            return f"{d.url} has no migration agent to ask for the request's tokens"
+        deadline = time.monotonic() + HANDOFF_WAIT_S
+        while True:
+            try:
+                reply = await self.admin.call(d.url, m.Handoff, rid=rid)
+            except AgentUnavailable as e:
+                return f"the agent of {d.url} did not answer: {e}"
+            if isinstance(reply, m.HandoffInfo):
+                return reply
+            if isinstance(reply, m.Error) and reply.reason == "busy" and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+                continue
+            return f"the agent of {d.url} answered {describe(reply)}"
+
+    async def _await_published(self, ids: list[int]) -> None:
+        """Wait (briefly) until the global index lists the handed-off pages, so the
+        prefill worker loads them rather than recomputing: the store publishes
+        asynchronously after the request's end."""
+        gi = self.global_index
+        if gi is None or not ids:
+            return
+        want = ((len(ids) - 1) // gi.page_size) * gi.page_size
+        deadline = time.monotonic() + PUBLISH_WAIT_S
+        while time.monotonic() < deadline:
+            got = await gi.cached_tokens(ids)
+            if got is None or got >= want:
+                return
+            await asyncio.sleep(0.01)
+        self.metrics.request_migrations.labels("published_late").inc()
+
+    def _decode_by_agent(self, endpoint: str) -> Worker | None:
+        for url, ep in self.admin.endpoints.items():
+            if ep == endpoint:
+                return next((w for w in self.decode if w.url.rstrip("/") == url), None)
+        return None
+
+    def _migration_failed(self, mid: str, why: str) -> bytes:
+        self.metrics.request_migrations.labels("failed").inc()
+        self.metrics.stream_errors.inc()
+        logger.warning("request migration %s could not continue the request: %s", mid, why)
+        return sse_error(f"the request moved to another decode worker and could not continue there: {why}")
 
     # ------------------------------------------------------------------ helpers
     def _refuse(self, e: BadRequest, label: str) -> web.Response:
@@ -622,6 +736,28 @@ class Router:
     def _count(self, label: str, status: int, t0: float) -> None:
         self.metrics.requests.labels(label, str(status)).inc()
         self.metrics.e2e_seconds.labels(label).observe(time.perf_counter() - t0)
+
+
+class _Upstream:
+    """An open streamed PD request: its pair, the decode worker's response, its first bytes."""
+
+    def __init__(self, p: Worker, d: Worker, resp: aiohttp.ClientResponse, first: bytes, p_task: asyncio.Task,
+                 d_tok: int, rid: str = ""):
+        self.p, self.d, self.resp, self.first, self.p_task, self.d_tok = p, d, resp, first, p_task, d_tok
+        self.rid = rid  # the request id it was sent with (a migratable request's, for its handoff)
+        self.drained = False
+        self._ended = False
+
+    def finish(self, drained: bool) -> None:
+        """Give the connection back (read to the end) or abort it, and end the counts; idempotent."""
+        if self._ended:
+            return
+        self._ended = True
+        (self.resp.release if drained else self.resp.close)()
+        self.d.end(self.d_tok)
+        if not self.p_task.done():
+            # the prefill answer is only bookkeeping once decode streams
+            self.p_task.add_done_callback(_swallow)
 
 
 def _swallow(task: asyncio.Task) -> None:

@@ -1,0 +1,186 @@
+"""Live request migration between decode workers, worker side (a mixin of the agent).
+
+How a running request moves from decode worker D1 to D2 (``MigrateRequest``):
+
+1. At D1's next batch boundary the scheduler thread picks the request and sets
+   its ``to_finish`` to :class:`FinishMigrated`: the step in flight commits
+   its token and the request ends there, as at any request end. SGLang
+   releases its KV into D1's radix tree, whose write-through publishes the
+   pages (prompt and answer so far) to the global store; pages already there
+   (the prompt, published by its prefill worker) are not written again.
+2. The finish reason reaches the client side of D1's stream as a graceful
+   ``abort`` whose ``matched_stop`` is ``bana-migrated:<migration>``
+   (``meta_info.finish_reason.matched`` on ``/generate``). The router holds
+   that event back, asks D1's agent for the request's tokens (``Handoff``),
+   and sends the rest as a new PD request (prompt + answer so far, the tokens
+   left) to a prefill worker and D2: the prefill worker loads every published
+   page from the global store layer by layer, computes only the last partial
+   page, and hands the KV to D2 as for any request. The router relays D2's
+   tokens into the same client stream (:mod:`bana_sglang.router.splice`).
+
+So the KV moves through the transfer engine twice (D1 -> store -> prefill ->
+D2 on the PD path) and nothing new is needed on D2; the client sees one
+response, with a stall of about one prefill of the last page.
+
+Only requests the router marked migratable (rid prefix :data:`PREFIX`:
+streamed, one choice, no logprobs, no tools) can move; a request sent to a
+worker directly never ends early. Greedy tokens are those of a plain run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from bana_sglang.migrate import messages as m
+
+logger = logging.getLogger("bana_sglang.migrate.agent")
+
+PREFIX = "bana-m-"  # rids of requests the router can continue elsewhere
+MARK = "bana-migrated:"  # the finish reason's ``matched`` value, then the migration id
+MIN_LEFT = 4  # a request with fewer tokens left than this is not worth moving
+HANDOFF_TTL_S = 300.0  # a handoff nobody took is forgotten after this
+
+
+def finish_migrated(migration: str):
+    """The finish reason of a migrated request (an SGLang ``BaseFinishReason``).
+
+    Not an ``FINISH_ABORT``: SGLang keeps aborted requests out of the radix
+    tree (and so out of the global store), and that KV is what moves. Its JSON
+    is a graceful abort (no status code, so the OpenAI layer streams a normal
+    last chunk) whose ``matched`` names the migration."""
+    from sglang.srt.managers.schedule_batch import BaseFinishReason
+
+    class FinishMigrated(BaseFinishReason):
+        def __init__(self, migration: str):
+            super().__init__()
+            self.migration = migration
+
+        def to_json(self):
+            return {"type": "abort", "message": f"bana: request migrated ({self.migration}); the router "
+                                                "continues it", "matched": MARK + self.migration}
+
+    return FinishMigrated(migration)
+
+
+def tokens_left(req) -> int:
+    limit = req.sampling_params.max_new_tokens
+    return (1 << 30 if limit is None else int(limit)) - len(req.output_ids)
+
+
+def why_not_movable(req) -> str:
+    if not str(req.rid).startswith(PREFIX):
+        return "was not sent by the router as migratable (streamed, one choice, no logprobs, no tools)"
+    if req.finished() or req.to_finish is not None:
+        return "is finishing"
+    if tokens_left(req) < MIN_LEFT:
+        return f"has {tokens_left(req)} token(s) left (fewer than {MIN_LEFT})"
+    return ""
+
+
+def pick(reqs, rid: str = ""):
+    """The running request to move: ``rid``, or the movable one with the most
+    tokens left (it would hold this worker longest). Returns (req, "") or (None, why)."""
+    if rid:
+        for r in reqs:
+            if r.rid == rid:
+                why = why_not_movable(r)
+                return (None, f"request {rid!r} {why}") if why else (r, "")
+        return None, f"request {rid!r} is not running here ({len(reqs)} running)"
+    movable = [r for r in reqs if not why_not_movable(r)]
+    if not movable:
+        return None, f"none of the {len(reqs)} running request(s) can move (router-marked, at least {MIN_LEFT} " \
+                     "tokens left)"
+    return max(movable, key=lambda r: (tokens_left(r), len(r.origin_input_ids) + len(r.output_ids))), ""
+
+
+class RequestMixin:
+    """The agent supplies ``migrations``, ``worker``, ``metrics``, ``role``, ``_lock``, ``num_layers`` and
+    ``handoffs`` (rid -> its migration)."""
+
+    def movable_requests(self, reqs, limit: int = 32) -> list[m.MovableRequest]:
+        if self.role != "decode":
+            return []
+        out = [m.MovableRequest(rid=r.rid, kv_tokens=len(r.origin_input_ids) + len(r.output_ids),
+                                tokens_left=tokens_left(r)) for r in reqs if not why_not_movable(r)]
+        return sorted(out, key=lambda x: -x.tokens_left)[:limit]
+
+    def _migrate_request(self, req: m.MigrateRequest) -> m.Reply:
+        from bana_sglang.migrate.agent import _Migration
+
+        w = self.worker
+        why = ""
+        if w is None or w.scheduler is None:
+            why = "this agent has no handle on a scheduler (not inside a worker)"
+        elif self.role != "decode":
+            why = f"this is a {self.role} worker: request migration moves running decode requests"
+        if why:
+            return m.Error(id=req.id, reason="invalid", detail=f"cannot migrate a request: {why}")
+        if req.migration in self.migrations:
+            return m.Error(id=req.id, reason="invalid", detail=f"migration id {req.migration!r} is taken")
+        mig = _Migration(req.migration, "source", req.peer, 0, 0, "accepted", kind="request")
+        mig.detail = req.rid
+        with self._lock:
+            self.migrations[req.migration] = mig
+        with mig.lock:
+            mig.pending = "req_stop"
+        self.metrics.add("request_migrations_started")
+        return m.Accepted(id=req.id, migration=req.migration)
+
+    def _req_stop(self, mig) -> None:
+        """Scheduler thread, at a batch boundary: end the request after its step in flight."""
+        if mig.cancel.is_set():
+            mig.finish("cancelled", "cancelled", "cancelled before the request stopped")
+            return
+        reqs = list(getattr(self.worker.scheduler.running_batch, "reqs", None) or [])
+        r, why = pick(reqs, mig.detail)
+        if r is None:
+            mig.finish("failed", "invalid", why)
+            self.metrics.add("migrations_failed")
+            return
+        r.to_finish = finish_migrated(mig.migration)
+        mig.state, mig.detail = "stopping", r.rid
+        mig.req = r
+        self.handoffs[r.rid] = mig
+        logger.info("request migration %s: %s (%d prompt + %d answer tokens, %d left) stops at this boundary",
+                    mig.migration, r.rid, len(r.origin_input_ids), len(r.output_ids), tokens_left(r))
+
+    def _req_settle(self) -> None:
+        """Scheduler thread: a stopping request that finished is handed off (or ended otherwise)."""
+        now = time.monotonic()
+        for rid, mig in list(self.handoffs.items()):
+            if mig.state == "stopping" and mig.req.finished():
+                r = mig.req
+                if r.finished_reason is not None and MARK in str(r.finished_reason.to_json().get("matched")):
+                    mig.handoff = (list(r.origin_input_ids), list(r.output_ids))
+                    mig.bytes_total = mig.bytes_done = self._kv_bytes_per_token() * (
+                        len(r.origin_input_ids) + len(r.output_ids) - 1)
+                    mig.finish("handed_off", "", f"{rid}: {len(r.output_ids)} tokens here, "
+                                                 f"{tokens_left(r)} left for the next worker")
+                    self.metrics.add("requests_handed_off")
+                else:
+                    mig.finish("failed", "finished", f"{rid} ended before the boundary "
+                                                     f"({r.finished_reason.to_json().get('type')})")
+                    self.handoffs.pop(rid, None)
+                mig.req = None
+            elif mig.state != "stopping" and mig.t_end is not None and now - mig.t_end > HANDOFF_TTL_S:
+                self.handoffs.pop(rid, None)
+
+    def _kv_bytes_per_token(self) -> int:
+        pool = getattr(self.worker, "kv_pool", None)
+        if pool is None:
+            return 0
+        k = pool.get_key_buffer(0)
+        return 2 * self.num_layers * k[0].numel() * k.element_size()
+
+    def _handoff(self, req: m.Handoff) -> m.Reply:
+        mig = self.handoffs.get(req.rid)
+        if mig is None:
+            return m.Error(id=req.id, reason="invalid", detail=f"no request {req.rid!r} was handed off here")
+        if mig.state == "stopping":
+            return m.Error(id=req.id, reason="busy", detail=f"{req.rid} has not stopped yet")
+        if mig.state != "handed_off":
+            return m.Error(id=req.id, reason="invalid", detail=f"request migration of {req.rid} {mig.state}")
+        inp, out = mig.handoff
+        return m.HandoffInfo(id=req.id, rid=req.rid, migration=mig.migration, peer=mig.peer,
+                             input_ids=inp, output_ids=out)

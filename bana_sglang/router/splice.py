@@ -1,0 +1,213 @@
+"""One client stream over a request that moved between decode workers.
+
+A request the router marked migratable (:func:`mark`) can be ended by its
+decode worker at a batch boundary with the ``migrated`` finish reason
+(:mod:`bana_sglang.migrate.reqmove`). :class:`Splicer` sits on the relay of
+such a stream: it passes events through until that finish reason, holds it
+back, builds the continuation (prompt + answer so far, the tokens left) and
+then rewrites the continuation's events into the client's format, so the
+client sees one response: the same ``id``, cumulative ``text``/``output_ids``
+on ``/generate``, usage counted over the whole answer.
+
+Continuations go to ``/v1/completions`` with token ids for OpenAI clients
+(chat and completions: SGLang then applies the same sampling parameters) and
+to ``/generate`` with ``input_ids`` for ``/generate`` clients. A continuation
+is itself migratable, so a request can move any number of times.
+"""
+
+from __future__ import annotations
+
+import random
+
+import orjson
+
+from bana_sglang.migrate.reqmove import MARK, PREFIX
+
+_DONE = b"data: [DONE]"
+# chat-only fields a /v1/completions continuation cannot take
+_CHAT_ONLY = ("messages", "tools", "tool_choice", "response_format", "chat_template_kwargs", "separate_reasoning",
+              "stream_reasoning", "max_completion_tokens", "logprobs", "top_logprobs", "reasoning_effort",
+              "parallel_tool_calls", "continue_final_message", "input_ids")
+_GENERATE_DEFAULT_MAX_NEW = 128  # SGLang's SamplingParams default
+
+
+def migratable(label: str, body: dict) -> bool:
+    """Can this request be continued on another worker with the same answer?
+    Streamed, one choice, no logprobs, no tools, no caller-chosen rid."""
+    if not body.get("stream") or body.get("rid") is not None or body.get("n") not in (None, 1):
+        return False
+    if label == "generate":
+        return not body.get("return_logprob") and not body.get("input_embeds") and not body.get("image_data")
+    if body.get("logprobs") or body.get("tools") or body.get("echo"):
+        return False
+    return label in ("chat", "completions")
+
+
+def mark(body: dict, rng: random.Random) -> dict:
+    return dict(body, rid=f"{PREFIX}{rng.getrandbits(64):016x}")
+
+
+class Splicer:
+    """Event-level view of one migratable stream (see the module doc)."""
+
+    def __init__(self, label: str, body: dict):
+        self.label, self.body = label, body
+        self._buf = b""
+        self.migrated: str | None = None  # migration id, once the current upstream handed off
+        self.moves = 0
+        self.prompt_len: int | None = None  # the client's prompt, in tokens (known at the first handoff)
+        self.done_tokens = 0  # answer tokens produced by earlier upstreams
+        # what the client has seen so far
+        self.first: dict | None = None  # OpenAI: id/created/model of the first event
+        self.first_id: str | None = None  # /generate: meta_info.id of the first upstream
+        self.seen_text, self.seen_ids = "", []  # /generate: cumulative text and output ids sent
+        self.prefix_text, self.prefix_ids = "", []  # /generate: what came before the current upstream
+        self._cont = False  # the current upstream is a continuation
+
+    # ------------------------------------------------------------------ events
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """Bytes from the current upstream -> bytes for the client (whole events).
+        Once the upstream handed off (``migrated`` set), the rest of it is dropped."""
+        self._buf += chunk
+        out: list[bytes] = []
+        while self.migrated is None:
+            i = self._buf.find(b"\n\n")
+            if i < 0:
+                break
+            ev, self._buf = self._buf[:i], self._buf[i + 2:]
+            if ev.strip():
+                fwd = self._event(ev)
+                if fwd is not None:
+                    out.append(fwd + b"\n\n")
+        return out
+
+    def flush(self) -> bytes:
+        rest, self._buf = self._buf, b""
+        return rest
+
+    def _event(self, ev: bytes) -> bytes | None:
+        if not ev.startswith(b"data:") or ev.startswith(_DONE):
+            return ev
+        try:
+            obj = orjson.loads(ev[5:])
+        except orjson.JSONDecodeError:
+            return ev
+        if not isinstance(obj, dict) or "error" in obj:
+            return ev
+        handed_off = MARK.encode() in ev and self._is_handoff(obj)
+        if self.label == "generate":
+            obj = self._generate_event(obj)
+            if handed_off:
+                self.migrated = self._migration_of(obj)
+                return None  # its text and ids come back cumulated in the continuation's first event
+            return b"data: " + orjson.dumps(obj)
+        obj = self._openai_event(obj)
+        if handed_off:
+            self.migrated = self._migration_of(obj)
+            for c in obj.get("choices") or []:
+                c["finish_reason"], c["matched_stop"] = None, None
+            if not any(_delta_text(c, self.label) for c in obj.get("choices") or []):
+                return None
+        return b"data: " + orjson.dumps(obj)
+
+    def _is_handoff(self, obj: dict) -> bool:
+        return self._migration_of(obj) is not None
+
+    def _migration_of(self, obj: dict) -> str | None:
+        if self.label == "generate":
+            fr = (obj.get("meta_info") or {}).get("finish_reason") or {}
+            matched = fr.get("matched") if isinstance(fr, dict) else None
+        else:
+            choices = obj.get("choices") or [{}]
+            matched = choices[0].get("matched_stop")
+        if isinstance(matched, str) and matched.startswith(MARK):
+            return matched[len(MARK):]
+        return None
+
+    def _generate_event(self, obj: dict) -> dict:
+        meta = obj.get("meta_info") or {}
+        if self._cont:  # cumulative fields: what came before, then this upstream's
+            obj["text"] = self.prefix_text + (obj.get("text") or "")
+            if "output_ids" in obj:
+                obj["output_ids"] = self.prefix_ids + list(obj.get("output_ids") or [])
+            if meta:
+                meta["id"] = self.first_id or meta.get("id")
+                if self.prompt_len is not None:
+                    meta["prompt_tokens"] = self.prompt_len
+                if isinstance(meta.get("completion_tokens"), int):
+                    meta["completion_tokens"] += self.done_tokens
+                fr = meta.get("finish_reason")
+                if isinstance(fr, dict) and isinstance(fr.get("length"), int):
+                    fr["length"] += self.done_tokens
+        elif self.first_id is None:
+            self.first_id = meta.get("id")
+        self.seen_text = obj.get("text") or self.seen_text
+        self.seen_ids = list(obj.get("output_ids") or self.seen_ids)
+        return obj
+
+    def _openai_event(self, obj: dict) -> dict:
+        if self.first is None:
+            self.first = {k: obj[k] for k in ("id", "created", "model") if k in obj}
+        if not self._cont:
+            return obj
+        choices = obj.get("choices") or []
+        if self.label == "chat":
+            new = {**self.first, "object": "chat.completion.chunk",
+                   "choices": [{"index": c.get("index", 0), "delta": {"content": c.get("text", "")},
+                                "logprobs": None, "finish_reason": c.get("finish_reason"),
+                                "matched_stop": c.get("matched_stop")} for c in choices]}
+        else:
+            new = {**obj, **self.first, "choices": choices}
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            usage = dict(usage)
+            if self.prompt_len is not None:
+                usage["prompt_tokens"] = self.prompt_len
+            usage["completion_tokens"] = int(usage.get("completion_tokens") or 0) + self.done_tokens
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            new["usage"] = usage
+        elif "usage" in obj:
+            new["usage"] = None
+        return new
+
+    # ------------------------------------------------------------------ the next upstream
+    def continuation(self, input_ids: list[int], output_ids: list[int]) -> tuple[str, dict]:
+        """The request that continues the one just handed off: (path, body).
+        ``input_ids``/``output_ids``: what the worker that stopped it had."""
+        if self.prompt_len is None:
+            self.prompt_len = len(input_ids)
+        self.done_tokens = len(input_ids) + len(output_ids) - self.prompt_len
+        self.prefix_text, self.prefix_ids = self.seen_text, list(self.seen_ids)
+        self.migrated = None
+        self._buf = b""
+        self._cont = True
+        self.moves += 1
+        rid = f"{self.body['rid']}-c{self.moves}"
+        all_ids = list(input_ids) + list(output_ids)
+        if self.label == "generate":
+            sp = dict(self.body.get("sampling_params") or {})
+            limit = sp.get("max_new_tokens", _GENERATE_DEFAULT_MAX_NEW)
+            sp["max_new_tokens"] = max(0, limit - self.done_tokens) if limit is not None else None
+            body = {k: v for k, v in self.body.items() if k not in ("text", "input_ids", "sampling_params")}
+            return "/generate", dict(body, input_ids=all_ids, sampling_params=sp, rid=rid)
+        limit = self.body.get("max_completion_tokens") if self.label == "chat" else None
+        limit = limit if limit is not None else self.body.get("max_tokens")
+        body = {k: v for k, v in self.body.items() if k not in _CHAT_ONLY and k != "prompt"}
+        body.update(prompt=all_ids, rid=rid, stream=True)
+        if limit is not None:
+            body["max_tokens"] = max(1, limit - self.done_tokens)
+        return "/v1/completions", body
+
+    def tokens_left(self) -> int | None:
+        if self.label == "generate":
+            limit = (self.body.get("sampling_params") or {}).get("max_new_tokens", _GENERATE_DEFAULT_MAX_NEW)
+        else:
+            limit = self.body.get("max_completion_tokens") if self.label == "chat" else None
+            limit = limit if limit is not None else self.body.get("max_tokens")
+        return None if limit is None else limit - self.done_tokens
+
+
+def _delta_text(choice: dict, label: str) -> str:
+    if label == "chat":
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""

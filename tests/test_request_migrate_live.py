@@ -1,0 +1,214 @@
+"""Live request migration on real SGLang workers: the launcher starts a 1P2D
+cluster with the global store; a streamed request running on one decode
+worker is stopped at a batch boundary, its KV published to the global store,
+and the router continues it on the other decode worker (the prefill worker
+loads the published pages), relaying the rest into the same client stream.
+
+Checks: greedy float32 tokens (``/generate``) and text (chat, moved twice)
+equal a plain run's, in one stream with one id and whole usage; the
+continuation's prefill loaded the handed-off pages from the store; both decode
+workers' pools are whole afterwards; bad commands are refused with the reason;
+and when no decode worker can take the request, the client gets the tokens
+produced so far (a prefix of the plain run's) and an error event, never wrong
+tokens or a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import launched_cluster
+from test_migrate_live import KEY as KEY_OF_THE_HELPERS
+from test_migrate_live import _pid_of, agents, cli, counter, generate, prompts_of, wait_state
+
+pytestmark = pytest.mark.slow
+
+KEY = KEY_OF_THE_HELPERS
+H = {"Authorization": f"Bearer {KEY}"}
+NEW = 480  # tokens: a request runs for seconds, longer than the CLI takes to start
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with launched_cluster(["--num-prefill", "1", "--num-decode", "2", "--api-key", KEY],
+                          tmp_path_factory.mktemp("request-migrate-logs")) as c:
+        yield c
+
+
+class Stream:
+    """A streamed request read on a thread: every event, and when it came."""
+
+    def __init__(self, url: str, path: str, body: dict):
+        self.events: list[dict | str] = []
+        self.times: list[float] = []
+        self.status = 0
+        self._t = threading.Thread(target=self._read, args=(url + path, body), daemon=True)
+        self._t.start()
+
+    def _read(self, url: str, body: dict) -> None:
+        with httpx.stream("POST", url, json=dict(body, stream=True), headers=H, timeout=300) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    self.times.append(time.monotonic())
+                    data = line[5:].strip()
+                    self.events.append(data if data == "[DONE]" else json.loads(data))
+
+    def join(self) -> list:
+        self._t.join(300)
+        assert not self._t.is_alive(), "the stream hung"
+        return self.events
+
+
+def gen_body(ids: list[int]) -> dict:
+    return {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": NEW}}
+
+
+def movable(c, worker: str | None = None, n: int = 1, timeout: float = 120) -> tuple[str, list[dict]]:
+    """Until a decode worker lists ``n`` movable requests: (worker, them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for name, st in agents(c).items():
+            if st["role"] == "decode" and (worker in (None, name)) and len(st["movable"]) >= n:
+                return name, st["movable"]
+        assert time.monotonic() < deadline, agents(c)
+        time.sleep(0.1)
+
+
+def other(name: str) -> str:
+    return "decode-1" if name == "decode-0" else "decode-0"
+
+
+def router_counter(c, name: str) -> float:
+    text = httpx.get(c.url + "/metrics", headers=H, timeout=30).text
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name))
+
+
+def test_streamed_requests_move_mid_answer_and_read_as_one_answer(cluster, single_server):
+    prompts = prompts_of(31, 3, base=60, step=30)
+    want = [generate(single_server, ids, NEW) for ids in prompts]
+    urls = {w: st["url"] for w, st in agents(cluster).items()}
+    loaded = counter(urls["prefill-0"], "bana_store_loaded_pages_total")
+    streams = [Stream(cluster.url, "/generate", gen_body(ids)) for ids in prompts]
+    src, reqs = movable(cluster, n=1)
+    # one through the CLI (the request with the most tokens left, the router picks the target) ...
+    out = cli(cluster, "request", src, "--id", "req-cli", "--wait")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "req-cli: handed_off" in out.stdout
+    # ... one through the admin endpoint: a named request to a named peer
+    src2, reqs2 = movable(cluster, n=1)
+    r = httpx.post(cluster.url + "/bana/admin/migrations", headers=H, timeout=30,
+                   json={"worker": src2, "peer": other(src2), "request": reqs2[0]["rid"], "id": "req-admin"})
+    assert r.status_code == 202, r.text
+    done = wait_state(cluster, src2, "req-admin", ("handed_off", "failed"))
+    got = [s.join() for s in streams]
+    for events, ids, w in zip(got, prompts, want, strict=True):
+        assert events[-1] == "[DONE]"
+        last = events[-2]
+        assert last["output_ids"] == w  # the same tokens as a plain run, moved or not
+        assert last["meta_info"]["prompt_tokens"] == len(ids) and last["meta_info"]["completion_tokens"] == len(w)
+        assert len({e["meta_info"]["id"] for e in events[:-1]}) == 1  # one response
+        texts = [e["text"] for e in events[:-1]]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # cumulative across the move
+    assert done["state"] == "handed_off", done
+    assert done["kind"] == "request" and done["bytes_total"] > 0
+    assert router_counter(cluster, 'bana_router_request_migrations_total{result="continued"}') == 2
+    # the continuations' prefill loaded the handed-off pages from the global store
+    assert counter(urls["prefill-0"], "bana_store_loaded_pages_total") - loaded >= 2 * (60 // 16)
+
+
+def test_a_chat_stream_moves_twice_and_reads_as_one_answer(cluster):
+    body = {"messages": [{"role": "user", "content": "tell me about the sea and the ships " * 4}],
+            "max_tokens": NEW, "temperature": 0, "stream_options": {"include_usage": True}}
+    plain = httpx.post(cluster.url + "/v1/chat/completions", headers=H, timeout=300, json=body).json()
+    s = Stream(cluster.url, "/v1/chat/completions", body)
+    src, _ = movable(cluster)
+    assert cli(cluster, "request", src, other(src), "--id", "chat-1", "--wait").returncode == 0
+    # the continuation is migratable too: move it back
+    src2, _ = movable(cluster, worker=other(src))
+    assert cli(cluster, "request", src2, src, "--id", "chat-2", "--wait").returncode == 0
+    events = s.join()
+    assert s.status == 200 and events[-1] == "[DONE]"
+    chunks = events[:-1]
+    text = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks if c["choices"])
+    assert text == plain["choices"][0]["message"]["content"]
+    assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == plain["choices"][0]["finish_reason"] and "abort" not in finishes
+    usage = chunks[-1]["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (plain["usage"]["prompt_tokens"],
+                                                                    plain["usage"]["completion_tokens"])
+
+
+def test_after_the_moves_both_decode_pools_are_whole(cluster):
+    deadline = time.monotonic() + 60
+    while True:
+        a = agents(cluster)
+        d = [a[w] for w in ("decode-0", "decode-1")]
+        if all(x["running_requests"] == 0 and x["kv_free_tokens"] + x["kv_evictable_tokens"] == x["kv_total_tokens"]
+               for x in d):
+            break
+        assert time.monotonic() < deadline, d
+        time.sleep(0.2)
+
+
+def test_bad_request_migrations_are_refused_with_the_reason(cluster):
+    def post(**body) -> httpx.Response:
+        return httpx.post(cluster.url + "/bana/admin/migrations", headers=H, timeout=30, json=body)
+
+    r = post(worker="prefill-0", request=True)
+    assert r.status_code == 400 and "prefill worker" in r.text
+    r = post(worker="decode-0", request=5)
+    assert r.status_code == 400 and "'request' must be" in r.text
+    r = post(worker="decode-0", peer="decode-0", request=True)
+    assert r.status_code == 400 and "must differ" in r.text
+    r = post(worker="decode-0", peer="decode-7", request=True)
+    assert r.status_code == 404 and "decode-7" in r.text
+    # nothing running: accepted, then failed at the boundary with the reason
+    out = cli(cluster, "request", "decode-0", "--rid", "bana-m-nope", "--id", "req-none", "--wait")
+    assert out.returncode == 1 and "not running here" in out.stdout, out.stdout + out.stderr
+    # a non-streamed request is not migratable: it is never cut short
+    ids = prompts_of(41, 1, base=40)[0]
+    with httpx.Client(timeout=300) as client:
+        t = threading.Thread(target=lambda: client.post(cluster.url + "/generate", headers=H, json=gen_body(ids)))
+        t.start()
+        deadline = time.monotonic() + 120
+        while not any(agents(cluster)[w]["running_requests"] for w in ("decode-0", "decode-1")):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        busy = next(w for w in ("decode-0", "decode-1") if agents(cluster)[w]["running_requests"])
+        out = cli(cluster, "request", busy, "--id", "req-plain", "--wait")
+        t.join(300)
+    assert out.returncode == 1 and "can move" in out.stdout, out.stdout + out.stderr
+
+
+def test_with_no_decode_worker_to_take_it_the_client_gets_a_prefix_and_an_error(cluster, single_server):
+    """Last: it kills a decode worker. The request is stopped on the survivor,
+    the continuation has nowhere to go: the stream ends with an error event
+    after tokens that are a prefix of the plain run's, and the survivor serves on."""
+    ids = prompts_of(51, 1, base=50)[0]
+    want = generate(single_server, ids, NEW)
+    victim = "decode-1"
+    os.kill(_pid_of(cluster, victim), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while httpx.get(cluster.url + "/health", headers=H, timeout=30).json()["healthy_decode"] != 1:  # the router noticed
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    s = Stream(cluster.url, "/generate", gen_body(ids))
+    src, _ = movable(cluster, worker="decode-0")
+    out = cli(cluster, "request", src, "--id", "req-orphan", "--wait")
+    assert out.returncode == 0, out.stdout + out.stderr
+    events = s.join()
+    assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+    assert "could not continue" in events[-2]["error"]["message"]
+    seen = [e for e in events if isinstance(e, dict) and "output_ids" in e]
+    assert seen and seen[-1]["output_ids"] == want[:len(seen[-1]["output_ids"])]
+    assert router_counter(cluster, 'bana_router_request_migrations_total{result="failed"}') == 1
+    # the survivor serves on (and a plain request is not routed to the dead worker for long)
+    assert generate(cluster.url, ids, 8, KEY) == want[:8]
