@@ -21,8 +21,8 @@ cached and computed tokens (from the global store vs recomputed); and
 whether the tokens equal the plain run's.
 
 Outputs: ``bench/runs/request-migrate-<UTC time>/summary.json`` and
-``report.md``; ``--write-results`` replaces the "Live request migration"
-section of docs/RESULTS.md.
+``report.md``; ``--write-results`` replaces the "Live request migration
+(MODEL model)" section of docs/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -189,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "report.md").write_text(text + "\n")
     print(text)
     if args.write_results:
-        write_results_section("request-migrate", "Live request migration", text)
+        write_results_section(f"request-migrate-{Path(args.model).name}",
+                              f"Live request migration ({Path(args.model).name} model)", text)
     return 0
 
 

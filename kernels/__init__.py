@@ -7,10 +7,12 @@
   (``--attention-backend bana_cpu``, the CPU default).
 - :mod:`kernels.merge`: exact merge of partial attention states (output +
   log-sum-exp) over disjoint KV partitions, for KV-block migration; handles
-  empty partitions and extreme logits.
+  empty partitions and extreme logits. Torch reference everywhere, a Triton
+  kernel for two partitions on CUDA (``tests/test_merge_cuda.py``, marked
+  ``gpu``).
 
-Planned: KV page gather/scatter, and Triton/FlashInfer paths for CUDA beside
-these torch ones.
+Planned: KV page gather/scatter on CUDA (the CPU path gathers with torch
+indexing).
 
 Note: the top-level name ``kernels`` collides with Hugging Face's ``kernels``
 package (an SGLang dependency); code that must work from any working directory

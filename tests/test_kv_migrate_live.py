@@ -104,18 +104,24 @@ def test_kv_pages_move_mid_answer_and_the_tokens_stay_the_same(cluster, single_s
         generate(single_server, LONG[0] + want[0][:40], 20)
 
 
-def test_a_recall_while_requests_run_brings_the_pages_home(cluster, single_server):
-    prompts = prompts_of(22, 3, base=150, step=30)
+@pytest.mark.parametrize("who", ["lender", "host"])
+def test_a_recall_while_requests_run_brings_the_pages_home(cluster, single_server, who):
+    """``recall`` on the lender, or ``reclaim`` on the host (it needs its memory:
+    it asks the lender to recall)."""
+    prompts = prompts_of(22 if who == "lender" else 23, 3, base=150, step=30)
     want = [generate(single_server, ids, NEW) for ids in prompts]
     wait_idle_and_whole(cluster)
+    mid = f"kv-recall-{who}"
     with ThreadPoolExecutor(3) as pool:
         running = [pool.submit(generate, cluster.url, ids, NEW, KEY) for ids in prompts]
         wait_running(cluster, 2)
-        out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "12", "--id", "kv-recall", "--wait")
+        out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "12", "--id", mid, "--wait")
         assert out.returncode == 0, out.stdout + out.stderr
-        rec = cli(cluster, "recall", "kv-recall")
+        rec = cli(cluster, "recall", mid) if who == "lender" else cli(cluster, "reclaim", "prefill-1")
         assert rec.returncode == 0, rec.stdout + rec.stderr
-        home = wait_state(cluster, "decode-0", "kv-recall", ("home",))
+        if who == "host":
+            assert "asked 1 lender migration(s) to recall" in rec.stdout, rec.stdout
+        home = wait_state(cluster, "decode-0", mid, ("home",))
         got = [f.result() for f in running]
     assert got == want
     assert home["kv"]["recalled"] == home["kv"]["segments"] >= 1

@@ -9,6 +9,7 @@ are named as in the launcher (``prefill-0``), or straight to one agent
     python -m bana_sglang.migrate migrate prefill-0 decode-0 --layers 2:4 --wait
     python -m bana_sglang.migrate kv decode-0 prefill-0 --pages 64 --wait
     python -m bana_sglang.migrate request decode-0 decode-1 --wait
+    python -m bana_sglang.migrate reclaim prefill-1
     python -m bana_sglang.migrate recall mig-1a2b3c --wait
     python -m bana_sglang.migrate watch mig-1a2b3c
     python -m bana_sglang.migrate cancel mig-1a2b3c
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     rq.add_argument("--rid", default="", help="the request (default: the migratable one with the most tokens left)")
     rq.add_argument("--id", default=None, help="migration id (default: generated)")
     rq.add_argument("--wait", action="store_true", help="follow it until the request is handed off")
+    rcl = sub.add_parser("reclaim", help="WORKER hosts KV pages of others and needs its memory: ask their "
+                                          "lenders to recall them")
+    rcl.add_argument("worker", help="worker name (router) — ignored with --agent, which is the worker")
     rc = sub.add_parser("recall", help="bring the layers (or KV pages) of a migration home")
     rc.add_argument("id")
     rc.add_argument("--from-checkpoint", action="store_true",
@@ -149,6 +153,11 @@ class Backend:
             return self._agent(m.MigrateRequest, migration=mid, peer=peer, rid=rid)
         return self._http("POST", "/bana/admin/migrations",
                           json={"worker": worker, "peer": peer or None, "request": rid or True, "id": mid})
+
+    def reclaim(self, worker: str) -> dict:
+        if self.agent:
+            return self._agent(m.Reclaim, reason="asked from the command line")
+        return self._http("POST", "/bana/admin/reclaim", json={"worker": worker})
 
     def recall(self, mid: str, source: str) -> dict:
         if self.agent:
@@ -228,12 +237,16 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {r['state']}: {r['bytes_done'] / 1e6:.1f}/{r['bytes_total'] / 1e6:.1f} MB",
                           file=sys.stderr)
                 time.sleep(0.5)
+        elif args.cmd == "reclaim":
+            r = be.reclaim(args.worker)
         else:
             r = be.watch(args.id) if args.cmd == "watch" else be.cancel(args.id)
         if show:
             show(r)
         elif r["kind"] == "done":
             print(f"{r['migration']}: {r['state']} ({r['bytes'] / 1e6:.1f} MB in {r['seconds']:.2f}s)")
+        elif r["kind"] == "ok":
+            print(r.get("note", "ok"))
         elif r["kind"] == "failed":
             print(f"{r['migration']}: failed: {r['reason']}: {r['detail']}")
         else:

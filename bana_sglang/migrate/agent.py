@@ -90,6 +90,7 @@ class _Migration:
     kv_min_pages: int = 1
     req: object = None  # request source: the SGLang request while it stops
     handoff: tuple = ()  # request source: (prompt ids, answer ids) once handed off
+    owner_endpoint: str = ""  # KV guest: the lender's agent (a Reclaim asks it to recall)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
@@ -147,6 +148,7 @@ METRICS = {
     "kv_pages_moved": "KV pages this worker moved to peers (and freed here)",
     "kv_bytes_moved": "KV bytes this worker moved to peers",
     "kv_segments_recalled": "KV segments read back from peers by a recall",
+    "kv_reclaims": "Recalls this KV host asked its lenders for (it needed its memory)",
     "request_migrations_started": "Live request migrations this worker accepted as the source",
     "requests_handed_off": "Running requests this worker stopped for the router to continue elsewhere",
 }
@@ -261,6 +263,8 @@ class MigrationAgent(SwitchMixin, KVMixin, RequestMixin):
             return self._migrate_request(req)
         if isinstance(req, m.Handoff):
             return self._handoff(req)
+        if isinstance(req, m.Reclaim):
+            return self._reclaim(req.id, req.reason or "asked")
         if isinstance(req, m.DropGuest):
             mig = self.migrations.get(req.migration)
             if mig is None or mig.side != "guest":

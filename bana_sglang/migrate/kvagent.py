@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING
 
 from bana_sglang.migrate import kvlend
@@ -28,11 +29,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger("bana_sglang.migrate.agent")
 
 
+# A KV host whose own pool has less than this fraction free (free + evictable) asks
+# its lenders to recall, at most every RECLAIM_EVERY_S.
+RECLAIM_BELOW = float(os.environ.get("BANA_KV_HOST_RECLAIM_BELOW", "0.05"))
+RECLAIM_EVERY_S = 5.0
+
+
 class KVMixin:
     """The agent supplies ``migrations``, ``worker``, ``metrics``, ``_work``, ``_engine``, ``_ask``."""
 
     _lender: kvlend.KVLender | None = None
     _kv_host = None
+    _last_reclaim = -1e9
+    reclaim_below = RECLAIM_BELOW
 
     # ------------------------------------------------------------------ lender
     def _why_not_kv(self) -> str:
@@ -90,7 +99,7 @@ class KVMixin:
         try:
             mig.state = "offered"
             reply = self._ask(client, m.OpenKVHost, migration=mig.migration, owner=self.name,
-                              layers=self.num_layers)
+                              layers=self.num_layers, owner_endpoint=self.endpoint)
             if not isinstance(reply, m.KVHostOpened):
                 raise Fail("peer_refused", "opening the KV host: " + describe(reply))
             mig.executor = reply.worker
@@ -198,9 +207,54 @@ class KVMixin:
         if existing is None:
             with self._lock:
                 self.migrations[req.migration] = _Migration(req.migration, "guest", req.owner, 0, 0, "serving",
-                                                            kind="kv")
+                                                            kind="kv", owner_endpoint=req.owner_endpoint)
         return m.KVHostOpened(id=req.id, migration=req.migration, worker=self.name,
                               endpoint=self._kv_host.endpoint, session=self._engine().session)
+
+    def _reclaim(self, rid: int, reason: str) -> m.Reply:
+        """This worker needs its memory: ask the lenders of the pages it hosts to recall them."""
+        held = self._kv_host.info() if self._kv_host is not None else {}
+        asks = [mig for mid, mig in self.migrations.items()
+                if mig.side == "guest" and mig.kind == "kv" and held.get(mid, {}).get("segments")]
+        if not asks:
+            return m.Ok(id=rid, note="this worker hosts no KV pages")
+        blind = [mig.migration for mig in asks if not mig.owner_endpoint]
+        for mig in asks:
+            if mig.owner_endpoint:
+                self._work.submit(self._ask_recall, mig, reason)
+        self.metrics.add("kv_reclaims", len(asks) - len(blind))
+        note = f"asked {len(asks) - len(blind)} lender migration(s) to recall ({reason})"
+        if blind:
+            note += f"; {', '.join(blind)} did not say where their lender's agent is"
+        return m.Ok(id=rid, note=note)
+
+    def _ask_recall(self, mig, reason: str) -> None:
+        """Worker thread: one recall request to a lender."""
+        client = AgentClient(mig.owner_endpoint, timeout_s=self.peer_timeout_s, ctx=self._ctx)
+        try:
+            reply = client.call(m.Recall, migration=mig.migration)
+            logger.info("KV host %s: asked %s to recall %s (%s): %s", self.name, mig.peer, mig.migration, reason,
+                        describe(reply))
+        except Exception as e:  # the lender may be gone: its segments are dropped when it closes
+            logger.warning("KV host %s: could not ask %s to recall %s: %s", self.name, mig.peer, mig.migration, e)
+        finally:
+            client.close()
+
+    def _kv_host_pressure(self) -> None:
+        """Scheduler thread: reclaim when this worker's own KV pool runs low while it hosts pages."""
+        host, w = self._kv_host, self.worker
+        if host is None or w is None or w.allocator is None or not host.bytes_held:
+            return
+        now = time.monotonic()
+        if now - self._last_reclaim < RECLAIM_EVERY_S:
+            return
+        total = max(1, int(w.allocator.size))
+        free = int(w.allocator.available_size())
+        tree = getattr(w.scheduler, "tree_cache", None) if w.scheduler is not None else None
+        free += int(tree.evictable_size()) if tree is not None else 0
+        if free / total < self.reclaim_below:
+            self._last_reclaim = now
+            self._reclaim(0, f"its KV pool is {1 - free / total:.0%} used")
 
     def _kv_close(self) -> None:
         if self._lender is not None:

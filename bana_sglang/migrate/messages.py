@@ -154,6 +154,15 @@ class OpenKVHost(_Request, tag="open_kv_host"):
     migration: MigrationId
     owner: str
     layers: Annotated[int, msgspec.Meta(ge=1)]
+    owner_endpoint: OptionalEndpoint = ""  # the owner's agent: where to ask for a recall (Reclaim)
+
+
+class Reclaim(_Request, tag="reclaim"):
+    """To a KV host: this worker needs its memory back; ask every lender whose
+    pages it holds to recall them (each recalls at its next batch boundary what
+    fits in its free pages; the rest come home when their requests end)."""
+
+    reason: str = ""
 
 
 class Recall(_Request, tag="recall"):
@@ -178,9 +187,9 @@ class OpenGuest(_Request, tag="open_guest"):
 
 
 Request = Union[Ping, Status, MigrateLayers, Watch, Cancel, HostLayers, DropGuest, Recall, OpenGuest, MigrateKV,
-                OpenKVHost, MigrateRequest, Handoff]
+                OpenKVHost, MigrateRequest, Handoff, Reclaim]
 REQUEST_TYPES = ("ping", "status", "migrate_layers", "watch", "cancel", "host_layers", "drop_guest", "recall",
-                 "open_guest", "migrate_kv", "open_kv_host", "migrate_request", "handoff")
+                 "open_guest", "migrate_kv", "open_kv_host", "migrate_request", "handoff", "reclaim")
 
 _Reply = wire.Reply
 

@@ -116,6 +116,7 @@ class SwitchMixin:
                     logger.exception("migration %s: %s failed", mig.migration, action)
                     mig.finish("failed", "internal", f"{action}: {type(e).__name__}: {e}")
         self._kv_settle()
+        self._kv_host_pressure()
         self._req_settle()
 
     def _install(self, mig: _Migration) -> None:

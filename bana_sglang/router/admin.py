@@ -10,6 +10,9 @@
   a running request of decode worker W to decode worker P (optional: the
   router's choice) and this router continues its stream there;
   202 with the migration id, 400/404 with the reason, 502 when the agent is down.
+- ``POST /bana/admin/reclaim`` ``{"worker": W}``: W hosts KV pages of other
+  workers (KV-block migration) and needs its memory: it asks their lenders to
+  recall them.
 - ``GET /bana/admin/migrations/{id}``: its state on the source worker.
 - ``DELETE /bana/admin/migrations/{id}``: cancel it.
 
@@ -54,6 +57,7 @@ class AdminAPI:
         r.add_get("/bana/admin/migrations/{id}", self.handle_watch)
         r.add_delete("/bana/admin/migrations/{id}", self.handle_cancel)
         r.add_post("/bana/admin/migrations/{id}/recall", self.handle_recall)
+        r.add_post("/bana/admin/reclaim", self.handle_reclaim)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -174,6 +178,20 @@ class AdminAPI:
         except (msgspec.ValidationError, TypeError, ValueError) as e:
             return error_response(400, f"invalid migration request: {e}")
         return self._reply(reply, accepted=202)
+
+    async def handle_reclaim(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            return error_response(400, f"body is not JSON: {e}")
+        who = await self._resolve(body.get("worker") if isinstance(body, dict) else None)
+        if who is None:
+            return error_response(404, f"worker {body.get('worker') if isinstance(body, dict) else body!r} is not a "
+                                       "worker with a migration agent")
+        try:
+            return self._reply(await self._call(who, m.Reclaim, reason="asked through the router"))
+        except AgentUnavailable as e:
+            return error_response(502, str(e))
 
     async def _source_of(self, mid: str) -> str | None:
         for url, st in (await self._statuses()).items():
