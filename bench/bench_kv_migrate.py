@@ -181,6 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=192)
     p.add_argument("--requests", type=int, default=16, help="capacity: requests sent at once")
     p.add_argument("--max-total-tokens", type=int, default=4096, help="the decode worker's KV pool (tokens)")
+    p.add_argument("--reserved-decode-tokens", type=int, default=512,
+                   help="the decode worker's --num-reserved-decode-tokens: SGLang's PD decode admission keeps this "
+                        "many free tokens per active request, whatever it uses (512, SGLang's default, binds "
+                        "before the pages do in a small pool: moving pages then cannot admit more)")
     p.add_argument("--low-water", type=int, default=512,
                    help="capacity: move pages when the decode worker has fewer free KV tokens than this")
     p.add_argument("--port", type=int, default=31000)
@@ -197,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cfg = LaunchConfig(model_path=str(configs.model_dir(args.model)), num_prefill=2, num_decode=1,
                        port=args.port, worker_base_port=args.port + 10, log_dir=out / "logs",
-                       decode_args=("--max-total-tokens", str(args.max_total_tokens)))
+                       decode_args=("--max-total-tokens", str(args.max_total_tokens),
+                                    "--num-reserved-decode-tokens", str(args.reserved_decode_tokens)))
     steps, cap = None, []
     with Cluster(plan_cluster(cfg), log_dir=cfg.log_dir, startup_timeout=900) as cluster:
         router = cluster.plan.endpoint
@@ -218,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                   "capacity": cap}, indent=2, default=str))
     report = [f"Run: `python -m bench.bench_kv_migrate --model {args.model} --phases {args.phases} --batch "
               f"{args.batch} --prompt-tokens {args.prompt_tokens} --decode-tokens {args.decode_tokens} --requests "
-              f"{args.requests} --max-total-tokens {args.max_total_tokens} --low-water {args.low_water}` on "
+              f"{args.requests} --max-total-tokens {args.max_total_tokens} --reserved-decode-tokens "
+              f"{args.reserved_decode_tokens} --low-water {args.low_water}` on "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine_description()}.", ""]
     if steps:
         s = steps
@@ -238,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report += [
             f"**Capacity.** {args.requests} requests of {args.prompt_tokens} prompt tokens and "
             f"{args.decode_tokens} output tokens at once; the decode worker's pool holds "
-            f"{args.max_total_tokens} tokens. Runs in the order without, with, without migration (the pressure "
+            f"{args.max_total_tokens} tokens and SGLang's PD admission keeps {args.reserved_decode_tokens} free "
+            f"tokens per active request. Runs in the order without, with, without migration (the pressure "
             f"loop moves pages whenever fewer than {args.low_water} KV tokens are free).", "",
             "| run | peak running batch | decode tokens/s | wall s | ok | errors | migrations | pages moved | "
             "segments recalled / dropped |", "|---|---|---|---|---|---|---|---|---|",
