@@ -237,6 +237,71 @@ def test_a_release_without_free_pages_carves_the_range_out_and_skips_the_tree(en
     lender.close()
 
 
+class RetractionBackup:
+    def __init__(self, cpu_tensors):
+        self.cpu_tensors = cpu_tensors
+
+
+def sglang_cpu_backup(pool, req_to_token):
+    """SGLang's ``cpu_tensor`` retraction backup, run on the fake pool: its own
+    ``MHATokenToKVPool.get_cpu_copy`` (chunks of ``cpu_offloading_chunk_size``)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool.k_buffer, pool.v_buffer, pool.layer_num, pool.use_hnd = pool.k, pool.v, LAYERS, False
+    pool.cpu_offloading_chunk_size = 5  # chunks that the remote range straddles
+
+    def backup(req, tree_cache, req_to_token_pool, allocator, backend):
+        assert backend == "cpu_tensor"
+        idx = req_to_token[req.kv.req_pool_idx, :req.kv.kv_committed_len].long()
+        req.kv.retraction_backup = RetractionBackup(MHATokenToKVPool.get_cpu_copy(pool, idx))
+        return True
+
+    def restore(req, slots):
+        MHATokenToKVPool.load_cpu_copy(pool, req.kv.retraction_backup.cpu_tensors, slots)
+
+    return backup, restore
+
+
+def test_a_retraction_without_free_pages_backs_the_remote_positions_up_from_the_host(engines, host):
+    pool, alloc, r2t, reqs = cluster()
+    lender = lender_for(engines, host, pool, alloc, r2t)
+    r0 = reqs[0]
+    want = [full_kv(pool, r2t, r0, layer) for layer in range(LAYERS)]
+    lender.move("kv-1", lender.pick(reqs, pages=4))
+    seg = lender.segments[0]
+    assert (seg.start, seg.stop) == (0, 16)
+    hosted = host.info()["kv-1"]["segments"]
+    backup, restore = sglang_cpu_backup(pool, r2t)
+    taken = alloc.alloc(alloc.available_size())  # nothing free: the segment cannot come home first
+    pool.k[0][r2t[0, :16].long()] = 0.0  # the stale slots hold someone else's KV now
+    assert lender.backup(r0, backup, (None, None, alloc, "cpu_tensor"), {}) is True
+    assert lender.carve == {0: (0, 16)} and r0.skip_radix_cache_insert and 0 not in lender.segments
+    assert lender.stats["kv-1"].backed_up == 1 and lender.stats["kv-1"].dropped == 0
+    lender.tree_cache.free_kv_row(r0.kv, [(0, r0.kv.kv_committed_len)])  # the retraction's release
+    assert lender.carve == {}
+    alloc.free(taken)
+    # resumed later: fresh slots, SGLang's restore writes the backup; the KV is whole again
+    slots = alloc.alloc(-(-r0.kv.kv_committed_len // PAGE) * PAGE)[:r0.kv.kv_committed_len]
+    restore(r0, slots)
+    for layer in range(LAYERS):
+        torch.testing.assert_close(pool.k[layer][slots], want[layer][0], rtol=0, atol=0)
+        torch.testing.assert_close(pool.v[layer][slots], want[layer][1], rtol=0, atol=0)
+    time.sleep(0.2)
+    assert host.info()["kv-1"]["segments"] == hosted - 1  # the host was told to drop r0's
+    lender.close()
+
+
+def test_a_retraction_with_another_backup_kind_is_not_resumable(engines, host):
+    pool, alloc, r2t, reqs = cluster()
+    lender = lender_for(engines, host, pool, alloc, r2t)
+    lender.move("kv-1", lender.pick(reqs, pages=4))
+    alloc.alloc(alloc.available_size())
+    called = []
+    assert lender.backup(reqs[0], lambda *a: called.append(a) or True, (None, None, alloc, "host_pool"), {}) is False
+    assert not called and lender.carve == {0: (0, 16)} and reqs[0].skip_radix_cache_insert
+    lender.close()
+
+
 def test_a_dead_host_loses_its_segments_without_hanging(engines):
     pool, alloc, r2t, reqs = cluster()
     host = KVHost(engines[1], "127.0.0.1", "host")

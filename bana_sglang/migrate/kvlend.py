@@ -29,8 +29,10 @@ memory checker verifies):
   restored. It is kept out of the tree (``skip_radix_cache_insert``) and the
   remote range is carved out of what SGLang frees (``free_kv_row``, hooked),
   so no page is freed twice.
-- **Retraction** (``backup_kv_cache``, hooked) recalls first; if it cannot,
-  the backup fails and SGLang treats the request as not resumable.
+- **Retraction** (``backup_kv_cache``, hooked) recalls first; if no page is
+  free, SGLang's host-memory backup of the request is completed with the
+  host's copy of the remote positions (:meth:`KVLender.backup`), so the
+  request resumes with its whole KV.
 - **Recall** (``Recall``/``Cancel``): at a batch boundary every segment that
   fits in free pages comes home; the others come home when their request ends.
 
@@ -102,6 +104,7 @@ class KVStats:
     recalled: int = 0  # segments read back
     recalled_bytes: int = 0
     dropped: int = 0  # segments whose KV could not come back (no memory, host lost)
+    backed_up: int = 0  # segments written into SGLang's retraction backup of their request
     attend_calls: int = 0
     attend_s: float = 0.0  # D's wall time waiting for the host's partial attention
     host_s: float = 0.0  # the host's compute time
@@ -235,10 +238,7 @@ class KVLender:
                 backup = sb.backup_kv_cache
 
                 def backup_kv_cache(req, *args, **kwargs):
-                    self.on_release(req)
-                    if req.kv.req_pool_idx in self.carve:
-                        return False  # its KV cannot be restored: not resumable
-                    return backup(req, *args, **kwargs)
+                    return self.backup(req, backup, args, kwargs)
 
                 sb.backup_kv_cache = backup_kv_cache
                 self._undo.append((sb, "backup_kv_cache", backup))
@@ -368,6 +368,21 @@ class KVLender:
             slots = self.allocator.alloc(n)
         return slots
 
+    def _fetch(self, seg: Segment) -> torch.Tensor | None:
+        """The host's copy of ``seg`` (``[tokens, layers, 2, kv_heads, head_dim]``), or
+        None if the host failed (the migration is then lost)."""
+        k0 = self.pool.get_key_buffer(0)
+        buf = torch.empty((seg.tokens, self.num_layers, 2, k0.shape[1], k0.shape[2]), dtype=k0.dtype)
+        self.engine.register(buf)
+        try:
+            self.peers[seg.migration].read([buf], [seg.addr])
+        except KVLost as e:
+            self._lose(seg.migration, str(e))
+            return None
+        finally:
+            self.engine.unregister(buf)
+        return buf
+
     def recall(self, seg: Segment) -> bool:
         """Read ``seg`` back into fresh pages and point its row at them. False
         (nothing changed) if there is no free page or the host failed."""
@@ -377,17 +392,10 @@ class KVLender:
         if slots is None:
             return False
         peer, st = self.peers[seg.migration], self.stats[seg.migration]
-        k0 = self.pool.get_key_buffer(0)
-        buf = torch.empty((seg.tokens, self.num_layers, 2, k0.shape[1], k0.shape[2]), dtype=k0.dtype)
-        self.engine.register(buf)
-        try:
-            peer.read([buf], [seg.addr])
-        except KVLost as e:
+        buf = self._fetch(seg)
+        if buf is None:
             self.allocator.free(slots)
-            self.engine.unregister(buf)
-            self._lose(seg.migration, str(e))
             return False
-        self.engine.unregister(buf)
         for i in range(self.num_layers):
             self.pool.get_key_buffer(i)[slots] = buf[:, i, 0]
             self.pool.get_value_buffer(i)[slots] = buf[:, i, 1]
@@ -415,6 +423,58 @@ class KVLender:
             self.peers[seg.migration].post(w.DropKV, keys=[seg.rid])
         logger.warning("request %s released without its KV positions [%d, %d) (%s)", req.rid, seg.start,
                        seg.stop, "host lost" if seg.state == "lost" else "no free page to recall them")
+
+    def backup(self, req, backup_fn, args: tuple, kwargs: dict) -> bool:
+        """SGLang retracts ``req`` under memory pressure and backs its KV up to
+        host memory (``backup_fn``: SGLang's ``backup_kv_cache``) to resume it
+        later. A segment of it on the host comes home first if a page is free;
+        if none is (the usual case under pressure), SGLang's ``cpu_tensor``
+        backup is taken as it is and the remote positions in it are overwritten
+        with the host's copy, so the request resumes with its whole KV; the
+        remote range is carved out of the free that follows. False (SGLang then
+        aborts the request) only if the host failed or the backup is of another
+        kind."""
+        row = req.kv.req_pool_idx
+        seg = self.segments.get(row)
+        if seg is None or seg.rid != req.rid or self.recall(seg):
+            return backup_fn(req, *args, **kwargs)
+        backend = args[3] if len(args) > 3 else kwargs.get("backend")
+        data = self._fetch(seg) if seg.state == "remote" and backend == "cpu_tensor" else None
+        if data is None:
+            self.on_release(req)  # carved out, kept out of the tree
+            return False
+        ok = backup_fn(req, *args, **kwargs)  # the remote positions come from stale slots: overwritten below
+        patched = ok and self._patch_backup(req, seg, data)
+        del self.segments[row]
+        self.carve[row] = (seg.start, seg.stop)
+        # the row's remote slots are stale until the backup is restored: never insert it as it is
+        req.skip_radix_cache_insert = True
+        self.peers[seg.migration].post(w.DropKV, keys=[seg.rid])
+        st = self.stats[seg.migration]
+        if not patched:
+            if ok:
+                req.kv.retraction_backup = None
+            st.dropped += 1
+            logger.warning("request %s retracted without its KV positions [%d, %d): the backup is not SGLang's "
+                           "cpu_tensor kind", req.rid, seg.start, seg.stop)
+            return False
+        st.backed_up += 1
+        return True
+
+    def _patch_backup(self, req, seg: Segment, data: torch.Tensor) -> bool:
+        """Write the host's copy into SGLang's cpu_tensor retraction backup
+        (per layer, chunks of ``cpu_offloading_chunk_size`` positions, each [k, v])."""
+        tensors = getattr(getattr(req.kv, "retraction_backup", None), "cpu_tensors", None)
+        cs = int(getattr(self.pool, "cpu_offloading_chunk_size", 0) or 0)
+        if not isinstance(tensors, list) or len(tensors) != self.num_layers or cs <= 0:
+            return False
+        for layer in range(self.num_layers):
+            for c in range(seg.start // cs, (seg.stop - 1) // cs + 1):
+                a, b = max(seg.start, c * cs), min(seg.stop, (c + 1) * cs)
+                k, v = tensors[layer][c]
+                k[a - c * cs:b - c * cs] = data[a - seg.start:b - seg.start, layer, 0].to(k.dtype)
+                v[a - c * cs:b - c * cs] = data[a - seg.start:b - seg.start, layer, 1].to(v.dtype)
+        return True
 
     def recall_migration(self, migration: str) -> tuple[int, int]:
         """Bring home every segment of ``migration`` that fits; (recalled, left)."""
