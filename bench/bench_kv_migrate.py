@@ -168,7 +168,8 @@ def capacity(router: str, model: str, n: int, prompt_tokens: int, tokens: int, l
             "ok": len(ok), "errors": len(recs) - len(ok), "decode_tok_per_s": out_tokens / wall,
             "migrations": len(moved), "pages": sum(m["kv"]["pages"] for m in moved),
             "dropped": sum(m["kv"].get("dropped", 0) for m in moved),
-            "recalled": sum(m["kv"].get("recalled", 0) for m in moved)}
+            "recalled": sum(m["kv"].get("recalled", 0) for m in moved),
+            "backed_up": sum(m["kv"].get("backed_up", 0) for m in moved)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -248,10 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"tokens per active request. Runs in the order without, with, without migration (the pressure "
             f"loop moves pages whenever fewer than {args.low_water} KV tokens are free).", "",
             "| run | peak running batch | decode tokens/s | wall s | ok | errors | migrations | pages moved | "
-            "segments recalled / dropped |", "|---|---|---|---|---|---|---|---|---|",
+            "segments recalled / in a retraction backup / dropped |", "|---|---|---|---|---|---|---|---|---|",
             *[f"| {'with migration' if c['migrate'] else 'without'} | {c['peak_running']} | "
               f"{c['decode_tok_per_s']:.1f} | {c['wall_s']:.1f} | {c['ok']} | {c['errors']} | {c['migrations']} | "
-              f"{c['pages']:.0f} | {c['recalled']:.0f} / {c['dropped']:.0f} |" for c in cap], ""]
+              f"{c['pages']:.0f} | {c['recalled']:.0f} / {c.get('backed_up', 0):.0f} / {c['dropped']:.0f} |"
+              for c in cap], ""]
     text = "\n".join(report)
     (out / "report.md").write_text(text + "\n")
     print(text)
