@@ -89,6 +89,7 @@ class _Migration:
     kv_pages: int = 0  # kv source: pages asked for, and the fewest per request
     kv_min_pages: int = 1
     req: object = None  # request source: the SGLang request while it stops
+    t_copy: float = 0.0  # request source: when its pre-copy started
     handoff: tuple = ()  # request source: (prompt ids, answer ids) once handed off
     owner_endpoint: str = ""  # KV guest: the lender's agent (a Reclaim asks it to recall)
     lock: threading.RLock = field(default_factory=threading.RLock)

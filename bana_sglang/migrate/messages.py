@@ -41,7 +41,7 @@ OptionalEndpoint = Annotated[str, msgspec.Meta(pattern=r"^(tcp://[^:/\s]+:[0-9]{
 LayerIndex = Annotated[int, msgspec.Meta(ge=0)]
 
 SOURCE_STATES = ("accepted", "checksumming", "offered", "transferring", "staged", "switching", "remote",
-                 "recalling", "home", "restored", "failed", "cancelled", "stopping", "handed_off")
+                 "recalling", "home", "restored", "failed", "cancelled", "copying", "stopping", "handed_off")
 GUEST_STATES = ("pulling", "verified", "serving", "failed", "dropped")
 # states a Watch reports as Done: nothing is in flight (``remote`` lasts until a recall)
 TERMINAL = ("staged", "remote", "home", "restored", "failed", "cancelled", "verified", "serving", "dropped",

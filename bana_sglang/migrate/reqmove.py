@@ -30,8 +30,10 @@ worker directly never ends early. Greedy tokens are those of a plain run.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
+from bana_sglang.migrate import kvlend
 from bana_sglang.migrate import messages as m
 
 logger = logging.getLogger("bana_sglang.migrate.agent")
@@ -40,6 +42,9 @@ PREFIX = "bana-m-"  # rids of requests the router can continue elsewhere
 MARK = "bana-migrated:"  # the finish reason's ``matched`` value, then the migration id
 MIN_LEFT = 4  # a request with fewer tokens left than this is not worth moving
 HANDOFF_TTL_S = 300.0  # a handoff nobody took is forgotten after this
+# Pre-copy: the request decodes on for this long after its pages were handed to the
+# store's write-through, then stops (0: no pre-copy, stop at the first boundary).
+PRECOPY_S = float(os.environ.get("BANA_REQUEST_PRECOPY_S", "0.2"))
 
 
 def finish_migrated(migration: str):
@@ -78,16 +83,17 @@ def why_not_movable(req) -> str:
     return ""
 
 
-def pick(reqs, rid: str = ""):
+def pick(reqs, rid: str = "", moving: frozenset = frozenset()):
     """The running request to move: ``rid``, or the movable one with the most
-    tokens left (it would hold this worker longest). Returns (req, "") or (None, why)."""
+    tokens left (it would hold this worker longest); never one in ``moving``
+    (another migration has it). Returns (req, "") or (None, why)."""
     if rid:
         for r in reqs:
             if r.rid == rid:
-                why = why_not_movable(r)
+                why = "is being moved already" if r.rid in moving else why_not_movable(r)
                 return (None, f"request {rid!r} {why}") if why else (r, "")
         return None, f"request {rid!r} is not running here ({len(reqs)} running)"
-    movable = [r for r in reqs if not why_not_movable(r)]
+    movable = [r for r in reqs if r.rid not in moving and not why_not_movable(r)]
     if not movable:
         return None, f"none of the {len(reqs)} running request(s) can move (router-marked, at least {MIN_LEFT} " \
                      "tokens left)"
@@ -101,8 +107,10 @@ class RequestMixin:
     def movable_requests(self, reqs, limit: int = 32) -> list[m.MovableRequest]:
         if self.role != "decode":
             return []
+        moving = {rid for rid, x in self.handoffs.items() if x.state in ("copying", "stopping")}
         out = [m.MovableRequest(rid=r.rid, kv_tokens=len(r.origin_input_ids) + len(r.output_ids),
-                                tokens_left=tokens_left(r)) for r in reqs if not why_not_movable(r)]
+                                tokens_left=tokens_left(r)) for r in reqs
+               if r.rid not in moving and not why_not_movable(r)]
         return sorted(out, key=lambda x: -x.tokens_left)[:limit]
 
     def _migrate_request(self, req: m.MigrateRequest) -> m.Reply:
@@ -128,19 +136,75 @@ class RequestMixin:
         return m.Accepted(id=req.id, migration=req.migration)
 
     def _req_stop(self, mig) -> None:
-        """Scheduler thread, at a batch boundary: end the request after its step in flight."""
+        """Scheduler thread, at a batch boundary: pre-copy the request's pages to the
+        store while it keeps decoding, then (a later boundary) end it after its step in flight."""
         if mig.cancel.is_set():
             mig.finish("cancelled", "cancelled", "cancelled before the request stopped")
+            if mig.req is not None:
+                self.handoffs.pop(mig.req.rid, None)
+                mig.req = None
+            return
+        if mig.state == "copying":
+            r = mig.req
+            if r.finished() or r.to_finish is not None:
+                mig.finish("failed", "finished", f"{r.rid} ended while its pages were copied")
+                mig.req = None
+                self.handoffs.pop(r.rid, None)
+                return
+            if time.monotonic() - mig.t_copy < PRECOPY_S:
+                with mig.lock:
+                    mig.pending = "req_stop"  # not yet: the next boundary
+                return
+            self._cut(mig, r)
             return
         reqs = list(getattr(self.worker.scheduler.running_batch, "reqs", None) or [])
-        r, why = pick(reqs, mig.detail)
+        r, why = pick(reqs, mig.detail, frozenset(rid for rid, x in self.handoffs.items()
+                                                  if x.state in ("copying", "stopping")))
         if r is None:
             mig.finish("failed", "invalid", why)
             self.metrics.add("migrations_failed")
             return
+        mig.req, mig.detail = r, r.rid
+        self.handoffs[r.rid] = mig
+        copied = self._precopy(r) if PRECOPY_S > 0 else 0
+        if copied:
+            mig.state, mig.t_copy = "copying", time.monotonic()
+            mig.bytes_done = copied * self._kv_bytes_per_token()
+            with mig.lock:
+                mig.pending = "req_stop"
+            logger.info("request migration %s: %s: %d tokens' pages go to the global store while it decodes",
+                        mig.migration, r.rid, copied)
+            return
+        self._cut(mig, r)
+
+    def _precopy(self, r) -> int:
+        """Insert the request's complete pages into the radix tree now (SGLang's own
+        ``checkpoint``, as chunked prefill does), so the tree's write-through
+        publishes them to the global store while the request keeps decoding; the
+        stop then only publishes the pages written since. Returns the tokens
+        inserted (0: not done: no such tree, or pages of it are on a KV host)."""
+        tree = getattr(self.worker.scheduler, "tree_cache", None)
+        if tree is None or not hasattr(tree, "checkpoint") or getattr(tree, "disable", False):
+            return 0
+        lender = kvlend.ACTIVE
+        if lender is not None and r.kv.req_pool_idx in lender.segments:
+            return 0  # remote positions have stale slots: they must not enter the tree
+        page = max(1, int(getattr(self.worker.allocator, "page_size", 1) or 1))
+        # positions whose KV is surely written (not the step in flight's), whole pages
+        written = len(r.origin_input_ids) + len(r.output_ids) - 2
+        if hasattr(r, "owned_kv_len"):
+            written = min(written, int(r.owned_kv_len()))
+        up_to = (written // page) * page
+        before = int(r.kv.cache_protected_len or 0)
+        if up_to <= before:
+            return 0
+        r.refresh_fill_ids()  # as SGLang's release does: the fill ids lag the output on decode
+        tree.checkpoint(r, up_to=up_to)
+        return max(0, int(r.kv.cache_protected_len or 0) - before)
+
+    def _cut(self, mig, r) -> None:
         r.to_finish = finish_migrated(mig.migration)
-        mig.state, mig.detail = "stopping", r.rid
-        mig.req = r
+        mig.state = "stopping"
         self.handoffs[r.rid] = mig
         logger.info("request migration %s: %s (%d prompt + %d answer tokens, %d left) stops at this boundary",
                     mig.migration, r.rid, len(r.origin_input_ids), len(r.output_ids), tokens_left(r))
