@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import re
 import statistics
@@ -163,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "summary.json").write_text(json.dumps({"args": vars(args) | {"out": str(out)}, "contexts": results},
                                                  indent=2, default=str))
     report = [f"Run: `python -m bench.bench_request_migrate --model {args.model} --contexts {args.contexts} "
-              f"--decode-tokens {args.decode_tokens} --move-after {args.move_after} --repeats {args.repeats}` on "
+              f"--decode-tokens {args.decode_tokens} --move-after {args.move_after} --repeats {args.repeats}` "
+              f"(pre-copy: BANA_REQUEST_PRECOPY_S={os.environ.get('BANA_REQUEST_PRECOPY_S', '0.2, the default')}) on "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine_description()}.", "",
               f"One streamed greedy `/generate` request at a time on a 1P2D cluster with the global store, moved "
               f"to the other decode worker after {args.move_after} tokens; medians of {args.repeats} repeats. "

@@ -2,12 +2,15 @@
 
 How a running request moves from decode worker D1 to D2 (``MigrateRequest``):
 
-1. At D1's next batch boundary the scheduler thread picks the request and sets
-   its ``to_finish`` to :class:`FinishMigrated`: the step in flight commits
-   its token and the request ends there, as at any request end. SGLang
-   releases its KV into D1's radix tree, whose write-through publishes the
-   pages (prompt and answer so far) to the global store; pages already there
-   (the prompt, published by its prefill worker) are not written again.
+1. At D1's next batch boundary the scheduler thread picks the request and
+   pre-copies it: its complete pages go into D1's radix tree (SGLang's
+   ``checkpoint``), whose write-through publishes them to the global store
+   while the request decodes on for :data:`PRECOPY_S`. At the first boundary
+   after that it sets the request's ``to_finish`` to :class:`FinishMigrated`:
+   the step in flight commits its token and the request ends there, as at
+   any request end. SGLang releases its KV into the tree, and the
+   write-through publishes the pages written since; pages already in the
+   store (the prompt, published by its prefill worker) are not written again.
 2. The finish reason reaches the client side of D1's stream as a graceful
    ``abort`` whose ``matched_stop`` is ``bana-migrated:<migration>``
    (``meta_info.finish_reason.matched`` on ``/generate``). The router holds
