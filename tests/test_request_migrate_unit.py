@@ -150,6 +150,8 @@ def test_the_worker_moves_the_marked_request_with_the_most_tokens_left():
     a, b, c = req(PREFIX + "a", out=50), req(PREFIX + "b", out=10), req("plain", out=0)
     assert pick([a, b, c]) == (b, "")
     assert pick([a, b, c], PREFIX + "a") == (a, "")
+    assert pick([a, b, c], moving=frozenset({b.rid})) == (a, "")  # another migration has b
+    assert "being moved already" in pick([a, b], b.rid, moving=frozenset({b.rid}))[1]
     r, why = pick([a, b, c], "plain")
     assert r is None and "not sent by the router as migratable" in why
     r, why = pick([a], "nope")
