@@ -9,6 +9,6 @@ start=$(date +%s)
 bash scripts/setup.sh
 echo "[test] set-up took $(( $(date +%s) - start ))s" >&2
 status=0
-"${BANA_VENV:-.venv}/bin/python" -m pytest -p no:cacheprovider "$@" || status=$?
+"${BANA_VENV:-.venv}/bin/python" -m pytest -p no:cacheprovider --durations=15 "$@" || status=$?
 echo "[test] set-up + tests took $(( $(date +%s) - start ))s" >&2
 exit $status

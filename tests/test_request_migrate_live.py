@@ -85,6 +85,15 @@ def other(name: str) -> str:
     return "decode-1" if name == "decode-0" else "decode-0"
 
 
+def move(c, worker: str, mid: str, peer: str | None = None, timeout: float = 120) -> dict:
+    """A request migration through the admin API (quicker than the CLI's start-up,
+    which a request can outrun on a loaded machine), followed to its end."""
+    r = httpx.post(c.url + "/bana/admin/migrations", headers=H, timeout=30,
+                   json={"worker": worker, "peer": peer, "request": True, "id": mid})
+    assert r.status_code == 202, r.text
+    return wait_state(c, worker, mid, ("handed_off", "failed", "cancelled"), timeout)
+
+
 def router_counter(c, name: str) -> float:
     text = httpx.get(c.url + "/metrics", headers=H, timeout=30).text
     return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name))
@@ -129,10 +138,10 @@ def test_a_chat_stream_moves_twice_and_reads_as_one_answer(cluster):
     plain = httpx.post(cluster.url + "/v1/chat/completions", headers=H, timeout=300, json=body).json()
     s = Stream(cluster.url, "/v1/chat/completions", body)
     src, _ = movable(cluster)
-    assert cli(cluster, "request", src, other(src), "--id", "chat-1", "--wait").returncode == 0
+    assert move(cluster, src, "chat-1", peer=other(src))["state"] == "handed_off"
     # the continuation is migratable too: move it back
     src2, _ = movable(cluster, worker=other(src))
-    assert cli(cluster, "request", src2, src, "--id", "chat-2", "--wait").returncode == 0
+    assert move(cluster, src2, "chat-2", peer=src)["state"] == "handed_off"
     events = s.join()
     assert s.status == 200 and events[-1] == "[DONE]"
     chunks = events[:-1]
@@ -202,8 +211,7 @@ def test_with_no_decode_worker_to_take_it_the_client_gets_a_prefix_and_an_error(
         time.sleep(0.2)
     s = Stream(cluster.url, "/generate", gen_body(ids))
     src, _ = movable(cluster, worker="decode-0")
-    out = cli(cluster, "request", src, "--id", "req-orphan", "--wait")
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert move(cluster, src, "req-orphan")["state"] == "handed_off"
     events = s.join()
     assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
     assert "could not continue" in events[-2]["error"]["message"]
