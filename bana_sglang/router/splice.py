@@ -94,24 +94,21 @@ class Splicer:
             return ev
         if not isinstance(obj, dict) or "error" in obj:
             return ev
-        handed_off = MARK.encode() in ev and self._is_handoff(obj)
+        migration = self._migration_of(obj) if MARK.encode() in ev else None
         if self.label == "generate":
             obj = self._generate_event(obj)
-            if handed_off:
-                self.migrated = self._migration_of(obj)
+            if migration is not None:
+                self.migrated = migration
                 return None  # its text and ids come back cumulated in the continuation's first event
             return b"data: " + orjson.dumps(obj)
         obj = self._openai_event(obj)
-        if handed_off:
-            self.migrated = self._migration_of(obj)
+        if migration is not None:
+            self.migrated = migration
             for c in obj.get("choices") or []:
                 c["finish_reason"], c["matched_stop"] = None, None
             if not any(_delta_text(c, self.label) for c in obj.get("choices") or []):
                 return None
         return b"data: " + orjson.dumps(obj)
-
-    def _is_handoff(self, obj: dict) -> bool:
-        return self._migration_of(obj) is not None
 
     def _migration_of(self, obj: dict) -> str | None:
         if self.label == "generate":
@@ -184,26 +181,26 @@ class Splicer:
         self.moves += 1
         rid = f"{self.body['rid']}-c{self.moves}"
         all_ids = list(input_ids) + list(output_ids)
+        left = self.tokens_left()
         if self.label == "generate":
-            sp = dict(self.body.get("sampling_params") or {})
-            limit = sp.get("max_new_tokens", _GENERATE_DEFAULT_MAX_NEW)
-            sp["max_new_tokens"] = max(0, limit - self.done_tokens) if limit is not None else None
+            sp = dict(self.body.get("sampling_params") or {}, max_new_tokens=None if left is None else max(0, left))
             body = {k: v for k, v in self.body.items() if k not in ("text", "input_ids", "sampling_params")}
             return "/generate", dict(body, input_ids=all_ids, sampling_params=sp, rid=rid)
-        limit = self.body.get("max_completion_tokens") if self.label == "chat" else None
-        limit = limit if limit is not None else self.body.get("max_tokens")
         body = {k: v for k, v in self.body.items() if k not in _CHAT_ONLY and k != "prompt"}
         body.update(prompt=all_ids, rid=rid, stream=True)
-        if limit is not None:
-            body["max_tokens"] = max(1, limit - self.done_tokens)
+        if left is not None:
+            body["max_tokens"] = max(1, left)
         return "/v1/completions", body
 
-    def tokens_left(self) -> int | None:
+    def _limit(self) -> int | None:
+        """The client's answer budget in tokens (None: up to the context)."""
         if self.label == "generate":
-            limit = (self.body.get("sampling_params") or {}).get("max_new_tokens", _GENERATE_DEFAULT_MAX_NEW)
-        else:
-            limit = self.body.get("max_completion_tokens") if self.label == "chat" else None
-            limit = limit if limit is not None else self.body.get("max_tokens")
+            return (self.body.get("sampling_params") or {}).get("max_new_tokens", _GENERATE_DEFAULT_MAX_NEW)
+        limit = self.body.get("max_completion_tokens") if self.label == "chat" else None
+        return limit if limit is not None else self.body.get("max_tokens")
+
+    def tokens_left(self) -> int | None:
+        limit = self._limit()
         return None if limit is None else limit - self.done_tokens
 
 
