@@ -33,15 +33,13 @@ import statistics
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import httpx
 
-from bana_sglang import _cli
 from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
 from bench import configs
 from bench.bench_migrate import _agents, _burst, _prompts
-from bench.sidebyside import ROOT, machine_description, write_results_section
+from bench.sidebyside import ROOT, machine_description, parse_cluster_bench_args, write_results_section
 
 logger = logging.getLogger("bench.kv_migrate")
 
@@ -188,13 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "before the pages do in a small pool: moving pages then cannot admit more)")
     p.add_argument("--low-water", type=int, default=512,
                    help="capacity: move pages when the decode worker has fewer free KV tokens than this")
-    p.add_argument("--port", type=int, default=31000)
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--write-results", action="store_true")
-    p.add_argument("--log-level", default="INFO")
-    args, _ = _cli.parse(p, list(argv) if argv is not None else None, lambda a: None)
-    _cli.exit_on_sigterm()
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = parse_cluster_bench_args(p, argv)
     phases = {x.strip() for x in args.phases.split(",") if x.strip()}
     if phases - {"steps", "capacity"}:
         p.error(f"unknown phases: {', '.join(sorted(phases - {'steps', 'capacity'}))}")

@@ -46,11 +46,10 @@ from pathlib import Path
 import httpx
 import torch
 
-from bana_sglang import _cli
 from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
 from bana_sglang.migrate.agent import TransferEngine
 from bench import configs
-from bench.sidebyside import ROOT, machine_description, write_results_section
+from bench.sidebyside import ROOT, machine_description, parse_cluster_bench_args, write_results_section
 
 logger = logging.getLogger("bench.migrate")
 
@@ -231,13 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="saturated: run the burst with the layers moved first, then all local (order check)")
     p.add_argument("--move", type=int, default=None,
                    help="saturated: how many of the prefill worker's (upper) layers move (default: half)")
-    p.add_argument("--port", type=int, default=31000)
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--write-results", action="store_true")
-    p.add_argument("--log-level", default="INFO")
-    args, _ = _cli.parse(p, list(argv) if argv is not None else None, lambda a: None)
-    _cli.exit_on_sigterm()
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = parse_cluster_bench_args(p, argv)
     out = args.out or ROOT / "bench" / "runs" / time.strftime("migrate-%Y%m%d-%H%M%S", time.gmtime())
     out.mkdir(parents=True, exist_ok=True)
     model_path = str(configs.model_dir(args.model))

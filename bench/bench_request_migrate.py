@@ -41,11 +41,10 @@ from pathlib import Path
 
 import httpx
 
-from bana_sglang import _cli
 from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
 from bench import configs
 from bench.bench_migrate import _agents
-from bench.sidebyside import ROOT, machine_description, write_results_section
+from bench.sidebyside import ROOT, machine_description, parse_cluster_bench_args, write_results_section
 
 logger = logging.getLogger("bench.request_migrate")
 
@@ -139,13 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=96)
     p.add_argument("--move-after", type=int, default=32, help="tokens the client has seen when the move starts")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--port", type=int, default=31000)
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--write-results", action="store_true")
-    p.add_argument("--log-level", default="INFO")
-    args, _ = _cli.parse(p, list(argv) if argv is not None else None, lambda a: None)
-    _cli.exit_on_sigterm()
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = parse_cluster_bench_args(p, argv)
     contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
     if args.move_after >= args.decode_tokens - 8:
         p.error("--move-after must leave at least 8 tokens of --decode-tokens to move")

@@ -418,6 +418,22 @@ def worker_flags(spec: RunSpec) -> str:
     return " ".join(out)
 
 
+def parse_cluster_bench_args(p, argv, default_port: int = 31000):
+    """The options every single-cluster benchmark shares (``--port``, ``--out``,
+    ``--write-results``, ``--log-level``), parsed with the project's logging set
+    up; a SIGTERM ends the run cleanly (its cluster stops)."""
+    from bana_sglang import _cli
+
+    p.add_argument("--port", type=int, default=default_port)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--write-results", action="store_true")
+    p.add_argument("--log-level", default="INFO")
+    args, _ = _cli.parse(p, list(argv) if argv is not None else None, lambda a: None)
+    _cli.exit_on_sigterm()
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return args
+
+
 def write_results_section(section: str, title: str, body: str, path: Path = RESULTS_MD) -> None:
     """Replace (or append) the section between this section's markers."""
     begin, end = f"<!-- bench:{section}:begin -->", f"<!-- bench:{section}:end -->"
