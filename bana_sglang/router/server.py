@@ -44,9 +44,6 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from bana_sglang.migrate import messages as m
-from bana_sglang.migrate.client import AgentUnavailable
-from bana_sglang.migrate.transfer import describe
 from bana_sglang.router.admin import AdminAPI
 from bana_sglang.router.config import RouterConfig
 from bana_sglang.router.metrics import RouterMetrics
@@ -62,7 +59,9 @@ from bana_sglang.router.errors import ClientError, UpstreamError, error_body, er
 from bana_sglang.router.generate import fix_logprob_window, merge_input_logprobs, split_generate
 from bana_sglang.router.monitor import WorkerMonitor
 from bana_sglang.migrate.reqmove import PREFIX as MIGRATABLE
+from bana_sglang.router.continuation import ContinuationMixin
 from bana_sglang.router.splice import Splicer, mark, migratable
+from bana_sglang.router.upstream import Upstream
 from bana_sglang.router.workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -78,13 +77,9 @@ _KV_TRANSFER_FAILURE = re.compile(r"KVTransferError|bootstrap|Prefill instance c
 # bana's decode-side error when the peer holding a request's KV pages (KV-block
 # migration) failed: the worker is fine, the request is recomputed elsewhere or there.
 _KV_BLOCKS_LOST = re.compile(r"KV blocks lost")
-# Request migration: how long to wait for the stopped request's tokens (its worker's
-# agent answers at a batch boundary) and for its pages to be listed in the global index.
-HANDOFF_WAIT_S = 10.0
-PUBLISH_WAIT_S = 2.0
 
 
-class Router:
+class Router(ContinuationMixin):
     """State and handlers of one router process."""
 
     def __init__(self, cfg: RouterConfig):
@@ -526,7 +521,7 @@ class Router:
         return await self._pd_stream(request, path, body, route, label, t0)
 
     async def _open_stream(self, path: str, body: dict, route: RouteRequest, *, avoid_d: frozenset = frozenset(),
-                           prefer_d: Worker | None = None) -> _Upstream | web.Response | str:
+                           prefer_d: Worker | None = None) -> Upstream | web.Response | str:
         """Send a streamed PD request and wait for its first byte, retrying other
         pairs on failures before it. Returns the open upstream, a worker's 4xx
         answer (the client's problem), or why no pair could serve it."""
@@ -591,7 +586,7 @@ class Router:
                 p_task.cancel()
                 d.end(d_tok)
                 raise
-            return _Upstream(p, d, resp, chunk, p_task, d_tok, rid=str(body.get("rid", "")))
+            return Upstream(p, d, resp, chunk, p_task, d_tok, rid=str(body.get("rid", "")))
         return last
 
     async def _pd_stream(self, request: web.Request, path: str, body: dict, route: RouteRequest,
@@ -655,79 +650,6 @@ class Router:
         self._count(label, 200, t0)
         return out
 
-    async def _continue(self, splice: Splicer, up: _Upstream, route: RouteRequest) -> _Upstream | bytes:
-        """The decode worker ``up.d`` handed the request off: continue it on
-        another pair. Returns the new upstream, or the error events to end the
-        client's stream with."""
-        t0 = time.perf_counter()
-        mid, rid = splice.migrated, up.rid
-        why = await self._handoff(up.d, rid)
-        if isinstance(why, str):
-            return self._migration_failed(mid, why)
-        info = why
-        path, body = splice.continuation(info.input_ids, info.output_ids)
-        ids = body.get("input_ids") or body.get("prompt")
-        await self._await_published(ids)
-        nroute = await self._route_request(ids, splice.tokens_left())
-        prefer = self._decode_by_agent(info.peer)
-        nxt = await self._open_stream(path, body, nroute, avoid_d=frozenset({up.d.url}), prefer_d=prefer)
-        if isinstance(nxt, web.Response):
-            return self._migration_failed(mid, f"the continuation was refused ({nxt.status}): "
-                                               f"{nxt.body[:200]!r}")
-        if isinstance(nxt, str):
-            return self._migration_failed(mid, f"no worker pair could continue it: {nxt}")
-        stall = time.perf_counter() - t0
-        self.metrics.request_migrations.labels("continued").inc()
-        self.metrics.migration_stall_seconds.observe(stall)
-        logger.info("request migration %s: %s continues on %s (via %s) after %d tokens on %s; client stall "
-                    "%.0f ms", mid, rid, nxt.d.url, nxt.p.url, splice.done_tokens, up.d.url, 1e3 * stall)
-        return nxt
-
-    async def _handoff(self, d: Worker, rid: str):
-        """The handed-off request's tokens from ``d``'s agent (it answers once the request stopped)."""
-        if d.url not in self.admin.agents:
-            return f"{d.url} has no migration agent to ask for the request's tokens"
-        deadline = time.monotonic() + HANDOFF_WAIT_S
-        while True:
-            try:
-                reply = await self.admin.call(d.url, m.Handoff, rid=rid)
-            except AgentUnavailable as e:
-                return f"the agent of {d.url} did not answer: {e}"
-            if isinstance(reply, m.HandoffInfo):
-                return reply
-            if isinstance(reply, m.Error) and reply.reason == "busy" and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-                continue
-            return f"the agent of {d.url} answered {describe(reply)}"
-
-    async def _await_published(self, ids: list[int]) -> None:
-        """Wait (briefly) until the global index lists the handed-off pages, so the
-        prefill worker loads them rather than recomputing: the store publishes
-        asynchronously after the request's end."""
-        gi = self.global_index
-        if gi is None or not ids:
-            return
-        want = ((len(ids) - 1) // gi.page_size) * gi.page_size
-        deadline = time.monotonic() + PUBLISH_WAIT_S
-        while time.monotonic() < deadline:
-            got = await gi.cached_tokens(ids)
-            if got is None or got >= want:
-                return
-            await asyncio.sleep(0.01)
-        self.metrics.request_migrations.labels("published_late").inc()
-
-    def _decode_by_agent(self, endpoint: str) -> Worker | None:
-        for url, ep in self.admin.endpoints.items():
-            if ep == endpoint:
-                return next((w for w in self.decode if w.url.rstrip("/") == url), None)
-        return None
-
-    def _migration_failed(self, mid: str, why: str) -> bytes:
-        self.metrics.request_migrations.labels("failed").inc()
-        self.metrics.stream_errors.inc()
-        logger.warning("request migration %s could not continue the request: %s", mid, why)
-        return sse_error(f"the request moved to another decode worker and could not continue there: {why}")
-
     # ------------------------------------------------------------------ helpers
     def _refuse(self, e: BadRequest, label: str) -> web.Response:
         self.metrics.requests.labels(label, str(e.status)).inc()
@@ -736,33 +658,6 @@ class Router:
     def _count(self, label: str, status: int, t0: float) -> None:
         self.metrics.requests.labels(label, str(status)).inc()
         self.metrics.e2e_seconds.labels(label).observe(time.perf_counter() - t0)
-
-
-class _Upstream:
-    """An open streamed PD request: its pair, the decode worker's response, its first bytes."""
-
-    def __init__(self, p: Worker, d: Worker, resp: aiohttp.ClientResponse, first: bytes, p_task: asyncio.Task,
-                 d_tok: int, rid: str = ""):
-        self.p, self.d, self.resp, self.first, self.p_task, self.d_tok = p, d, resp, first, p_task, d_tok
-        self.rid = rid  # the request id it was sent with (a migratable request's, for its handoff)
-        self.drained = False
-        self._ended = False
-
-    def finish(self, drained: bool) -> None:
-        """Give the connection back (read to the end) or abort it, and end the counts; idempotent."""
-        if self._ended:
-            return
-        self._ended = True
-        (self.resp.release if drained else self.resp.close)()
-        self.d.end(self.d_tok)
-        if not self.p_task.done():
-            # the prefill answer is only bookkeeping once decode streams
-            self.p_task.add_done_callback(_swallow)
-
-
-def _swallow(task: asyncio.Task) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 def _dumps(o) -> str:

@@ -1,0 +1,36 @@
+"""An open streamed PD request, as the router's relay holds it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from bana_sglang.router.workers import Worker
+
+
+class Upstream:
+    """An open streamed PD request: its pair, the decode worker's response, its first bytes."""
+
+    def __init__(self, p: Worker, d: Worker, resp: aiohttp.ClientResponse, first: bytes, p_task: asyncio.Task,
+                 d_tok: int, rid: str = ""):
+        self.p, self.d, self.resp, self.first, self.p_task, self.d_tok = p, d, resp, first, p_task, d_tok
+        self.rid = rid  # the request id it was sent with (a migratable request's, for its handoff)
+        self.drained = False
+        self._ended = False
+
+    def finish(self, drained: bool) -> None:
+        """Give the connection back (read to the end) or abort it, and end the counts; idempotent."""
+        if self._ended:
+            return
+        self._ended = True
+        (self.resp.release if drained else self.resp.close)()
+        self.d.end(self.d_tok)
+        if not self.p_task.done():
+            # the prefill answer is only bookkeeping once decode streams
+            self.p_task.add_done_callback(_swallow)
+
+
+def _swallow(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
