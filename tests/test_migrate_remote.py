@@ -175,6 +175,22 @@ time.sleep(120)
 """
 
 
+def _wait_all_threads_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Wait until every thread of ``pid`` is in the stopped state (``T``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        if states and all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"peer {pid} did not stop: thread states {states}"
+        time.sleep(0.01)
+
+
 def test_a_read_from_a_frozen_peer_times_out_and_the_late_bytes_land_in_a_buffer_kept_for_them(engines):
     """A remote step's read runs on the scheduler thread: from a peer that stops
     (SIGSTOP) it must give up at its timeout, not block until Mooncake drops the
@@ -196,6 +212,7 @@ def test_a_read_from_a_frozen_peer_times_out_and_the_late_bytes_land_in_a_buffer
         assert torch.equal(dst, want)
         dst.zero_()
         os.kill(peer.pid, signal.SIGSTOP)
+        _wait_all_threads_stopped(peer.pid)  # kill() only queues the stop; a busy machine may run the peer on
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="within 0.5s"):
             te.read(session, [dst], [int(addr)], timeout_s=0.5)
