@@ -120,6 +120,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
             is_causal=True, scale=scale, enable_gqa=hq != hkv)  # [1, Hq, q_len, Dv]
         return AttentionResult(out[0].permute(1, 0, 2), None)
     g = hq // hkv
+    if masked and 0 < q_offset and q_offset + q_len == kv_len:
+        return _extend_over_prefix(q, kt, vt, q_offset, scale, need_lse)
     qf = _fold(q, hkv).unsqueeze(0)  # [1, Hkv, G*q_len, D]
     mask = None
     if masked:
@@ -130,6 +132,33 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
         return AttentionResult(_unfold(out[0], q_len), _unfold(lse[0], q_len))
     out = F.scaled_dot_product_attention(qf, kt.unsqueeze(0), vt.unsqueeze(0), attn_mask=mask, scale=scale)
     return AttentionResult(_unfold(out[0], q_len), None)
+
+
+def _extend_over_prefix(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, prefix: int, scale: float,
+                        need_lse: bool) -> AttentionResult:
+    """New tokens after a cached prefix, without a ``q_len x kv_len`` mask: every
+    query sees the whole prefix (one unmasked call) and the new keys causally
+    (the square, top-left aligned causal kernel); the two states merge exactly
+    by their lse. ``kt``/``vt``: [Hkv, kv_len, D] with ``kv_len = prefix + q_len``."""
+    q_len, hq, _ = q.shape
+    hkv = kt.shape[0]
+    g = hq // hkv
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    qf = _fold(q, hkv).unsqueeze(0)  # [1, Hkv, G*q_len, D]
+    o_p, lse_p = flash(qf, kt[:, :prefix].unsqueeze(0), vt[:, :prefix].unsqueeze(0), 0.0, False, scale=scale)[:2]
+    o_p, lse_p = _unfold(o_p[0], q_len), _unfold(lse_p[0].float(), q_len)  # [L, Hq, Dv], [L, Hq]
+    k_new, v_new = kt[:, prefix:], vt[:, prefix:]
+    if g > 1:  # the causal kernel wants one KV head per query head
+        k_new, v_new = k_new.repeat_interleave(g, dim=0), v_new.repeat_interleave(g, dim=0)
+    o_n, lse_n = flash(q.permute(1, 0, 2).unsqueeze(0), k_new.unsqueeze(0), v_new.unsqueeze(0), 0.0, True,
+                       scale=scale)[:2]
+    o_n, lse_n = o_n[0].permute(1, 0, 2), lse_n[0].float().transpose(0, 1)  # [L, Hq, Dv], [L, Hq]
+    # both partitions are non-empty: finite lse on each side
+    m = torch.maximum(lse_p, lse_n)
+    w_p, w_n = torch.exp(lse_p - m), torch.exp(lse_n - m)
+    total = w_p + w_n
+    out = (o_p * (w_p / total).unsqueeze(-1).to(o_p.dtype) + o_n * (w_n / total).unsqueeze(-1).to(o_n.dtype))
+    return AttentionResult(out, m + torch.log(total) if need_lse else None)
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
