@@ -209,14 +209,20 @@ def test_with_no_decode_worker_to_take_it_the_client_gets_a_prefix_and_an_error(
     while httpx.get(cluster.url + "/health", headers=H, timeout=30).json()["healthy_decode"] != 1:  # the router noticed
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    s = Stream(cluster.url, "/generate", gen_body(ids))
-    src, _ = movable(cluster, worker="decode-0")
-    assert move(cluster, src, "req-orphan")["state"] == "handed_off"
+    for attempt in range(3):  # a loaded machine can let the request end before the boundary: try again
+        s = Stream(cluster.url, "/generate", gen_body(ids))
+        src, _ = movable(cluster, worker="decode-0")
+        st = move(cluster, src, f"req-orphan-{attempt}")
+        if st["state"] == "handed_off":
+            break
+        s.join()
+    else:
+        pytest.fail(f"the request was never stopped for the hand-off: {st}")
     events = s.join()
     assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
     assert "could not continue" in events[-2]["error"]["message"]
     seen = [e for e in events if isinstance(e, dict) and "output_ids" in e]
     assert seen and seen[-1]["output_ids"] == want[:len(seen[-1]["output_ids"])]
-    assert router_counter(cluster, 'bana_router_request_migrations_total{result="failed"}') == 1
+    assert router_counter(cluster, 'bana_router_request_migrations_total{result="failed"}') >= 1
     # the survivor serves on (and a plain request is not routed to the dead worker for long)
     assert generate(cluster.url, ids, 8, KEY) == want[:8]
