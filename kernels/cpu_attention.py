@@ -79,7 +79,7 @@ def _unfold(x: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA on [B, H, L, D] that also returns the lse [B, H, L] (float32).
 
     The public SDPA does not expose the lse; the CPU flash kernel it dispatches
@@ -89,7 +89,7 @@ def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     if mask is not None:
         mask = mask.to(q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
     return out, lse.float()
 
 
@@ -147,16 +147,15 @@ def _extend_over_prefix(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, pre
     q_len, hq, _ = q.shape
     hkv = kt.shape[0]
     g = hq // hkv
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     qf = _fold(q, hkv).unsqueeze(0)  # [1, Hkv, G*q_len, D]
-    o_p, lse_p = flash(qf, kt[:, :prefix].unsqueeze(0), vt[:, :prefix].unsqueeze(0), 0.0, False, scale=scale)[:2]
-    o_p, lse_p = _unfold(o_p[0], q_len), _unfold(lse_p[0].float(), q_len)  # [L, Hq, Dv], [L, Hq]
+    o_p, lse_p = _sdpa_with_lse(qf, kt[:, :prefix].unsqueeze(0), vt[:, :prefix].unsqueeze(0), None, scale)
+    o_p, lse_p = _unfold(o_p[0], q_len), _unfold(lse_p[0], q_len)  # [L, Hq, Dv], [L, Hq]
     k_new, v_new = kt[:, prefix:], vt[:, prefix:]
     if g > 1:  # the causal kernel wants one KV head per query head
         k_new, v_new = k_new.repeat_interleave(g, dim=0), v_new.repeat_interleave(g, dim=0)
-    o_n, lse_n = flash(q.permute(1, 0, 2).unsqueeze(0), k_new.unsqueeze(0), v_new.unsqueeze(0), 0.0, True,
-                       scale=scale)[:2]
-    o_n, lse_n = o_n[0].permute(1, 0, 2), lse_n[0].float().transpose(0, 1)  # [L, Hq, Dv], [L, Hq]
+    o_n, lse_n = _sdpa_with_lse(q.permute(1, 0, 2).unsqueeze(0), k_new.unsqueeze(0), v_new.unsqueeze(0), None,
+                                scale, causal=True)
+    o_n, lse_n = o_n[0].permute(1, 0, 2), lse_n[0].transpose(0, 1)  # [L, Hq, Dv], [L, Hq]
     # both partitions are non-empty: finite lse on each side
     m = torch.maximum(lse_p, lse_n)
     w_p, w_n = torch.exp(lse_p - m), torch.exp(lse_n - m)
