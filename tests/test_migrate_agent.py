@@ -178,3 +178,37 @@ def test_a_client_times_out_on_a_silent_endpoint():
     with pytest.raises(AgentUnavailable, match="no reply"):
         c.call(m.Ping)
     c.close()
+
+
+def test_the_admin_listing_is_not_held_by_a_silent_agent(pair, monkeypatch):
+    """A dead worker's agent must not make every listing wait its timeout: the
+    listing answers at once with the live agents, reports the silent one as
+    unanswered while its probe runs, then with the probe's error."""
+    import asyncio
+
+    from bana_sglang.router import admin
+
+    monkeypatch.setattr(admin, "SILENT_AGENT_TIMEOUT_S", 0.6)
+    x, _ = pair
+    api = admin.AdminAPI((("http://live", x.agent.endpoint), ("http://dead", "tcp://127.0.0.1:9")),
+                         is_down=lambda url: url == "http://dead")
+
+    async def listings() -> list[tuple[float, dict]]:
+        out = []
+        for _ in range(6):
+            t = time.monotonic()
+            st = await api._statuses()
+            out.append((time.monotonic() - t, st))
+            await asyncio.sleep(0.15)
+        return out
+
+    try:
+        got = asyncio.run(listings())
+    finally:
+        api.close()
+    assert all(dt < 0.5 for dt, _ in got), [dt for dt, _ in got]  # never the probe's 0.6 s
+    assert all(isinstance(st["http://live"], m.StatusResult) for _, st in got)
+    dead = [st["http://dead"] for _, st in got]
+    assert all(isinstance(d, str) for d in dead)
+    assert "has not answered yet" in dead[0]
+    assert any("no reply" in d for d in dead), dead  # a finished probe's error is reported, then probed again

@@ -40,6 +40,9 @@ AGENT_TIMEOUT_S = 30.0
 # this long in a status listing, so one dead worker does not hold every listing for
 # AGENT_TIMEOUT_S.
 SILENT_AGENT_TIMEOUT_S = 3.0
+# ... and a listing waits this long for it: the probe runs on in the background and the
+# next listing takes its answer (a listing every 0.1 s must not lag by seconds).
+PROBE_WAIT_S = 0.2
 
 
 class AdminAPI:
@@ -49,6 +52,7 @@ class AdminAPI:
         self.names: dict[str, str] = {}  # worker name -> url, learnt from the agents' pongs
         self.silent: set[str] = set()  # agents whose last status call got no answer
         self.is_down = is_down  # the router's view: a worker marked down gets the short timeout too
+        self._probes: dict[str, asyncio.Future] = {}  # url -> its status probe in flight (silent or down agents)
         self._pool = ThreadPoolExecutor(max(1, min(8, len(self.agents))), thread_name_prefix="bana-admin")
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
@@ -76,17 +80,39 @@ class AdminAPI:
     async def _statuses(self) -> dict[str, m.StatusResult | str]:
         async def one(url: str):
             try:
-                quick = url in self.silent or self.is_down(url)
-                st = await self._call(url, m.Status, SILENT_AGENT_TIMEOUT_S if quick else None)
+                if url in self.silent or self.is_down(url):
+                    st = await self._probe(url)
+                else:
+                    st = await self._call(url, m.Status)
             except AgentUnavailable as e:
                 self.silent.add(url)
                 return url, str(e)
+            if isinstance(st, str):  # its probe is still out
+                return url, st
             self.silent.discard(url)
             if isinstance(st, m.StatusResult):
                 self.names[st.worker] = url
             return url, st
 
         return dict(await asyncio.gather(*(one(u) for u in self.agents)))
+
+    async def _probe(self, url: str) -> m.Reply | str:
+        """A silent or down agent's status without holding the listing: one probe
+        (SILENT_AGENT_TIMEOUT_S) runs in the background, a listing waits for it at
+        most PROBE_WAIT_S and otherwise reports it as still unanswered; the next
+        listing takes the probe's answer."""
+        fut = self._probes.get(url)
+        if fut is None:
+            fut = self._probes[url] = asyncio.ensure_future(self._call(url, m.Status, SILENT_AGENT_TIMEOUT_S))
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), PROBE_WAIT_S)
+        except asyncio.TimeoutError:
+            return (f"agent {self.endpoints[url]} has not answered yet (worker marked down or silent; probing "
+                    f"with a {SILENT_AGENT_TIMEOUT_S:g} s timeout)")
+        except AgentUnavailable:
+            pass
+        del self._probes[url]
+        return fut.result()  # its answer, or raises its AgentUnavailable
 
     async def _resolve(self, who: object) -> str | None:
         if not isinstance(who, str):
