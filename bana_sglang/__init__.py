@@ -13,6 +13,6 @@ SGLANG_VERSION = "0.5.23"
 
 # torchvision from PyPI does not import beside the CPU torch build; the hook is
 # lazy and does nothing where torchvision's compiled ops load (see compat/).
-from bana_sglang.compat._torchvision import install as _install_torchvision_fix
+from bana_sglang.compat._torchvision import install as _install_torchvision_fix  # noqa: E402
 
 _install_torchvision_fix()

@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the spec node to start (default: the only node of a one-node spec)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="write each part's log to DIR/NAME.log instead of the prefixed console stream")
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the whole cluster to become healthy")
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds for the whole cluster to become healthy")
     p.add_argument("--dry-run", action="store_true", help="print the plan (commands, ports) and exit")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p

@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build a model (reuses a finished build) and print its folder")
     b.add_argument("name", choices=sorted(SPECS))
-    b.add_argument("--root", type=Path, default=None, help="cache folder (default: $BANA_MODEL_CACHE or ~/.cache/bana_sglang/models)")
+    b.add_argument("--root", type=Path, default=None,
+                   help="cache folder (default: $BANA_MODEL_CACHE or ~/.cache/bana_sglang/models)")
     b.add_argument("--force", action="store_true", help="rebuild even if present")
     p = sub.add_parser("path", help="print where a model is (or would be) built")
     p.add_argument("name", choices=sorted(SPECS))

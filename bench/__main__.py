@@ -55,8 +55,10 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--length-scale", type=float, default=1 / 16,
                    help="traces: token counts x this; the Mooncake block of 512 tokens becomes 512 x this")
-    g.add_argument("--output-scale", type=float, default=None, help="traces: output lengths x this (default: length scale)")
-    g.add_argument("--time-scale", type=float, default=1.0, help="traces: inter-arrival times x this (2 = half the rate)")
+    g.add_argument("--output-scale", type=float, default=None,
+                   help="traces: output lengths x this (default: length scale)")
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="traces: inter-arrival times x this (2 = half the rate)")
     g.add_argument("--trace-offset", type=int, default=0, help="traces: first row replayed")
     g.add_argument("--input-len", type=int, default=256, help="generators: question / prompt length (tokens)")
     g.add_argument("--output-len", type=int, default=32, help="generators: output tokens")

@@ -274,7 +274,8 @@ def saturation_table(results: Sequence[RunResult], min_goodput: float) -> str:
         bad = [r for r in rs if r.summary.goodput_frac < min_goodput]
         best = max(good, key=lambda r: r.rate or 0.0) if good else None
         lines.append(f"| {name} | {_rate_label(best.rate) if best else 'none'} | "
-                     f"{f'{best.summary.req_per_s:.3f}' if best else '-'} | {_rate_label(bad[0].rate) if bad else '-'} |")
+                     f"{f'{best.summary.req_per_s:.3f}' if best else '-'} | "
+                     f"{_rate_label(bad[0].rate) if bad else '-'} |")
     return "\n".join(lines)
 
 

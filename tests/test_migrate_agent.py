@@ -83,7 +83,8 @@ def test_layers_are_staged_on_the_peer_with_equal_checksums(pair):
     assert own_y != want
     sx, sy = x.client.call(m.Status), y.client.call(m.Status)
     assert [(i.migration, i.side, i.state, i.crc32) for i in sx.migrations] == [("mig-1", "source", "staged", want)]
-    assert [(i.migration, i.side, i.state, i.peer) for i in sy.migrations] == [("mig-1", "guest", "verified", "prefill-0")]
+    assert [(i.migration, i.side, i.state, i.peer) for i in sy.migrations] == [
+        ("mig-1", "guest", "verified", "prefill-0")]
     assert sy.guest_bytes == size
     assert x.agent.metrics.values["migrations_staged"] == 1 and x.agent.metrics.values["sent_bytes"] == size
     assert y.agent.metrics.values["guest_bytes_received"] == size

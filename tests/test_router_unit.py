@@ -137,7 +137,8 @@ def test_pd_pairing_injects_one_room_for_both_and_accepts_missing_model():
 
 def test_refused_and_5xx_prefill_workers_are_retried_elsewhere_and_marked_down():
     async def go():
-        bad1, bad2, good, d = FakeWorker("prefill", "refuse"), FakeWorker("prefill", "error500"), FakeWorker("prefill"), FakeWorker("decode")
+        bad1, bad2 = FakeWorker("prefill", "refuse"), FakeWorker("prefill", "error500")
+        good, d = FakeWorker("prefill"), FakeWorker("decode")
         async with running([bad1, bad2, good], [d], policy="round_robin") as (router, c):
             for i in range(6):
                 async with c.post("/generate", json={"text": f"q {i}",

@@ -337,7 +337,8 @@ def run_calibrate(args) -> int:
         "prefill_fixed_s": f"fitted {day}: intercept of the same fit (router, PD bootstrap and transfer, "
                            "first decode step included)",
         "decode_fixed_s": f"fitted {day}: intercept of a least-squares fit of the step time (after the second "
-                          f"token) on batch and KV bytes, (batch, prompt) {list(DECODE_POINTS)}, less the weights' read",
+                          f"token) on batch and KV bytes, (batch, prompt) {list(DECODE_POINTS)}, "
+                          "less the weights' read",
         "decode_per_request_s": f"fitted {day}: the same fit's batch coefficient",
         "kv_read_bytes_per_s": f"fitted {day}: 1 / the same fit's KV-byte coefficient",
         "prefix_attention_cost": f"fitted {day}: TTFT of fresh prompts {list(CHUNKED_LENGTHS)} tokens (chunked "
