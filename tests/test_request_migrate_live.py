@@ -31,7 +31,11 @@ pytestmark = pytest.mark.slow
 
 KEY = KEY_OF_THE_HELPERS
 H = {"Authorization": f"Bearer {KEY}"}
-NEW = 480  # tokens: a request runs for seconds, longer than the CLI takes to start
+NEW = 480  # tokens: a request runs for seconds (about 2.4 s alone at this model's speed here)
+# the first test moves one request through the CLI, whose start-up (seconds on a loaded
+# machine) and pre-copy a 480-token request can outrun (the clean-clone CI saw it end
+# "while its pages were copied"): its requests run longer
+NEW_CLI = 1200
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +70,8 @@ class Stream:
         return self.events
 
 
-def gen_body(ids: list[int]) -> dict:
-    return {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": NEW}}
+def gen_body(ids: list[int], new: int = NEW) -> dict:
+    return {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new}}
 
 
 def movable(c, worker: str | None = None, n: int = 1, timeout: float = 120) -> tuple[str, list[dict]]:
@@ -101,10 +105,10 @@ def router_counter(c, name: str) -> float:
 
 def test_streamed_requests_move_mid_answer_and_read_as_one_answer(cluster, single_server):
     prompts = prompts_of(31, 3, base=60, step=30)
-    want = [generate(single_server, ids, NEW) for ids in prompts]
+    want = [generate(single_server, ids, NEW_CLI) for ids in prompts]
     urls = {w: st["url"] for w, st in agents(cluster).items()}
     loaded = counter(urls["prefill-0"], "bana_store_loaded_pages_total")
-    streams = [Stream(cluster.url, "/generate", gen_body(ids)) for ids in prompts]
+    streams = [Stream(cluster.url, "/generate", gen_body(ids, NEW_CLI)) for ids in prompts]
     src, reqs = movable(cluster, n=1)
     # one through the CLI (the request with the most tokens left, the router picks the target) ...
     out = cli(cluster, "request", src, "--id", "req-cli", "--wait")
