@@ -2,7 +2,9 @@
 
 - ``GET /bana/admin/agents``: every worker agent's status: which layers it
   executes and on whom, its migrations, the guest memory it holds; an agent
-  that does not answer is listed with its error.
+  that does not answer is listed with its error (once silent, or when the
+  router marked its worker down, it is probed in the background and never
+  holds a listing more than ``PROBE_WAIT_S``).
 - ``POST /bana/admin/migrations`` ``{"worker": W, "peer": P, "layers": [a, b], "id": optional}``
   (or ``"kv_pages": N, "min_pages": M`` instead of ``layers``: a KV-block migration):
   move layers ``[a, b)`` of W to P (names like ``prefill-0`` or worker URLs);
