@@ -106,13 +106,10 @@ class AdminAPI:
         fut = self._probes.get(url)
         if fut is None:
             fut = self._probes[url] = asyncio.ensure_future(self._call(url, m.Status, SILENT_AGENT_TIMEOUT_S))
-        try:
-            await asyncio.wait_for(asyncio.shield(fut), PROBE_WAIT_S)
-        except asyncio.TimeoutError:
+        done, _ = await asyncio.wait({fut}, timeout=PROBE_WAIT_S)  # neither cancels nor raises
+        if not done:
             return (f"agent {self.endpoints[url]} has not answered yet (worker marked down or silent; probing "
                     f"with a {SILENT_AGENT_TIMEOUT_S:g} s timeout)")
-        except AgentUnavailable:
-            pass
         del self._probes[url]
         return fut.result()  # its answer, or raises its AgentUnavailable
 
