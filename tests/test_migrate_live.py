@@ -61,10 +61,12 @@ def agents(c) -> dict[str, dict]:
     return {a["worker"]: a for a in r.json()["agents"] if "worker" in a}  # not the unreachable ones
 
 
-def generate(url: str, ids: list[int], n: int, key: str | None = None) -> list[int]:
+def generate(url: str, ids: list[int], n: int, key: str | None = None, ignore_eos: bool = False) -> list[int]:
+    sp = {"temperature": 0, "max_new_tokens": n, **({"ignore_eos": True} if ignore_eos else {})}
     r = httpx.post(url + "/generate", timeout=300, headers={"Authorization": f"Bearer {key}"} if key else {},
-                   json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n}})
+                   json={"input_ids": ids, "sampling_params": sp})
     assert r.status_code == 200, r.text
+    assert not ignore_eos or len(r.json()["output_ids"]) == n
     return r.json()["output_ids"]
 
 

@@ -25,7 +25,7 @@ import httpx
 import pytest
 from conftest import launched_cluster
 from test_migrate_live import KEY as KEY_OF_THE_HELPERS
-from test_migrate_live import _pid_of, agents, cli, counter, prompts_of, wait_state
+from test_migrate_live import _pid_of, agents, cli, counter, generate, prompts_of, wait_state
 
 pytestmark = pytest.mark.slow
 
@@ -76,15 +76,6 @@ def gen_body(ids: list[int], new: int = NEW) -> dict:
     return {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}}
 
 
-def plain(url: str, ids: list[int], new: int = NEW, key: str | None = None) -> list[int]:
-    """The same request, not streamed and not moved: the tokens to compare with."""
-    r = httpx.post(url + "/generate", timeout=300, json=gen_body(ids, new),
-                   headers={"Authorization": f"Bearer {key}"} if key else {})
-    assert r.status_code == 200, r.text
-    assert len(r.json()["output_ids"]) == new
-    return r.json()["output_ids"]
-
-
 def movable(c, worker: str | None = None, n: int = 1, timeout: float = 120) -> tuple[str, list[dict]]:
     """Until a decode worker lists ``n`` movable requests: (worker, them)."""
     deadline = time.monotonic() + timeout
@@ -116,7 +107,7 @@ def router_counter(c, name: str) -> float:
 
 def test_streamed_requests_move_mid_answer_and_read_as_one_answer(cluster, single_server):
     prompts = prompts_of(31, 3, base=60, step=30)
-    want = [plain(single_server, ids, NEW_CLI) for ids in prompts]
+    want = [generate(single_server, ids, NEW_CLI, ignore_eos=True) for ids in prompts]
     urls = {w: st["url"] for w, st in agents(cluster).items()}
     loaded = counter(urls["prefill-0"], "bana_store_loaded_pages_total")
     streams = [Stream(cluster.url, "/generate", gen_body(ids, NEW_CLI)) for ids in prompts]
@@ -217,7 +208,7 @@ def test_with_no_decode_worker_to_take_it_the_client_gets_a_prefix_and_an_error(
     the continuation has nowhere to go: the stream ends with an error event
     after tokens that are a prefix of the plain run's, and the survivor serves on."""
     ids = prompts_of(51, 1, base=50)[0]
-    want = plain(single_server, ids)
+    want = generate(single_server, ids, NEW, ignore_eos=True)
     victim = "decode-1"
     os.kill(_pid_of(cluster, victim), signal.SIGKILL)
     deadline = time.monotonic() + 60
@@ -240,4 +231,4 @@ def test_with_no_decode_worker_to_take_it_the_client_gets_a_prefix_and_an_error(
     assert seen and seen[-1]["output_ids"] == want[:len(seen[-1]["output_ids"])]
     assert router_counter(cluster, 'bana_router_request_migrations_total{result="failed"}') >= 1
     # the survivor serves on (and a plain request is not routed to the dead worker for long)
-    assert plain(cluster.url, ids, 8, KEY) == want[:8]
+    assert generate(cluster.url, ids, 8, KEY, ignore_eos=True) == want[:8]
