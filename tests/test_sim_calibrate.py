@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
-from bana_sglang.sim.calibrate import calibrate, fidelity_compare, fit_line
+from bana_sglang.sim.calibrate import calibrate, cpu_steal_ticks, fidelity_compare, fidelity_rows, fit_line
 from bana_sglang.sim.config import SimConfig, SimConfigError
 from bana_sglang.sim.engine import simulate
 from bana_sglang.sim.profiles import load_profile, save_profile
@@ -51,6 +52,25 @@ def test_fidelity_rows_are_relative_errors():
     rows = {r["metric"]: r for r in fidelity_compare(live, sim, duration_live=10.0)}
     assert math.isclose(rows["mean TTFT s"]["error"], 0.1)
     assert math.isclose(rows["throughput out tok/s"]["live"], 4.0) and rows["throughput out tok/s"]["error"] == 0
+
+
+def test_fidelity_over_repeated_runs_compares_with_their_mean_and_reports_their_spread():
+    sim = SimpleNamespace(ttft_mean=2.2, ttft_p99=3.0, tpot_mean=0.2, out_tok_per_s=4.0)
+    runs = [{"mean TTFT s": 1.5, "p99 TTFT s": 3.0, "mean TPOT s": 0.2, "throughput out tok/s": 4.0},
+            {"mean TTFT s": 2.5, "p99 TTFT s": 3.0, "mean TPOT s": 0.2, "throughput out tok/s": 4.0}]
+    rows = {r["metric"]: r for r in fidelity_rows(runs, sim)}
+    assert math.isclose(rows["mean TTFT s"]["live"], 2.0)
+    assert math.isclose(rows["mean TTFT s"]["error"], 0.1)
+    assert math.isclose(rows["mean TTFT s"]["live_spread"], 0.5)
+    assert rows["p99 TTFT s"]["live_spread"] == 0 and rows["p99 TTFT s"]["live_runs"] == [3.0, 3.0]
+    with pytest.raises(ValueError, match="no live run"):
+        fidelity_rows([], sim)
+
+
+def test_cpu_steal_ticks_reads_proc_stat():
+    steal, total = cpu_steal_ticks()
+    assert 0 <= steal <= total
+    assert total > 0 or not Path("/proc/stat").exists()
 
 
 def test_the_simulator_takes_the_workload_block_size():

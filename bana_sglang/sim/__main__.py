@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     fid.add_argument("--offset", type=int, default=0, help="first trace row")
     fid.add_argument("--rate", type=float, default=0.5, help="mean request rate of the slice, req/s")
     fid.add_argument("--length-scale", type=float, default=1 / 16, help="trace token counts are multiplied by this")
+    fid.add_argument("--repeats", type=int, default=1,
+                     help="live replays, each on a fresh cluster; the simulator is compared with their mean "
+                          "and the runs' own spread is printed")
     fid.add_argument("--port", type=int, default=31200)
     fid.add_argument("--log-dir", default=None)
     fid.add_argument("--json", default=None, help="also write the rows here")
