@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bana_sglang.sim.calibrate import calibrate, cpu_steal_ticks, fidelity_compare, fidelity_rows, fit_line
+from bana_sglang.sim.calibrate import (calibrate, cpu_steal_ticks, fidelity_compare, fidelity_rows, fit_line,
+                                       store_faults)
 from bana_sglang.sim.config import SimConfig, SimConfigError
 from bana_sglang.sim.engine import simulate
 from bana_sglang.sim.profiles import load_profile, save_profile
@@ -65,6 +66,17 @@ def test_fidelity_over_repeated_runs_compares_with_their_mean_and_reports_their_
     assert rows["p99 TTFT s"]["live_spread"] == 0 and rows["p99 TTFT s"]["live_runs"] == [3.0, 3.0]
     with pytest.raises(ValueError, match="no live run"):
         fidelity_rows([], sim)
+
+
+def test_store_faults_counts_mooncake_stalls_and_failures_in_the_cluster_logs(tmp_path):
+    (tmp_path / "prefill-0.log").write_text(
+        "E1201 06:17:52.089040 31367 transfer_task.cpp:891] Failed to complete transfers after 60000 milliseconds "
+        "for batch 1\n"
+        "E1201 06:19:20.170111 31367 client_service.cpp:3085] Operation for key bana/kv/1d failed: TRANSFER_FAIL "
+        "(Transfer 0 failed)\n[2026-12-01 06:17:44] Prefill batch, #new-seq: 1\n")
+    (tmp_path / "decode-0.log").write_text("... TRANSFER_FAIL ...\n")
+    (tmp_path / "notes.txt").write_text("Failed to complete transfers after\n")  # not a cluster log
+    assert store_faults(tmp_path) == {"stalls": 1, "failed": 2}
 
 
 def test_cpu_steal_ticks_reads_proc_stat():

@@ -331,6 +331,27 @@ def fidelity_compare(live: list, sim_result, duration_live: float) -> list[dict]
     return fidelity_rows([live_metrics(live, duration_live)], sim_result)
 
 
+STALL_LINE = "Failed to complete transfers after"  # Mooncake: a batch waited out its transfer timeout
+FAIL_LINE = "TRANSFER_FAIL"
+
+
+def store_faults(log_dir: Path) -> dict[str, int]:
+    """Mooncake transfer faults the cluster's processes logged: ``stalls`` (batches
+    that waited out the transfer engine's 60 s timeout; while one waits, the
+    machine's two cores do measurably less work) and ``failed`` (keys whose
+    transfer failed: publishes skipped, loads missed). A run with stalls is not
+    the system the profile describes."""
+    out = {"stalls": 0, "failed": 0}
+    for f in sorted(Path(log_dir).glob("*.log")):
+        with open(f, errors="replace") as fh:
+            for line in fh:
+                if STALL_LINE in line:
+                    out["stalls"] += 1
+                elif FAIL_LINE in line:
+                    out["failed"] += 1
+    return out
+
+
 def cpu_steal_ticks() -> tuple[int, int]:
     """(steal, total) jiffies of all CPUs from /proc/stat: the share of time the
     hypervisor gave this VM's CPUs to someone else; (0, 0) where unreadable."""
@@ -363,6 +384,10 @@ def run_calibrate(args) -> int:
             steal1, total1 = cpu_steal_ticks()
         if total1 > total0:
             print(f"CPU steal (hypervisor) during the measurements: {100 * (steal1 - steal0) / (total1 - total0):.1f}%")
+        faults = store_faults(log_dir)
+        print(f"Mooncake transfer faults in the cluster's logs: {faults['stalls']} batches stalled for the 60 s "
+              f"timeout, {faults['failed']} failed transfers" + (
+                  " (WARNING: stalls slow everything on this machine; measure again)" if faults["stalls"] else ""))
     prof, fit = calibrate(base, prefill, decode, contention)
     prof = replace(prof, name=out.stem)
     day = time.strftime("%Y-%m-%d", time.gmtime())
@@ -410,10 +435,11 @@ def run_calibrate(args) -> int:
     return 0
 
 
-def _replay_live(args, wl, run: int) -> tuple[list, float, float]:
+def _replay_live(args, wl, run: int) -> tuple[list, float, float, dict[str, int]]:
     """One replay of the slice on a fresh cluster (a used one would hold the
-    slice's prefixes in its global store): (records, makespan s, CPU steal share)."""
-    log_dir = Path(args.log_dir or f"/tmp/bana-fidelity-{int(time.time())}") / f"run{run}"
+    slice's prefixes in its global store): (records, makespan s, CPU steal share,
+    the cluster's store faults)."""
+    log_dir = Path(args.log_dir) / f"run{run}"
     with _cluster(args.model, args.port, log_dir) as cluster:
         cfg = _client(cluster.plan.endpoint)
         warm_up(cfg)
@@ -424,7 +450,7 @@ def _replay_live(args, wl, run: int) -> tuple[list, float, float]:
         steal1, total1 = cpu_steal_ticks()
     makespan = max(r.end_s for r in live) - min(r.scheduled_s for r in live) if live else duration
     steal = (steal1 - steal0) / (total1 - total0) if total1 > total0 else 0.0
-    return live, makespan, steal
+    return live, makespan, steal, store_faults(log_dir)
 
 
 def run_fidelity(args) -> int:
@@ -440,14 +466,17 @@ def run_fidelity(args) -> int:
     spec = WorkloadSpec(name="mooncake", num_requests=args.requests, request_rate=args.rate,
                         length_scale=args.length_scale, trace_offset=args.offset)
     wl = build(spec, space)
-    lives, runs, steals = [], [], []
+    args.log_dir = args.log_dir or f"/tmp/bana-fidelity-{int(time.time())}"
+    lives, runs, steals, faults = [], [], [], []
     for k in range(args.repeats):
-        live, makespan, steal = _replay_live(args, wl, k)
+        live, makespan, steal, fault = _replay_live(args, wl, k)
         lives.append(live)
         runs.append(live_metrics(live, makespan))
         steals.append(steal)
-        logger.warning("live run %d/%d: mean TTFT %.3fs, mean TPOT %.4fs, CPU steal %.1f%%", k + 1, args.repeats,
-                       runs[-1]["mean TTFT s"], runs[-1]["mean TPOT s"], 100 * steal)
+        faults.append(fault)
+        logger.warning("live run %d/%d: mean TTFT %.3fs, mean TPOT %.4fs, CPU steal %.1f%%, store stalls %d, "
+                       "failed transfers %d", k + 1, args.repeats, runs[-1]["mean TTFT s"], runs[-1]["mean TPOT s"],
+                       100 * steal, fault["stalls"], fault["failed"])
     block = max(1, round(MOONCAKE_BLOCK * args.length_scale))
     sim_reqs = [SimRequest(rid=r.rid, arrival=r.arrival_s, input_len=len(r.prompt), output_len=r.max_tokens,
                            hashes=tuple(r.prefix_ids)) for r in wl.requests]
@@ -469,7 +498,15 @@ def run_fidelity(args) -> int:
             errs = ", ".join(f"{100 * (r['sim'] - v) / v:+.1f}%" for v in r["live_runs"])
             lines.append(f"| {r['metric']} | {vals} | {100 * r['live_spread']:.1f}% | {errs} |")
     lines += ["", "CPU steal (hypervisor) during the live replays: "
-              + ", ".join(f"{100 * x:.1f}%" for x in steals)]
+              + ", ".join(f"{100 * x:.1f}%" for x in steals) + "; Mooncake store batches stalled for the 60 s "
+              "transfer timeout: " + ", ".join(str(f["stalls"]) for f in faults) + "; failed store transfers: "
+              + ", ".join(str(f["failed"]) for f in faults) + "."]
+    clean = [r for r, f in zip(runs, faults) if not f["stalls"]]
+    if 0 < len(clean) < n:
+        lines += ["", f"Against the {len(clean)} run(s) without a store stall:", "",
+                  "| metric | live | simulated | error |", "|---|---|---|---|"]
+        lines += [f"| {r['metric']} | {r['live']:.4f} | {r['sim']:.4f} | {100 * r['error']:+.1f}% |"
+                  for r in fidelity_rows(clean, res)]
     print("\n".join(lines))
     if args.write_results:
         from bench.sidebyside import machine_description, write_results_section
@@ -497,6 +534,7 @@ def run_fidelity(args) -> int:
                         "ttft_sim": sim_by_id[r.rid].ttft, "tpot_sim": sim_by_id[r.rid].tpot}
                        for r in lives[0] if r.rid in sim_by_id]
         Path(args.json).write_text(json.dumps({"workload": wl.describe(), "rows": rows, "cpu_steal": steals,
+                                               "store_faults": faults,
                                                "profile": str(args.profile_path), "requests": per_request},
                                               indent=2))
     return 0
