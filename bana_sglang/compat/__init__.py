@@ -117,8 +117,11 @@ def child_env(base: Mapping[str, str] | None = None, *, host: str = "127.0.0.1")
     except ``PYTHONPATH``, which gets ``pypath/`` prepended.
     """
     env = dict(os.environ if base is None else base)
-    # Mooncake's glog is very chatty and binds the first non-loopback NIC unless told.
-    env.setdefault("MC_LOG_LEVEL", "ERROR")
+    # Mooncake's glog is very chatty and binds the first non-loopback NIC unless told;
+    # its TCP admission limits are raised (see bana_sglang.mooncake_env).
+    from bana_sglang.mooncake_env import apply_defaults
+
+    apply_defaults(env)
     env.setdefault("MC_TCP_BIND_ADDRESS", host)
     env.setdefault("SGLANG_HOST_IP", host)
     if not cpu_mode():

@@ -3,20 +3,20 @@ CRC32 of a tensor, and the internal failure type (a reason and a detail)."""
 
 from __future__ import annotations
 
-import os
 import threading
 import zlib
 
 import torch
 
 from bana_sglang.migrate import messages as m
+from bana_sglang.mooncake_env import apply_defaults
 
 
 class TransferEngine:
     """This agent's Mooncake transfer engine (TCP or RDMA), started on first use."""
 
     def __init__(self, host: str, protocol: str = "tcp", device: str = ""):
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        apply_defaults()
         from mooncake.engine import TransferEngine as _TE
 
         self._te = _TE()

@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bana_sglang.mooncake_env import apply_defaults
 from bana_sglang.radix_global.errors import StoreError
 from bana_sglang.radix_global.keys import PageHash
 
@@ -142,7 +143,7 @@ class MooncakeKV:
 
     def __init__(self, config: StoreConfig):
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        apply_defaults()
         from mooncake.store import MooncakeDistributedStore
 
         self.config = config

@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 
 from bana_sglang import _cli
+from bana_sglang.mooncake_env import apply_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", a.host)
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    apply_defaults()
 
     from mooncake.store import MooncakeDistributedStore
 
