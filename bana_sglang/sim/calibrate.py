@@ -362,6 +362,11 @@ def cpu_steal_ticks() -> tuple[int, int]:
     return (f[7] if len(f) > 7 else 0), sum(f[:8])
 
 
+def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """CPU steal between two :func:`cpu_steal_ticks` readings, as a share of all CPU time."""
+    return (after[0] - before[0]) / (after[1] - before[1]) if after[1] > before[1] else 0.0
+
+
 def run_calibrate(args) -> int:
     out = Path(args.out or PROFILE_DIR / "cpu_small_calibrated.json")
     base = load_profile(args.profile)
@@ -374,16 +379,15 @@ def run_calibrate(args) -> int:
     else:
         log_dir = Path(args.log_dir or f"/tmp/bana-calibrate-{int(time.time())}")
         with _cluster(args.model, args.port, log_dir) as cluster:
-            steal0, total0 = cpu_steal_ticks()
+            ticks0 = cpu_steal_ticks()
             prefill, decode, handoff = measure(cluster.plan.endpoint, args.repeats)
             contention = measure_contention(cluster.plan.endpoint, args.repeats)
             contention["pd_handoff_s"] = handoff
             # SGLang runs its overlap event loop unless told not to (the launcher does not)
             contention["prefill_result_lag"] = not any(
                 "--disable-overlap-schedule" in w.argv for w in cluster.plan.workers)
-            steal1, total1 = cpu_steal_ticks()
-        if total1 > total0:
-            print(f"CPU steal (hypervisor) during the measurements: {100 * (steal1 - steal0) / (total1 - total0):.1f}%")
+            steal = steal_share(ticks0, cpu_steal_ticks())
+        print(f"CPU steal (hypervisor) during the measurements: {100 * steal:.1f}%")
         faults = store_faults(log_dir)
         print(f"Mooncake transfer faults in the cluster's logs: {faults['stalls']} batches stalled for the 60 s "
               f"timeout, {faults['failed']} failed transfers" + (
@@ -443,13 +447,12 @@ def _replay_live(args, wl, run: int) -> tuple[list, float, float, dict[str, int]
     with _cluster(args.model, args.port, log_dir) as cluster:
         cfg = _client(cluster.plan.endpoint)
         warm_up(cfg)
-        steal0, total0 = cpu_steal_ticks()
+        ticks0 = cpu_steal_ticks()
         t0 = time.monotonic()
         live = _replay(cfg, wl.requests)
         duration = time.monotonic() - t0
-        steal1, total1 = cpu_steal_ticks()
+        steal = steal_share(ticks0, cpu_steal_ticks())
     makespan = max(r.end_s for r in live) - min(r.scheduled_s for r in live) if live else duration
-    steal = (steal1 - steal0) / (total1 - total0) if total1 > total0 else 0.0
     return live, makespan, steal, store_faults(log_dir)
 
 
