@@ -28,8 +28,9 @@ def bana(**cfg):
                         config=BalancerConfig(**{**CFG.__dict__, **cfg}))
 
 
-def prefill_hot():
-    return [W("p0", Tier.PREFILL, busy=1.0, queued=200_000), W("p1", Tier.PREFILL, busy=0.9),
+def prefill_hot(queued=20_000):
+    """p0 busy with a 1 s backlog: below ``sustained_backlog_s``, so the streak applies."""
+    return [W("p0", Tier.PREFILL, busy=1.0, queued=queued), W("p1", Tier.PREFILL, busy=0.9),
             W("d0", Tier.DECODE, busy=0.1, kv_used=40_000), W("d1", Tier.DECODE, busy=0.2,
                                                              kv_used=80_000)]
 
@@ -140,3 +141,48 @@ def test_rate_limit_and_streak_reset():
     calm = [W("p0", Tier.PREFILL, busy=0.7), W("d0", Tier.DECODE, busy=0.7)]
     seq = [prefill_hot(), prefill_hot(), calm, prefill_hot(), prefill_hot()]
     assert all(b2.plan(ld, float(t)).empty for t, ld in enumerate(seq))
+
+
+def test_a_long_backlog_skips_the_streak_but_not_the_guards():
+    """Queued prompt tokens that keep a worker busy for sustained_backlog_s are no
+    transient peak: the first observation acts; a shorter backlog waits for the streak."""
+    b = bana()
+    long = prefill_hot(queued=int(CFG.sustained_backlog_s * SHAPE.prefill_tokens_per_s))
+    first = b.plan(long, 0.0)
+    assert len(first.actions) == 1 and first.reason.startswith("prefill backlog")
+    assert isinstance(first.actions[0], LayerMigration) and first.actions[0].src == "p0"
+    # the cool-down still holds both workers of that pair
+    later = [b.plan(long, t) for t in (1.0, 2.0, 3.0, 4.0)]
+    assert all(a.src != "p0" and a.dst != "d0" for p in later for a in p.actions)
+    short = bana()
+    below = prefill_hot(queued=int(0.9 * CFG.sustained_backlog_s * SHAPE.prefill_tokens_per_s))
+    plans = plan_after(short, below, 3)
+    assert plans[0].empty and plans[1].empty and plans[2].reason == "rebalance"
+    # a backlog on a cold cluster (every worker below min_peak) is no reason either
+    cold = [W("p0", Tier.PREFILL, busy=0.0, queued=1_000), W("d0", Tier.DECODE)]
+    assert bana(sustained_backlog_s=0.01).plan(cold, 0.0).empty
+
+
+def test_engaged_workers_are_never_picked():
+    """A worker still in a migration takes part in no other (an agent runs one at a time)."""
+    p = plan_after(bana(), prefill_hot(), 3, engaged={WorkerId("d0")})[2]
+    assert [(a.src, a.dst) for a in p.actions] == [("p0", "d1")]
+    for engaged in ({"p0"}, {"d0", "d1"}, {"p0", "d0"}):
+        p = plan_after(bana(), prefill_hot(), 3, engaged={WorkerId(w) for w in engaged})[2]
+        assert not any({a.src, a.dst} & engaged for a in p.actions), (engaged, p)
+    assert plan_after(bana(), prefill_hot(), 3, engaged={WorkerId("d0"), WorkerId("d1")})[2].actions[0].dst == "p1"
+
+
+def test_one_action_per_eight_workers_in_one_plan():
+    hot = [W(f"p{i}", Tier.PREFILL, busy=1.0, queued=20_000) for i in range(3)] + \
+        [W(f"p{i}", Tier.PREFILL, busy=0.2) for i in range(3, 8)] + \
+        [W(f"d{i}", Tier.DECODE, busy=0.1, kv_used=40_000) for i in range(8)]
+    p = plan_after(bana(), hot, 3)[2]
+    assert len(p.actions) == 2  # 16 workers: two actions
+    pairs = [(a.src, a.dst) for a in p.actions]
+    assert len({w for pair in pairs for w in pair}) == 4  # disjoint pairs
+    assert all(src in ("p0", "p1", "p2") for src, _ in pairs)
+    assert len(plan_after(bana(max_actions=1), hot, 3)[2].actions) == 1
+    assert len(plan_after(bana(max_actions=5), hot, 3)[2].actions) == 3  # only three are hot
+    with pytest.raises(BalancerError):
+        BalancerConfig(max_actions=-1)

@@ -118,6 +118,21 @@ def test_a_hot_prefill_tier_moves_tail_layers_to_the_idle_decode_worker(router, 
     assert 'bana_balancer_decisions_total{kind="recall",result="recalled"} 1' in text
 
 
+def test_workers_in_a_started_migration_are_not_picked_again(router, shape):
+    ctl = controller(router, shape, recall_after_s=1e9)
+    router.loads = hot_prefill()
+    assert len(ctl.tick(now=100.0).actions) == 1 and len(ctl.active) == 1
+    # still hot, cool-down over: the only pair is the one already migrating
+    later = ctl.tick(now=200.0)
+    assert later.empty and later.reason == "no beneficial action" and len(router.posts) == 1
+    # a second idle decode worker can take the other prefill worker's tail
+    router.loads = hot_prefill() + [
+        WorkerLoad("http://p1", Tier.PREFILL, queued_prefill_tokens=9000, busy_fraction=1.0, kv_total_tokens=32768),
+        WorkerLoad("http://d1", Tier.DECODE, busy_fraction=0.05, kv_total_tokens=32768)]
+    (act,) = ctl.tick(now=300.0).actions
+    assert (act.src, act.dst) == ("http://p1", "http://d1")
+
+
 def test_a_refused_migration_is_recorded_with_the_answer(router, shape):
     ctl = controller(router, shape)
     router.loads, router.refuse = hot_prefill(), True

@@ -18,10 +18,16 @@ Invariants:
   object the same way.
 - Hysteresis: no action unless ``max U / mean U > imbalance_threshold`` for
   ``consecutive`` observations in a row; the streak only resets once the ratio
-  falls below ``release_threshold``.
-- Rate limit: at most ``max_actions`` actions per plan, at least
+  falls below ``release_threshold``. The streak filters out transient peaks of
+  measured busy time; a prefill worker's queued prompt tokens are not transient
+  (they will keep it busy for ``queued / prefill_tokens_per_s`` seconds at
+  least), so a backlog of ``sustained_backlog_s`` or more counts as sustained at
+  once (a long prompt gets its layers split while it is still being computed).
+- Rate limit: at most ``max_actions`` actions per plan (0: one per 8 workers, at
+  least one, so that a large cluster is not served one pair at a time), at least
   ``min_interval_s`` between non-empty plans, each worker in at most one action
-  per ``cooldown_s``, and never the reverse of a recent action (no ping-pong).
+  per ``cooldown_s``, a worker still in a migration (``engaged``) in none, and
+  never the reverse of a recent action (no ping-pong).
 - Every returned action predicts a lower peak; the plan's ``seconds`` <= budget.
 """
 
@@ -30,7 +36,7 @@ from __future__ import annotations
 import abc
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from bana_sglang.router.policy import RequestId, Tier, WorkerId, WorkerLoad
@@ -38,7 +44,7 @@ from bana_sglang.router.policy import RequestId, Tier, WorkerId, WorkerLoad
 logger = logging.getLogger(__name__)
 
 
-class BalancerError(RuntimeError):
+class BalancerError(ValueError):
     """Unknown balancer name or invalid configuration."""
 
 
@@ -140,6 +146,9 @@ class ModelShape:
             raise BalancerError(f"invalid model shape {self}")
 
 
+WORKERS_PER_ACTION = 8
+
+
 @dataclass(frozen=True)
 class BalancerConfig:
     imbalance_threshold: float = 1.3  # max U / mean U to start counting
@@ -148,17 +157,23 @@ class BalancerConfig:
     cooldown_s: float = 20.0  # per worker, after any action touching it
     min_interval_s: float = 2.0  # between non-empty plans
     budget_s: float = 2.0  # total migration seconds per plan
-    max_actions: int = 1
+    max_actions: int = 0  # per plan; 0: one per WORKERS_PER_ACTION workers (at least one)
     max_layer_fraction: float = 0.5  # of the donor's layers
     min_gain: float = 0.05  # required drop of the pair's peak U
     min_peak: float = 0.6  # do nothing while every worker is below this
     queue_horizon_s: float = 5.0
+    sustained_backlog_s: float = 3.0  # queued prefill work that skips the streak (see above)
+
+    def actions_per_plan(self, num_workers: int) -> int:
+        return self.max_actions or max(1, num_workers // WORKERS_PER_ACTION)
 
     def __post_init__(self) -> None:
         if self.release_threshold > self.imbalance_threshold or self.release_threshold < 1:
             raise BalancerError("need 1 <= release_threshold <= imbalance_threshold")
-        if self.consecutive < 1 or self.max_actions < 1 or self.budget_s <= 0:
-            raise BalancerError(f"invalid balancer config {self}")
+        for name, ok in (("consecutive", self.consecutive >= 1), ("max_actions", self.max_actions >= 0),
+                         ("budget_s", self.budget_s > 0), ("sustained_backlog_s", self.sustained_backlog_s > 0)):
+            if not ok:
+                raise BalancerError(f"invalid balancer config: {name}={getattr(self, name)!r}")
         if not 0 < self.max_layer_fraction < 1:
             raise BalancerError("max_layer_fraction must be in (0, 1)")
 
@@ -188,7 +203,11 @@ class Balancer(abc.ABC):
 
     @abc.abstractmethod
     def plan(self, loads: Sequence[WorkerLoad], now: float,
-             running: Mapping[WorkerId, Sequence[RunningRequest]] | None = None) -> Plan: ...
+             running: Mapping[WorkerId, Sequence[RunningRequest]] | None = None,
+             engaged: Collection[WorkerId] = ()) -> Plan:
+        """``running``: each decode worker's movable requests; ``engaged``: workers
+        still taking part in a migration (an agent runs one at a time), never
+        picked as donor or peer."""
 
 
 class NoneBalancer(Balancer):
@@ -199,7 +218,7 @@ class NoneBalancer(Balancer):
     def __init__(self, **_: object) -> None:
         pass
 
-    def plan(self, loads, now, running=None):
+    def plan(self, loads, now, running=None, engaged=()):
         return Plan(reason="static")
 
 
@@ -221,29 +240,36 @@ class BanaBalancer(Balancer):
         self.shape, self.cost, self.config = shape, cost, config or BalancerConfig()
         self.state = _State()
 
-    def plan(self, loads, now, running=None):
+    def plan(self, loads, now, running=None, engaged=()):
         cfg, st = self.config, self.state
         if len(loads) < 2:
             return Plan(reason="fewer than two workers")
         u = {w.worker_id: utilisation(w, self.shape, cfg) for w in loads}
         peak, mean = max(u.values()), sum(u.values()) / len(u)
         ratio = peak / mean if mean > 0 else 1.0
-        if ratio > cfg.imbalance_threshold and peak >= cfg.min_peak:
+        imbalanced = ratio > cfg.imbalance_threshold and peak >= cfg.min_peak
+        if imbalanced:
             st.streak += 1
         elif ratio < cfg.release_threshold or peak < cfg.min_peak:
             st.streak = 0
-        if st.streak < cfg.consecutive:
+        backlog = max((w.queued_prefill_tokens for w in loads if w.tier is not Tier.DECODE),
+                      default=0) / self.shape.prefill_tokens_per_s
+        sustained = imbalanced and backlog >= cfg.sustained_backlog_s
+        if st.streak < cfg.consecutive and not sustained:
             return Plan(peak_before=peak, peak_after=peak, reason=f"streak {st.streak}")
         if now - st.last_plan < cfg.min_interval_s:
             return Plan(peak_before=peak, peak_after=peak, reason="rate limited")
         by_id = {w.worker_id: w for w in loads}
-        free = [w for w in loads if st.busy_until.get(w.worker_id, -math.inf) <= now]
+        engaged = set(engaged)
+        free = [w for w in loads if w.worker_id not in engaged
+                and st.busy_until.get(w.worker_id, -math.inf) <= now]
         hot_order = sorted(free, key=lambda w: -u[w.worker_id])
         actions: list[Action] = []
         used: set[WorkerId] = set()
         budget = cfg.budget_s
+        max_actions = cfg.actions_per_plan(len(loads))
         for hot in hot_order:
-            if len(actions) >= cfg.max_actions or u[hot.worker_id] < cfg.min_peak:
+            if len(actions) >= max_actions or u[hot.worker_id] < cfg.min_peak:
                 break
             if hot.worker_id in used:
                 continue
@@ -262,14 +288,16 @@ class BanaBalancer(Balancer):
                     break
         if not actions:
             return Plan(peak_before=peak, peak_after=peak, reason="no beneficial action")
-        st.streak, st.last_plan = 0, now
+        st.last_plan = now
         for a in actions:
             st.busy_until[a.src] = st.busy_until[a.dst] = now + cfg.cooldown_s
             st.recent[(a.src, a.dst)] = now
         after = max(u.values())
-        logger.info("balancer plan at %.2fs: %s actions, peak %.3f -> %.3f",
-                    now, len(actions), peak, after)
-        return Plan(tuple(actions), peak_before=peak, peak_after=after, reason="rebalance")
+        reason = "rebalance" if st.streak >= cfg.consecutive else f"prefill backlog {backlog:.1f}s"
+        logger.info("balancer plan at %.2fs: %s actions, peak %.3f -> %.3f (%s)",
+                    now, len(actions), peak, after, reason)
+        st.streak = 0
+        return Plan(tuple(actions), peak_before=peak, peak_after=after, reason=reason)
 
     # -- one donor/peer pair -------------------------------------------------------
     def _pair_action(self, hot: WorkerLoad, cold: WorkerLoad, u: dict[WorkerId, float],

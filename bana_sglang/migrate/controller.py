@@ -150,7 +150,9 @@ class Controller:
     def tick(self, now: float | None = None) -> Plan:
         now = time.monotonic() if now is None else now
         loads = self.loads()
-        plan = self.balancer.plan(loads, now, self.running())
+        # a worker in a migration this controller started takes part in no other
+        engaged = {w for a in self.active for w in (a.src, a.dst)}
+        plan = self.balancer.plan(loads, now, self.running(), engaged=engaged)
         self.ticks += 1
         self.peak = plan.peak_before
         for act in plan.actions:
@@ -304,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-interval-s", type=float, default=d.min_interval_s)
     p.add_argument("--min-peak", type=float, default=d.min_peak)
     p.add_argument("--budget-s", type=float, default=d.budget_s)
+    p.add_argument("--max-actions", type=int, default=d.max_actions,
+                   help="actions per plan; 0: one per 8 workers, at least one")
+    p.add_argument("--sustained-backlog-s", type=float, default=d.sustained_backlog_s,
+                   help="a prefill backlog this long (queued tokens / --prefill-tokens-per-s) acts without the streak")
     p.add_argument("--host", default="127.0.0.1", help="where /metrics and /decisions are served")
     p.add_argument("--port", type=int, default=0, help="0: an ephemeral port (logged)")
     p.add_argument("--log-level", default="INFO")
@@ -314,7 +320,8 @@ def controller_from_args(args: argparse.Namespace) -> Controller:
     cfg = BalancerConfig(imbalance_threshold=args.imbalance_threshold,
                          release_threshold=min(BalancerConfig().release_threshold, args.imbalance_threshold),
                          consecutive=args.consecutive, cooldown_s=args.cooldown_s,
-                         min_interval_s=args.min_interval_s, min_peak=args.min_peak, budget_s=args.budget_s)
+                         min_interval_s=args.min_interval_s, min_peak=args.min_peak, budget_s=args.budget_s,
+                         max_actions=args.max_actions, sustained_backlog_s=args.sustained_backlog_s)
     return Controller(router=args.router, balancer_name=args.balancer,
                       shape=model_shape(args.model_path, args.page_size, args.prefill_tokens_per_s),
                       cost=MigrationCostModel(args.bandwidth_mbps * 1e6), config=cfg, interval_s=args.interval,

@@ -439,7 +439,8 @@ class Simulation:
             w.dirty()
         for lease in list(self._returns):
             self._try_return(lease)
-        plan = self.balancer.plan([w.load(now) for w in self.workers], now, LazyRunning(self.by_id))
+        plan = self.balancer.plan([w.load(now) for w in self.workers], now, LazyRunning(self.by_id),
+                                  engaged=[w.wid for w in self.workers if w.leases])
         for act in plan.actions:
             logger.debug("t=%.1f %s", now, act)
             self._start_action(act)
