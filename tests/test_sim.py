@@ -48,6 +48,37 @@ def test_every_request_finishes_exactly_once(system, trace_slice):
         assert w.kv_reserved == 0 and not w.batch and not w.queue and not w.pending
 
 
+@pytest.mark.parametrize("system", ["global_cache_aware", "load_only", "colocated", "bana"])
+def test_the_no_wait_floor_bounds_every_ttft_without_a_balancer(system, trace_slice):
+    """A request's floor is its TTFT alone on an idle worker with the same hits; only
+    layer migration (the ``bana`` balancer) can beat it, by pipelining a long prompt's
+    chunks across two workers."""
+    fast = workloads.mooncake(limit=400, time_scale=6.0)  # queues build: TTFT > floor for many
+    sim = Simulation(system_config(system, ANCHOR), fast, system=system)
+    res = sim.run()
+    p = sim.p
+    for r in sim.records:
+        cached = r.hbm_hit_tokens + r.store_hit_tokens
+        assert r.floor_s >= p.lone_prefill_seconds(r.input_len - cached, cached) > 0
+    below = [r for r in sim.records if r.ttft < r.floor_s - 1e-9]
+    if system == "bana":
+        assert below, "layer migration never split a prompt below its floor"
+        assert res.migrations > 0
+    else:
+        assert not below, below[:3]
+    assert res.ttft_floor_mean == pytest.approx(sum(r.floor_s for r in sim.records) / len(sim.records))
+    assert res.ttft_mean > res.ttft_floor_mean or system == "bana"
+
+
+def test_lone_prefill_is_chunked_like_the_simulator():
+    p = load_profile("h100_llama3_8b")
+    c = p.max_prefill_tokens
+    assert p.lone_prefill_seconds(c) == pytest.approx(p.prefill_seconds(c, 0))
+    two = p.prefill_seconds(c, 0) + p.prefill_seconds(c // 2, c)
+    assert p.lone_prefill_seconds(c + c // 2) == pytest.approx(two)
+    assert p.lone_prefill_seconds(c // 2, 1000) == pytest.approx(p.prefill_seconds(c // 2, 1000))
+
+
 def test_deterministic_with_a_seed(trace_slice):
     cfg = system_config("bana", ANCHOR)
     a = Simulation(cfg, trace_slice)

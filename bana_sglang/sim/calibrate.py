@@ -98,12 +98,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def chunked_prefill_seconds(p: Profile, n: int) -> float:
     """A fresh ``n``-token prompt prefilled alone in chunks of ``max_prefill_tokens`` (as the simulator does)."""
-    done, t = 0, 0.0
-    while done < n:
-        take = min(p.max_prefill_tokens, n - done)
-        t += p.prefill_seconds(take, done)
-        done += take
-    return t
+    return p.lone_prefill_seconds(n)
 
 
 def fit_prefix_cost(p: Profile, chunked: list[tuple[int, float]]) -> float:

@@ -419,9 +419,21 @@ class Simulation:
         self.records.append(RequestRecord(
             r.rid, r.arrival, job.first_token, now, r.input_len, r.output_len, job.hbm_tokens,
             job.store_tokens, job.prefill.wid if job.prefill else "",
-            holder.wid if holder is not None else ""))
+            holder.wid if holder is not None else "", self._floor(job)))
         self.policy.on_finish(RouteRequest(job.rid, r.input_len, r.hashes, r.output_len, self.page),
                               job.prefill.wid if job.prefill else WorkerId(""))
+
+    def _floor(self, job: Job) -> float:
+        """``job``'s TTFT had it arrived at an idle worker with the same cache hits: its
+        chunks back to back, plus what of its store load the first chunk does not hide
+        (``_kick``'s accounting, without queueing, contention or migration)."""
+        p = self.p
+        compute = p.lone_prefill_seconds(job.new_tokens, job.cached_tokens)
+        load = p.store_seconds(job.store_tokens) / self.store_bw_scale
+        if self.cfg.layerwise_load:
+            first = p.prefill_seconds(min(p.max_prefill_tokens, job.new_tokens), job.cached_tokens)
+            return compute + max(0.0, load - first)
+        return compute + load
 
     # -- balancer ------------------------------------------------------------------------
     def _on_tick(self, _a, _b) -> None:

@@ -28,6 +28,7 @@ class RequestRecord:
     store_hit_tokens: int
     prefill_worker: str
     decode_worker: str
+    floor_s: float = 0.0  # its TTFT alone on an idle worker without migration (Profile.lone_prefill_seconds)
 
     @property
     def ttft(self) -> float:
@@ -62,6 +63,10 @@ class SimResult:
     migration_bytes: int
     wall_s: float
     rejected: int = 0  # requests whose KV can never fit a worker (not in the latencies)
+    # mean no-wait TTFT: each request alone on an idle worker with its cache hits, no
+    # migration; ttft_mean - this is queueing (and what a balancer can remove by
+    # spreading load; only splitting a prompt's layers can go below it)
+    ttft_floor_mean: float = math.nan
 
     def row(self) -> dict:
         return asdict(self)
@@ -89,6 +94,7 @@ def summarise(system: str, records: list[RequestRecord], n_requests: int, *,
                          prefill_imbalance=1.0, prefill_cv=0.0, migrations=migrations,
                          migration_bytes=migration_bytes, wall_s=wall_s, rejected=rejected)
     ttft = [r.ttft for r in records]
+    floor = statistics.fmean(r.floor_s for r in records)
     tpot = [r.tpot for r in records if r.output_len > 1] or [0.0]
     e2e = [r.finish - r.arrival for r in records]
     start = min(r.arrival for r in records)
@@ -110,4 +116,5 @@ def summarise(system: str, records: list[RequestRecord], n_requests: int, *,
         store_hit_rate=sum(r.store_hit_tokens for r in records) / max(1, prompt),
         prefill_imbalance=max(b) / mean_b if mean_b > 0 else 1.0,
         prefill_cv=statistics.pstdev(b) / mean_b if mean_b > 0 else 0.0,
-        migrations=migrations, migration_bytes=migration_bytes, wall_s=wall_s, rejected=rejected)
+        migrations=migrations, migration_bytes=migration_bytes, wall_s=wall_s, rejected=rejected,
+        ttft_floor_mean=floor)

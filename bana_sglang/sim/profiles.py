@@ -146,6 +146,17 @@ class Profile:
     def prefill_seconds(self, new: int, cached: int) -> float:
         return self.prefill_fixed_s + self.prefill_flops(new, cached) / self.flops_per_s
 
+    def lone_prefill_seconds(self, new: int, cached: int = 0) -> float:
+        """``new`` tokens after a ``cached`` prefix prefilled alone on an idle worker, in
+        chunks of ``max_prefill_tokens`` as the simulator schedules them (no queueing,
+        no host contention, no layer migration)."""
+        done, t = 0, 0.0
+        while done < new:
+            take = min(self.max_prefill_tokens, new - done)
+            t += self.prefill_seconds(take, cached + done)
+            done += take
+        return t
+
     def decode_step_seconds(self, batch: int, kv_tokens: float) -> float:
         hbm = self.hbm_bytes_per_s * self.hbm_efficiency
         mem = self.weight_bytes / hbm + kv_tokens * self.kv_bytes_per_token / (self.kv_read_bytes_per_s or hbm)
