@@ -180,6 +180,31 @@ def test_the_decode_fit_separates_per_request_work_from_kv_reads():
     assert math.isclose(got.decode_step_seconds(16, 20000), truth.decode_step_seconds(16, 20000), rel_tol=1e-6)
 
 
+def test_a_decode_intercept_shorter_than_the_weights_read_keeps_the_measured_steps():
+    """On a machine that reads the small model's weights faster than the profile's
+    bandwidth (its caches hold much of them), the fit's intercept is below the
+    weights' read: the fitted steps must still be the measured ones, not the
+    weights' read plus a clipped overhead (the 2026-12-01 calibration predicted
+    every step ~10 ms too slow that way)."""
+    from bana_sglang.sim.calibrate import MIN_DECODE_FIXED_S, fit_decode
+
+    # the peak as calibrate() leaves it (the fitted prefill rate), so that the law's compute
+    # term stays below its memory term at these batches, as in the live fit
+    base = replace(load_profile("cpu_small"), peak_flops=6e10, mfu=1.0)
+    weights = base.weight_bytes / (base.hbm_bytes_per_s * base.hbm_efficiency)
+    points = [(1, 144), (4, 576), (8, 1152), (4, 4160), (8, 4224)]
+    # a step of 1e-3 + per-request + KV, with no room for the profile's weights' read
+    measured = [(b, kv, 0.001 + 0.0015 * b + kv * base.kv_bytes_per_token / 2e9) for b, kv in points]
+    assert min(t for _, _, t in measured) < weights
+    got = fit_decode(base, measured)
+    assert got.decode_fixed_s == MIN_DECODE_FIXED_S and got.hbm_bytes_per_s > base.hbm_bytes_per_s
+    for b, kv, t in measured:
+        assert math.isclose(got.decode_step_seconds(b, kv), t, rel_tol=1e-6), (b, kv)
+    # a slow machine keeps the profile's bandwidth and puts the rest in the overhead
+    slow = fit_decode(base, [(b, kv, t + weights) for b, kv, t in measured])
+    assert slow.hbm_bytes_per_s == base.hbm_bytes_per_s and math.isclose(slow.decode_fixed_s, 0.001, rel_tol=1e-6)
+
+
 def test_chunked_prompts_fit_the_cost_of_attending_over_a_cached_prefix():
     from bana_sglang.sim.calibrate import chunked_prefill_seconds
 
