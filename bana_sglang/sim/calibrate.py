@@ -11,7 +11,7 @@ and measures, through the router, one request at a time:
   per-step overhead ``decode_fixed_s`` is what the profile's decode law
   (with the fitted ``mfu``) leaves unexplained;
 - host contention (both workers share this machine's cores): a
-  ``CONTENTION_PROMPT``-token prefill while a batch of 4 decodes, against each
+  ``CONTENTION_PROMPT``-token prefill while ``CONTENTION_DECODE`` decodes, against each
   alone. ``host_contention_prefill`` is the prefill's TTFT with / alone,
   ``host_contention_decode`` the decode steps' mean gap during that prefill /
   the batch's TPOT alone. The fidelity run simulates one shared host with them.
@@ -49,10 +49,15 @@ logger = logging.getLogger("bana_sglang.sim.calibrate")
 
 PREFILL_LENGTHS = (128, 512, 1024, 2048, 3072, 4096)
 CHUNKED_LENGTHS = (6144, 8192)  # longer than a chunk: the later chunks attend over a cached prefix
-DECODE_BATCHES = (1, 4, 8)
-# (batch, prompt tokens): short prompts at each batch size, then a large KV (one prefill chunk each)
-DECODE_POINTS = tuple((b, 128) for b in DECODE_BATCHES) + ((4, 1024), (8, 512))
+# Decode batches (prompt lengths of requests decoding together): short prompts at
+# batch 1, 4 and 8, then a large KV. The lengths are mixed, as in the trace's bursts:
+# the longest is more than twice the mean, so the CPU kernel takes its per-request
+# path (kernels.cpu_attention.DECODE_PAD_WASTE), which the live cluster ran 1.2x
+# slower than a batch of equal lengths with the same KV (2 runs each, 2026-12-01).
+DECODE_POINTS = ((128,), (32, 64, 96, 320), (32, 32, 64, 64, 96, 96, 160, 480),
+                 (256, 512, 1024, 2304), (128, 128, 256, 256, 384, 512, 1024, 1408))
 CONTENTION_PROMPT = 2048
+CONTENTION_DECODE = DECODE_POINTS[-1]
 MIN_DECODE_FIXED_S = 1e-4
 WARM_BURST = (1792, 1536, 1280, 1024, 768, 512, 256, 128)  # 7296 tokens
 
@@ -245,14 +250,16 @@ def measure(endpoint: str, repeats: int = 2) -> tuple[list[tuple[int, float]], l
         prefill.append((n, rec.ttft))
         logger.info("prefill %5d tokens (chunked): TTFT %.3fs", n, rec.ttft)
     decode, handoffs = [], []
-    for bsz, plen in DECODE_POINTS:
+    for lens in DECODE_POINTS:
         seed += 1
-        reqs = [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed * 100 + i, plen), max_tokens=33) for i in range(bsz)]
+        bsz = len(lens)
+        reqs = [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed * 100 + i, n), max_tokens=33)
+                for i, n in enumerate(lens)]
         recs = _replay(cfg, reqs)
         split = [steady_and_handoff(r) for r in recs]
         tpot = statistics.fmean(x[0] for x in split)
         handoffs += [x[1] for x in split]
-        decode.append((bsz, bsz * (plen + 16), tpot))
+        decode.append((bsz, sum(lens) + 16 * bsz, tpot))  # KV at the mean measured step
         logger.info("decode batch %d: TPOT %.4fs (after the second token), hand-off %.3fs", bsz, tpot,
                     statistics.fmean(x[1] for x in split))
     return prefill, decode, statistics.median(handoffs)
@@ -275,9 +282,11 @@ def steady_and_handoff(r) -> tuple[float, float]:
 
 
 def measure_contention(endpoint: str, repeats: int = 2) -> dict:
-    """A ``CONTENTION_PROMPT``-token prefill and a batch of 4 decodes, each alone
-    and then together (the prefill arrives 1.5 s into the decode); means over
-    ``repeats``."""
+    """A ``CONTENTION_PROMPT``-token prefill and a decode batch of
+    ``CONTENTION_DECODE`` (the largest decode point: a decode with a large,
+    mixed KV is the one the trace's bursts run, and it loses more to a
+    concurrent prefill than a small one), each alone and then together (the
+    prefill arrives 0.5 s after the batch's first tokens); means over ``repeats``."""
     from bench.workloads import Request
 
     cfg = _client(endpoint)
@@ -285,14 +294,16 @@ def measure_contention(endpoint: str, repeats: int = 2) -> dict:
     seed = 5000
     for _ in range(repeats):
         seed += 10
-        recs = _replay(cfg, [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed + i, 128), max_tokens=33)
-                             for i in range(4)])
+        recs = _replay(cfg, [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed + 10 * i, n), max_tokens=33)
+                             for i, n in enumerate(CONTENTION_DECODE)])
         out.setdefault("decode_alone_s", []).append(statistics.fmean(steady_and_handoff(r)[0] for r in recs))
-        rec, = _replay(cfg, [Request(rid=9, arrival_s=0.0, prompt=_fresh(seed + 5, CONTENTION_PROMPT), max_tokens=2)])
+        started = max(r.ttft for r in recs) + 0.5  # every request of the batch decoding
+        rec, = _replay(cfg, [Request(rid=99, arrival_s=0.0, prompt=_fresh(seed + 5, CONTENTION_PROMPT),
+                                     max_tokens=2)])
         out.setdefault("prefill_alone_s", []).append(rec.ttft)
-        big = Request(rid=99, arrival_s=1.5, prompt=_fresh(seed + 6, CONTENTION_PROMPT), max_tokens=2)
-        recs = _replay(cfg, [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed + 7 + i, 128), max_tokens=160)
-                             for i in range(4)] + [big])
+        big = Request(rid=99, arrival_s=started, prompt=_fresh(seed + 6, CONTENTION_PROMPT), max_tokens=2)
+        recs = _replay(cfg, [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed + 7 + 10 * i, n), max_tokens=160)
+                             for i, n in enumerate(CONTENTION_DECODE)] + [big])
         b = next(r for r in recs if r.rid == 99)
         gaps = decode_gaps_during([r for r in recs if r.rid != 99], b.send_s, b.first_token_s)
         if not gaps:
@@ -410,7 +421,7 @@ def run_calibrate(args) -> int:
         "prefill_fixed_s": f"fitted {day}: intercept of the same fit (router, PD bootstrap and transfer, "
                            "first decode step included)",
         "decode_fixed_s": f"fitted {day}: intercept of a least-squares fit of the step time (after the second "
-                          f"token) on batch and KV bytes, (batch, prompt) {list(DECODE_POINTS)}, "
+                          f"token) on batch and KV bytes, batches of mixed prompt lengths {list(DECODE_POINTS)}, "
                           "less the weights' read",
         "decode_per_request_s": f"fitted {day}: the same fit's batch coefficient",
         "kv_read_bytes_per_s": f"fitted {day}: 1 / the same fit's KV-byte coefficient",
@@ -420,10 +431,10 @@ def run_calibrate(args) -> int:
                         "- their later step time)",
         "prefill_result_lag": "SGLang's overlap event loop (its default, kept by the launcher): a prefill batch's "
                               "results go out after the next batch computes",
-        "host_contention_prefill": f"measured {day}: TTFT of a {CONTENTION_PROMPT}-token prompt while 4 requests "
-                                   "decode / alone (both workers on this machine's cores)",
-        "host_contention_decode": f"measured {day}: mean decode step of 4 requests during a {CONTENTION_PROMPT}-"
-                                  "token prefill / their TPOT alone",
+        "host_contention_prefill": f"measured {day}: TTFT of a {CONTENTION_PROMPT}-token prompt while the batch "
+                                   "decodes / alone (both workers on this machine's cores)",
+        "host_contention_decode": f"measured {day}: mean decode step of a batch of prompts {list(CONTENTION_DECODE)} "
+                                  f"during a {CONTENTION_PROMPT}-token prefill / their TPOT alone",
     }
     if prof.hbm_bytes_per_s != base.hbm_bytes_per_s:
         notes["hbm_bytes_per_s"] = (f"fitted {day}: the decode fit's intercept was shorter than reading the weights "
