@@ -301,7 +301,11 @@ def test_a_guest_that_stops_answering_after_the_switch(cluster, single_server):
             finally:
                 os.kill(guest_pid, signal.SIGCONT)
         assert got == want
-        assert info.reason == "peer_lost" and "no answer" in info.detail
+        # the freeze lands before the guest answers the step ("no answer from the guest") or
+        # after it answered but before its output was read (the bounded transfer-engine read)
+        assert info.reason == "peer_lost", info
+        assert "no answer from the guest" in info.detail or (
+            "reading the guest's output" in info.detail and "no data from the transfer engine" in info.detail), info
         st = decode_agent.call(m.Status)
         assert [(p.start, p.stop, p.executor) for p in st.placement] == [(0, 4, "decode-0")]
     finally:
