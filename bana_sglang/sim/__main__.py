@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from bana_sglang import _cli
 from bana_sglang.migrate.balancer import BALANCERS
 from bana_sglang.router.policy import POLICIES
 from bana_sglang.sim.config import STORES, SYSTEMS, SimConfig, system_config
@@ -160,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.cmd in ("calibrate", "fidelity"):
+        # they run live clusters inside ``with``: SIGTERM must unwind it, or SGLang's
+        # grandchildren outlive the command (seen: two detokenizers after a killed calibrate)
+        _cli.exit_on_sigterm()
     return args.fn(args)
 
 
