@@ -50,10 +50,11 @@ logger = logging.getLogger("bana_sglang.sim.calibrate")
 PREFILL_LENGTHS = (128, 512, 1024, 2048, 3072, 4096)
 CHUNKED_LENGTHS = (6144, 8192)  # longer than a chunk: the later chunks attend over a cached prefix
 # Decode batches (prompt lengths of requests decoding together): short prompts at
-# batch 1, 4 and 8, then a large KV. The lengths are mixed, as in the trace's bursts:
-# the longest is more than twice the mean, so the CPU kernel takes its per-request
-# path (kernels.cpu_attention.DECODE_PAD_WASTE), which the live cluster ran 1.2x
-# slower than a batch of equal lengths with the same KV (2 runs each, 2026-12-01).
+# batch 1, 4 and 8, then a large KV. The lengths are mixed, as in the trace's bursts
+# (the longest more than twice the mean, so the CPU kernel takes its per-request path,
+# kernels.cpu_attention.DECODE_PAD_WASTE): the live cluster ran such batches 1.2x
+# slower than equal lengths with the same KV (2 runs each, 2026-12-01), more than the
+# kernel alone accounts for.
 DECODE_POINTS = ((128,), (32, 64, 96, 320), (32, 32, 64, 64, 96, 96, 160, 480),
                  (256, 512, 1024, 2304), (128, 128, 256, 256, 384, 512, 1024, 1408))
 CONTENTION_PROMPT = 2048
@@ -218,6 +219,15 @@ def decode_gaps_during(decoding: list, t0: float, t1: float) -> list[float]:
     return gaps
 
 
+def _batch(lens, seed: int, max_tokens: int, *, stride: int = 1, rid0: int = 0) -> list:
+    """Requests arriving together with fresh prompts of ``lens`` tokens (request i's
+    prompt seeded ``seed + stride * i``)."""
+    from bench.workloads import Request
+
+    return [Request(rid=rid0 + i, arrival_s=0.0, prompt=_fresh(seed + stride * i, n), max_tokens=max_tokens)
+            for i, n in enumerate(lens)]
+
+
 def warm_up(cfg) -> None:
     """Two fresh prompts (256 and 2048 tokens) through the cluster before anything
     is measured: the first requests after start-up pay one-off costs (connections,
@@ -227,8 +237,7 @@ def warm_up(cfg) -> None:
     for i, n in enumerate((256, 2048)):
         _replay(cfg, [Request(rid=i, arrival_s=0.0, prompt=_fresh(900 + i, n), max_tokens=4)])
     # a burst of mixed lengths decoding together (WARM_BURST tokens of KV at once)
-    _replay(cfg, [Request(rid=10 + i, arrival_s=0.0, prompt=_fresh(910 + i, n), max_tokens=16)
-                  for i, n in enumerate(WARM_BURST)])
+    _replay(cfg, _batch(WARM_BURST, 910, 16, rid0=10))
 
 
 def measure(endpoint: str, repeats: int = 2) -> tuple[list[tuple[int, float]], list[tuple[int, int, float]]]:
@@ -253,9 +262,7 @@ def measure(endpoint: str, repeats: int = 2) -> tuple[list[tuple[int, float]], l
     for lens in DECODE_POINTS:
         seed += 1
         bsz = len(lens)
-        reqs = [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed * 100 + i, n), max_tokens=33)
-                for i, n in enumerate(lens)]
-        recs = _replay(cfg, reqs)
+        recs = _replay(cfg, _batch(lens, seed * 100, 33))
         split = [steady_and_handoff(r) for r in recs]
         tpot = statistics.fmean(x[0] for x in split)
         handoffs += [x[1] for x in split]
@@ -294,16 +301,14 @@ def measure_contention(endpoint: str, repeats: int = 2) -> dict:
     seed = 5000
     for _ in range(repeats):
         seed += 10
-        recs = _replay(cfg, [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed + 10 * i, n), max_tokens=33)
-                             for i, n in enumerate(CONTENTION_DECODE)])
+        recs = _replay(cfg, _batch(CONTENTION_DECODE, seed, 33, stride=10))
         out.setdefault("decode_alone_s", []).append(statistics.fmean(steady_and_handoff(r)[0] for r in recs))
         started = max(r.ttft for r in recs) + 0.5  # every request of the batch decoding
         rec, = _replay(cfg, [Request(rid=99, arrival_s=0.0, prompt=_fresh(seed + 5, CONTENTION_PROMPT),
                                      max_tokens=2)])
         out.setdefault("prefill_alone_s", []).append(rec.ttft)
         big = Request(rid=99, arrival_s=started, prompt=_fresh(seed + 6, CONTENTION_PROMPT), max_tokens=2)
-        recs = _replay(cfg, [Request(rid=i, arrival_s=0.0, prompt=_fresh(seed + 7 + 10 * i, n), max_tokens=160)
-                             for i, n in enumerate(CONTENTION_DECODE)] + [big])
+        recs = _replay(cfg, _batch(CONTENTION_DECODE, seed + 7, 160, stride=10) + [big])
         b = next(r for r in recs if r.rid == 99)
         gaps = decode_gaps_during([r for r in recs if r.rid != 99], b.send_s, b.first_token_s)
         if not gaps:
