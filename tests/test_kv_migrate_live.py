@@ -109,11 +109,14 @@ def test_a_recall_while_requests_run_brings_the_pages_home(cluster, single_serve
     """``recall`` on the lender, or ``reclaim`` on the host (it needs its memory:
     it asks the lender to recall)."""
     prompts = prompts_of(22 if who == "lender" else 23, 3, base=150, step=30)
-    want = [generate(single_server, ids, NEW) for ids in prompts]
+    # longer answers than the other tests: the two CLI calls (a second or more of imports each on
+    # a loaded machine) must land while the requests still run, or the pages are home already
+    n = 3 * NEW
+    want = [generate(single_server, ids, n) for ids in prompts]
     wait_idle_and_whole(cluster)
     mid = f"kv-recall-{who}"
     with ThreadPoolExecutor(3) as pool:
-        running = [pool.submit(generate, cluster.url, ids, NEW, KEY) for ids in prompts]
+        running = [pool.submit(generate, cluster.url, ids, n, KEY) for ids in prompts]
         wait_running(cluster, 2)
         out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "12", "--id", mid, "--wait")
         assert out.returncode == 0, out.stdout + out.stderr

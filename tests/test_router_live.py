@@ -182,7 +182,14 @@ def test_killed_prefill_worker_requests_are_retried_and_none_hangs(live):
     async def flow():
         async with httpx.AsyncClient(timeout=180, headers=AUTH) as c:
             tasks = [asyncio.create_task(c.post(cluster.url + "/generate", json=r)) for r in reqs]
-            await asyncio.sleep(0.3)
+            # kill while the router has a request of the victim's in flight (a fixed sleep once
+            # landed after every prefill had finished, and then no request needed a retry)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not any(t.done() for t in tasks):
+                ws = (await c.get(cluster.url + "/bana/router/workers")).json()["workers"]
+                if any(w["url"] == prefill_urls[-1] and w["inflight"] > 0 for w in ws):
+                    break
+                await asyncio.sleep(0.02)
             for p in [victim, *victim.children(recursive=True)]:
                 p.kill()
             return await asyncio.gather(*tasks)
@@ -192,9 +199,16 @@ def test_killed_prefill_worker_requests_are_retried_and_none_hangs(live):
     assert time.monotonic() - t0 < 240
     assert [a.status_code for a in answers] == [200] * len(reqs), [a.text[:200] for a in answers]
     assert [a.json()["output_ids"] for a in answers] == ref
-    state = {w["url"]: w for w in httpx.get(cluster.url + "/bana/router/workers", headers=AUTH,
-                                             timeout=30).json()["workers"]}
-    assert not state[prefill_urls[-1]]["healthy"]
+    # a request that was in flight on it marked it down; if its prefill had just finished, the
+    # next load poll (every 0.25 s, a slow one given up after 2 s) finds it dead
+    deadline = time.monotonic() + 10
+    while True:
+        state = {w["url"]: w for w in httpx.get(cluster.url + "/bana/router/workers", headers=AUTH,
+                                                 timeout=30).json()["workers"]}
+        if not state[prefill_urls[-1]]["healthy"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not state[prefill_urls[-1]]["healthy"], state[prefill_urls[-1]]
     # the launcher keeps serving on the surviving workers
     assert cluster.proc.poll() is None
     ok = httpx.post(cluster.url + "/generate", json=reqs[0], headers=AUTH, timeout=120)
