@@ -7,7 +7,7 @@ import pytest
 from bana_sglang.migrate.balancer import (BALANCERS, BalancerConfig, BalancerError,
                                           KVBlockMigration, LayerMigration, MigrationCostModel,
                                           ModelShape, RequestMigration, RunningRequest,
-                                          get_balancer)
+                                          get_balancer, split_speeds, utilisation)
 from bana_sglang.router.policy import RequestId, Tier, WorkerId, WorkerLoad
 
 GB = 1_000_000_000
@@ -161,6 +161,25 @@ def test_a_long_backlog_skips_the_streak_but_not_the_guards():
     # a backlog on a cold cluster (every worker below min_peak) is no reason either
     cold = [W("p0", Tier.PREFILL, busy=0.0, queued=1_000), W("d0", Tier.DECODE)]
     assert bana(sustained_backlog_s=0.01).plan(cold, 0.0).empty
+
+
+def test_split_speeds_and_the_utilisation_they_give():
+    """Half the layers away: the donor computes half of every chunk (twice the speed);
+    the peer gives the guest layers the donor's rate of work on them, capped."""
+    assert split_speeds(32, 0, 1.0) == (1.0, 1.0)
+    assert split_speeds(32, 16, 0.5) == pytest.approx((2.0, 0.5))
+    assert split_speeds(32, 8, 0.9) == pytest.approx((32 / 24, 1 - 0.9 / 3))
+    assert split_speeds(32, 16, 1.0)[1] == pytest.approx(0.2)  # the cap: the peer keeps 20%
+    assert split_speeds(32, 8, 0.0)[1] == pytest.approx(1 - 0.2 / 3)  # counted at least 20% busy
+    for bad in (-1, 32, 40):
+        with pytest.raises(BalancerError, match="moved"):
+            split_speeds(32, bad, 0.5)
+    queued = int(CFG.queue_horizon_s * SHAPE.prefill_tokens_per_s)  # one horizon of work
+    alone = W("p0", Tier.PREFILL, busy=0.5, queued=queued)
+    fast = WorkerLoad(WorkerId("p0"), Tier.PREFILL, queued_prefill_tokens=queued, busy_fraction=0.5,
+                      prefill_speed=2.0)
+    assert utilisation(alone, SHAPE, CFG) == pytest.approx(1.5)
+    assert utilisation(fast, SHAPE, CFG) == pytest.approx(1.0)
 
 
 def test_engaged_workers_are_never_picked():

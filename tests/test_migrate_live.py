@@ -192,6 +192,19 @@ def wait_state(c, worker: str, mid: str, states: tuple[str, ...], timeout: float
     return x
 
 
+def router_speeds(c, until, timeout: float = 15) -> dict[str, float]:
+    """Each worker's prefill speed in the router's loads, once ``until(speeds)`` holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ws = httpx.get(c.url + "/bana/router/workers", headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=30).json()["workers"]
+        speeds = {w["url"]: w["load"]["prefill_speed"] for w in ws}
+        if until(speeds):
+            return speeds
+        assert time.monotonic() < deadline, speeds
+        time.sleep(0.3)
+
+
 def test_prefill_layers_run_on_the_decode_worker_then_come_home(cluster, single_server):
     """Moving compute: layers [1, 3) of the prefill worker execute on the decode
     worker from a batch boundary on, while requests run; then a recall reads the
@@ -222,6 +235,10 @@ def test_prefill_layers_run_on_the_decode_worker_then_come_home(cluster, single_
     after = migration(cluster, "prefill-0", "sw-prefill")
     assert after["steps"] > before["steps"] and after["shipped_rows"] >= before["shipped_rows"] + 64
     urls = {w: a[w]["url"] for w in a}
+    # the router reads the placements: prefill-0 computes 2 of its 4 layers (twice the
+    # prefill speed), decode-0 gives them part of its time
+    speeds = router_speeds(cluster, lambda s: s[urls["prefill-0"]] != 1.0)
+    assert speeds[urls["prefill-0"]] == pytest.approx(2.0) and speeds[urls["decode-0"]] < 1.0, speeds
     assert counter(urls["prefill-0"], "bana_migrate_migrations_switched_total") == 1
     assert counter(urls["decode-0"], "bana_migrate_guest_steps_total") >= after["steps"]
     # recall: the weights come back from the decode worker, checked against their CRC32
@@ -229,6 +246,7 @@ def test_prefill_layers_run_on_the_decode_worker_then_come_home(cluster, single_
     assert out.returncode == 0 and "sw-prefill: home" in out.stdout, out.stdout + out.stderr
     a = agents(cluster)
     assert a["prefill-0"]["placement"] == [{"start": 0, "stop": 4, "executor": "prefill-0"}]
+    router_speeds(cluster, lambda s: all(v == 1.0 for v in s.values()))
     assert [generate(cluster.url, ids, 12, KEY) for ids in prompts[:3]] == want[:3]
     deadline = time.monotonic() + 30
     while agents(cluster)["decode-0"]["guest_bytes"] and time.monotonic() < deadline:

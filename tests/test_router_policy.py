@@ -63,6 +63,20 @@ def test_bana_routes_by_load_only():
     assert pol.pick_prefill(req(hashes=range(8)), loads) == "p1"
 
 
+def test_load_aware_policies_compare_queues_at_each_workers_prefill_speed():
+    """A donor whose layers partly run on a peer drains its queue faster, the peer
+    slower: 10k queued tokens at speed 2 are 5k tokens of work, less than 6k at 1."""
+    loads = [P(0, queued_prefill_tokens=10_000, prefill_speed=2.0), P(1, queued_prefill_tokens=6_000),
+             P(2, queued_prefill_tokens=4_000, prefill_speed=0.5)]
+    assert loads[0].prefill_backlog_tokens == 5_000 and loads[2].prefill_backlog_tokens == 8_000
+    assert get_policy("bana").pick_prefill(req(), loads) == "p0"
+    assert get_policy("global_cache_aware").pick_prefill(req(), loads) == "p0"
+    same = [dataclasses.replace(w, prefill_speed=1.0) for w in loads]
+    assert get_policy("bana").pick_prefill(req(), same) == "p2"
+    with pytest.raises(ValueError, match="prefill_speed"):
+        P(3, prefill_speed=0.0)
+
+
 def test_bana_spreads_a_hot_prefix_while_cache_aware_concentrates_it():
     hashes = tuple(range(16))
     bana, ca = get_policy("bana"), get_policy("cache_aware")

@@ -279,3 +279,64 @@ def test_api_key_body_size_and_json_errors():
             async with c.get("/metrics", headers=h) as r:
                 assert 'bana_router_requests_total{endpoint="completions",status="413"}' in await r.text()
     run(go())
+
+
+def _status(worker: str, placement: list[tuple[int, int, str]], states: tuple[str, ...] = ()):
+    from bana_sglang.migrate import messages as m
+
+    return m.StatusResult(
+        id="s", worker=worker, role="prefill", num_layers=4, guest_bytes=0,
+        placement=[m.Placement(start=a, stop=b, executor=e) for a, b, e in placement],
+        migrations=[m.MigrationInfo(migration=f"m{i}", side="source", peer="x", start=2, stop=4, state=s,
+                                    bytes_done=0, bytes_total=1, seconds=0.0) for i, s in enumerate(states)])
+
+
+def test_prefill_speeds_come_from_the_agents_placements_while_layers_are_away():
+    """prefill-0's layers [2, 4) run on decode-0: the donor drains its queue twice as
+    fast, decode-0 gives them the donor's busy share; the router's loads carry both,
+    and once every placement is home again the loop sets 1.0 and goes idle."""
+    from bana_sglang.migrate.balancer import split_speeds
+    from bana_sglang.router.admin import AdminAPI, layer_split_speeds
+
+    away = {"http://p0": _status("prefill-0", [(0, 2, "prefill-0"), (2, 4, "decode-0")], ("remote",)),
+            "http://d0": _status("decode-0", [(0, 4, "decode-0")]),
+            "http://p1": _status("prefill-1", [(0, 4, "prefill-1")])}
+    speeds = layer_split_speeds(away, {"http://p0": 0.6})
+    assert speeds == pytest.approx({"http://p0": 2.0, "http://d0": split_speeds(4, 2, 0.6)[1],
+                                    "http://p1": 1.0})
+    assert speeds["http://d0"] == pytest.approx(0.4)
+    # a peer whose agent did not answer is left out (it keeps 1.0); the donor is still known
+    assert layer_split_speeds({"http://p0": away["http://p0"]}, {}) == {"http://p0": 2.0}
+
+    admin = AdminAPI(())
+    rounds = [away, {**away, "http://p0": _status("prefill-0", [(0, 4, "prefill-0")], ("recalling",))},
+              {**away, "http://p0": _status("prefill-0", [(0, 4, "prefill-0")], ("home",))}]
+    calls, applied = [], []
+
+    async def statuses():
+        calls.append(1)
+        return rounds[min(len(calls), len(rounds)) - 1]
+
+    admin._statuses = statuses
+    import bana_sglang.router.admin as admin_mod
+
+    async def go():
+        admin_mod.SPEED_REFRESH_S, saved = 0.01, admin_mod.SPEED_REFRESH_S
+        task = asyncio.create_task(admin.speed_loop(lambda: {"http://p0": 0.6}, applied.append))
+        try:
+            await asyncio.sleep(0.1)
+            assert not calls  # idle until a layer migration is started here
+            admin.layers_out = True
+            for _ in range(100):
+                if not admin.layers_out:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+            admin_mod.SPEED_REFRESH_S = saved
+
+    run(go())
+    assert not admin.layers_out and len(calls) == 3  # away, recalling (still in flight), home
+    assert applied[0]["http://p0"] == pytest.approx(2.0)
+    assert applied[-1] == {"http://p0": 1.0, "http://d0": 1.0, "http://p1": 1.0}
+    admin.close()

@@ -70,6 +70,34 @@ def test_the_no_wait_floor_bounds_every_ttft_without_a_balancer(system, trace_sl
     assert res.ttft_mean > res.ttft_floor_mean or system == "bana"
 
 
+def test_split_workers_report_their_prefill_speed_to_the_policies():
+    """While layers are split, the donor's load says it drains its queue 1 / (1 - phi)
+    times faster and the peer's says 1 - its share: the same ``split_speeds`` the
+    simulator computes their prefill time with, so routing and balancing see them."""
+    fast = workloads.mooncake(limit=400, time_scale=6.0)
+    sim = Simulation(system_config("bana", ANCHOR), fast)
+    seen = {"donor": 0, "peer": 0}
+    plan = sim.balancer.plan
+
+    def spy(loads, now, *a, **kw):
+        by_id = {w.worker_id: w for w in loads}
+        for w in sim.workers:
+            speed = by_id[w.wid].prefill_speed
+            if w.offload_phi > 0:
+                assert speed == pytest.approx(1 / (1 - w.offload_phi)) and speed > 1
+                seen["donor"] += 1
+            elif w.lent_share > 0:
+                assert speed == pytest.approx(1 - w.lent_share) and speed < 1
+                seen["peer"] += 1
+            else:
+                assert speed == pytest.approx(1.0)
+        return plan(loads, now, *a, **kw)
+
+    sim.balancer.plan = spy
+    sim.run()
+    assert seen["donor"] > 0 and seen["peer"] > 0, seen
+
+
 def test_lone_prefill_is_chunked_like_the_simulator():
     p = load_profile("h100_llama3_8b")
     c = p.max_prefill_tokens

@@ -9,7 +9,10 @@ migration time (sum of its actions' ``seconds``, as if serialised) stays within
 equalises the pair), which is what a per-tick controller can afford.
 
 Utilisation ``U_g`` (dimensionless, may exceed 1 when a queue builds):
-- prefill: ``busy_fraction + queued_prefill_tokens / (prefill_tokens_per_s * queue_horizon_s)``
+- prefill: ``busy_fraction + prefill_backlog_tokens / (prefill_tokens_per_s * queue_horizon_s)``
+  (the queued prompt tokens at the worker's current speed: a donor whose layers
+  partly run on a peer drains its queue faster, the peer slower; see
+  :func:`split_speeds`)
 - decode: ``max(busy_fraction, kv_usage)``; colocated: the max of both.
 
 Invariants:
@@ -190,12 +193,37 @@ class RunningRequest:
 # ----------------------------------------------------------------------------- policies
 
 def utilisation(w: WorkerLoad, shape: ModelShape, cfg: BalancerConfig) -> float:
-    queue = w.queued_prefill_tokens / (shape.prefill_tokens_per_s * cfg.queue_horizon_s)
+    queue = w.prefill_backlog_tokens / (shape.prefill_tokens_per_s * cfg.queue_horizon_s)
     if w.tier is Tier.PREFILL:
         return w.busy_fraction + queue
     if w.tier is Tier.DECODE:
         return max(w.busy_fraction, w.kv_usage)
     return max(w.busy_fraction + queue, w.kv_usage)
+
+
+MAX_HOST_SHARE = 0.8  # of a peer's time its guest layers may take (its own work keeps the rest)
+MIN_DONOR_BUSY = 0.2  # a donor's guest layers are counted at least this busy
+
+
+def split_speeds(num_layers: int, moved: int, donor_busy: float) -> tuple[float, float]:
+    """Prefill speeds ``(donor, peer)`` while ``moved`` of the donor's ``num_layers``
+    layers run on the peer (``WorkerLoad.prefill_speed``; 1 is the worker alone).
+
+    The donor computes ``1 - phi`` of every chunk (``phi = moved / num_layers``)
+    and the next chunk pipelines behind the peer's part, so it drains its queue
+    ``1 / (1 - phi)`` times faster. The peer gives the guest layers
+    ``share = phi / (1 - phi) * donor_busy`` of its time (the donor's own rate of
+    work on them, at least ``MIN_DONOR_BUSY``, at most ``MAX_HOST_SHARE``), so its
+    own work runs at ``1 - share``. The simulator applies these factors to its
+    workers and reports them in their loads; the live router derives them from the
+    agents' placements, so routing and balancing read the same numbers in both."""
+    if not 0 <= moved < num_layers:
+        raise BalancerError(f"split_speeds: moved={moved!r} must be in [0, {num_layers})")
+    phi = moved / num_layers
+    if phi == 0:
+        return 1.0, 1.0
+    share = min(MAX_HOST_SHARE, phi / (1 - phi) * max(MIN_DONOR_BUSY, donor_busy))
+    return 1 / (1 - phi), 1 - share
 
 
 class Balancer(abc.ABC):
@@ -252,7 +280,7 @@ class BanaBalancer(Balancer):
             st.streak += 1
         elif ratio < cfg.release_threshold or peak < cfg.min_peak:
             st.streak = 0
-        backlog = max((w.queued_prefill_tokens for w in loads if w.tier is not Tier.DECODE),
+        backlog = max((w.prefill_backlog_tokens for w in loads if w.tier is not Tier.DECODE),
                       default=0) / self.shape.prefill_tokens_per_s
         sustained = imbalanced and backlog >= cfg.sustained_backlog_s
         if st.streak < cfg.consecutive and not sustained:

@@ -18,6 +18,12 @@
 - ``GET /bana/admin/migrations/{id}``: its state on the source worker.
 - ``DELETE /bana/admin/migrations/{id}``: cancel it.
 
+While a layer migration started here may be out, :meth:`AdminAPI.speed_loop`
+reads the agents' placements once a second and gives each worker its prefill
+speed (:func:`layer_split_speeds`): a donor whose tail layers run on a peer
+drains its queue faster, the peer slower, and the load-aware policies and the
+balancer compare queues at those speeds (``WorkerLoad.prefill_speed``).
+
 Agents are reached over their ZMQ control channel on a helper thread (calls
 are blocking and short); the router's event loop never waits on them.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -33,6 +40,7 @@ import orjson
 from aiohttp import web
 
 from bana_sglang.migrate import messages as m
+from bana_sglang.migrate.balancer import split_speeds
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
 from bana_sglang.router.errors import error_response
 
@@ -45,6 +53,32 @@ SILENT_AGENT_TIMEOUT_S = 3.0
 # ... and a listing waits this long for it: the probe runs on in the background and the
 # next listing takes its answer (a listing every 0.1 s must not lag by seconds).
 PROBE_WAIT_S = 0.2
+SPEED_REFRESH_S = 1.0  # placements are read this often while a layer migration may be out
+
+
+def layer_split_speeds(statuses: Mapping[str, m.StatusResult], busy: Mapping[str, float]) -> dict[str, float]:
+    """Each agent's worker (by URL) -> its prefill speed, from the placements: a donor
+    with ``k`` of its layers on a peer, and that peer, get ``split_speeds`` (the
+    donor's ``busy`` fraction sets the peer's share); 1.0 for everyone else. A peer
+    whose agent did not answer is simply not in ``statuses``: it keeps 1.0."""
+    url_of = {st.worker: url for url, st in statuses.items()}
+    speed = dict.fromkeys(statuses, 1.0)
+    for url, st in statuses.items():
+        away = [(p.stop - p.start, p.executor) for p in st.placement if p.executor != st.worker]
+        if not away:
+            continue
+        b = busy.get(url, 0.0)
+        speed[url] *= split_speeds(st.num_layers, sum(k for k, _ in away), b)[0]
+        for k, executor in away:
+            if executor in url_of:
+                speed[url_of[executor]] *= split_speeds(st.num_layers, k, b)[1]
+    return speed
+
+
+def _layers_settled(st: m.StatusResult) -> bool:
+    """No layer of this worker runs elsewhere and none of its migrations is in flight."""
+    return (all(p.executor == st.worker for p in st.placement)
+            and all(i.state in m.TERMINAL for i in st.migrations if i.side == "source"))
 
 
 class AdminAPI:
@@ -56,6 +90,7 @@ class AdminAPI:
         self.is_down = is_down  # the router's view: a worker marked down gets the short timeout too
         self._probes: dict[str, asyncio.Future] = {}  # url -> its status probe in flight (silent or down agents)
         self._pool = ThreadPoolExecutor(max(1, min(8, len(self.agents))), thread_name_prefix="bana-admin")
+        self.layers_out = False  # a layer migration was started here and may not be settled yet
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_get("/bana/admin/agents", self.handle_agents)
@@ -122,6 +157,21 @@ class AdminAPI:
             await self._statuses()
         return self.names.get(who)
 
+    async def speed_loop(self, busy: Callable[[], Mapping[str, float]],
+                         apply: Callable[[Mapping[str, float]], None]) -> None:
+        """While ``layers_out``: every ``SPEED_REFRESH_S``, the agents' placements become
+        ``apply({url: prefill speed})``; once every agent answers with its layers home
+        and nothing in flight, it idles again (and the last ``apply`` gave all 1.0)."""
+        while True:
+            await asyncio.sleep(SPEED_REFRESH_S)
+            if not self.layers_out:
+                continue
+            statuses = await self._statuses()
+            ok = {url: st for url, st in statuses.items() if isinstance(st, m.StatusResult)}
+            apply(layer_split_speeds(ok, busy()))
+            if len(ok) == len(statuses) and all(_layers_settled(st) for st in ok.values()):
+                self.layers_out = False
+
     # ------------------------------------------------------------------ handlers
     async def handle_agents(self, request: web.Request) -> web.Response:
         out = []
@@ -171,6 +221,7 @@ class AdminAPI:
             else:
                 reply = await self._call(src, m.MigrateLayers, migration=mid, start=layers[0], stop=layers[1],
                                          peer=self.endpoints[dst], switch=switch)
+                self.layers_out = self.layers_out or isinstance(reply, m.Accepted)
         except AgentUnavailable as e:
             return error_response(502, str(e))
         except (msgspec.ValidationError, TypeError, ValueError) as e:

@@ -74,6 +74,20 @@ class WorkerLoad:
     kv_total_tokens: int = 1
     busy_fraction: float = 0.0
     timestamp: float = 0.0
+    # prefill rate relative to this worker alone: > 1 while a peer executes some of its
+    # layers (it computes only the rest), < 1 while it executes a donor's layers
+    # (``migrate.balancer.split_speeds``); 1 without a layer migration
+    prefill_speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill_speed > 0:
+            raise ValueError(f"WorkerLoad.prefill_speed must be positive, got {self.prefill_speed!r}")
+
+    @property
+    def prefill_backlog_tokens(self) -> float:
+        """The queue in nominal tokens (what it takes this worker, at its current speed,
+        to compute ``queued_prefill_tokens``): what load-aware policies compare."""
+        return self.queued_prefill_tokens / self.prefill_speed
 
     @property
     def kv_free_tokens(self) -> int:
@@ -198,7 +212,7 @@ class BanaPolicy(RoutingPolicy):
         uncached = self._global_uncached(req)
         n = len(cands)
         self._cursor = (self._cursor + 1) % n
-        best = min(range(n), key=lambda i: (cands[i].queued_prefill_tokens + uncached,
+        best = min(range(n), key=lambda i: (cands[i].prefill_backlog_tokens + uncached,
                                             cands[i].running_requests, cands[i].busy_fraction,
                                             (i - self._cursor) % n))
         return cands[best].worker_id
@@ -318,13 +332,13 @@ class GlobalCacheAwarePolicy(RoutingPolicy):
     def pick_prefill(self, req, loads):
         cands = _of_tier(loads, Tier.PREFILL, self.name, req)
         if self.oracle is None or not req.page_hashes:
-            return min(cands, key=lambda w: w.queued_prefill_tokens).worker_id
+            return min(cands, key=lambda w: w.prefill_backlog_tokens).worker_id
         n = req.num_tokens
         g_tok = req.cached_tokens(self.oracle.global_match(req.page_hashes)) \
             if self.global_store else 0
         best_w, best_t = cands[0].worker_id, float("inf")
         for w in cands:
-            queue = self.prefill_time(w.queued_prefill_tokens, 0)
+            queue = self.prefill_time(round(w.prefill_backlog_tokens), 0)
             l_tok = req.cached_tokens(self.oracle.local_match(w.worker_id, req.page_hashes))
             t = queue + self.prefill_time(n - l_tok, l_tok)
             if g_tok > l_tok:

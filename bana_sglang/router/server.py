@@ -139,9 +139,22 @@ class Router(ContinuationMixin):
             auto_decompress=False,  # bytes are relayed as they come
         )
         self._tasks += self.monitor.start(self.session)
+        if self.admin.agents:
+            self._tasks.append(asyncio.create_task(self.admin.speed_loop(self._busy, self._set_speeds),
+                                                   name="bana-router-speeds"))
         logger.info("router on http://%s:%d: policy %s, %d prefill + %d decode workers, tokenizer %s",
                     self.cfg.host, self.cfg.port, self.cfg.policy, len(self.prefill), len(self.decode),
                     "exact" if self.prompts.exact else "estimated from bytes")
+
+    def _busy(self) -> dict[str, float]:
+        return {w.url: w.load().busy_fraction for w in self.workers}
+
+    def _set_speeds(self, speeds) -> None:
+        for w in self.workers:
+            speed = speeds.get(w.url, 1.0)
+            if speed != w.prefill_speed:
+                logger.info("worker %s: prefill speed %.2f (layer migration)", w.url, speed)
+                w.prefill_speed = speed
 
     async def _on_cleanup(self, app: web.Application) -> None:
         for t in self._tasks:

@@ -92,6 +92,7 @@ class Worker:
         self.routed = 0  # requests sent here, ever (the hotspot tests read these)
         self.errors = 0
         self.reported = Reported()
+        self.prefill_speed = 1.0  # from the agents' placements (AdminAPI.speed_loop)
 
     # ---------------------------------------------------------------- accounting
     def begin(self, tokens: int) -> None:
@@ -148,7 +149,7 @@ class Worker:
             queued_prefill_tokens=queued_tokens, inflight_tokens=inflight_tokens,
             kv_used_tokens=r.used_tokens, kv_total_tokens=max(1, r.total_tokens),
             busy_fraction=min(1.0, max(0.0, r.utilization)),
-            timestamp=r.at if now is None else now,
+            timestamp=r.at if now is None else now, prefill_speed=self.prefill_speed,
         )
 
     def snapshot(self) -> dict:

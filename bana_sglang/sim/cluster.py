@@ -192,7 +192,7 @@ class Worker:
                 queued_prefill_tokens=self.queued_tokens,
                 inflight_tokens=0, kv_used_tokens=self.kv_reserved,
                 kv_total_tokens=self.kv_capacity, busy_fraction=self.busy_fraction,
-                timestamp=now)
+                timestamp=now, prefill_speed=1 / self.prefill_factor)
         return s
 
     def dirty(self) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from bana_sglang.migrate.balancer import (Action, KVBlockMigration, LayerMigration,
                                           MigrationCostModel, ModelShape, RequestMigration,
-                                          get_balancer)
+                                          get_balancer, split_speeds)
 from bana_sglang.router.policy import RouteRequest, Tier, WorkerId, get_policy
 from bana_sglang.router.prefix_tree import PagePrefixTree
 from bana_sglang.sim.cluster import CacheView, Job, LazyRunning, SimError, Worker
@@ -496,15 +496,15 @@ class Simulation:
         lease = _Lease(act)
         if isinstance(act, LayerMigration):
             phi = act.num_layers / p.num_layers
-            share = min(0.8, phi / (1 - phi) * max(0.2, src.busy_fraction))
-            lease.phi, lease.share, lease.dst_mult = phi, share, 1 / (1 - share)
+            donor_speed, peer_speed = split_speeds(p.num_layers, act.num_layers, src.busy_fraction)
+            lease.phi, lease.share, lease.dst_mult = phi, 1 - peer_speed, 1 / peer_speed
             # Prefill donor: busy (1 - phi) per chunk, the rest pipelines on the peer.
             # Decode donor: a step still runs every layer in sequence, now the peer's
             # share at the peer's (time-shared) speed: no latency gain.
-            lease.src_prefill = 1 - phi
+            lease.src_prefill = 1 / donor_speed
             lease.src_decode = (1 - phi) + phi * lease.dst_mult
             src.offload_phi += phi
-            dst.lent_share += share
+            dst.lent_share += lease.share
             lease.tokens = min(act.bytes // p.kv_bytes_per_token, dst.kv_capacity - dst.kv_reserved)
             dst.kv_capacity -= lease.tokens
             self._set_factors(src, lease.src_prefill, lease.src_decode)

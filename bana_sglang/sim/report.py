@@ -361,7 +361,10 @@ MODEL_NOTES = """
   min(0.8, k/(L-k) x donor busy) on the donor's layers, so its own prefill/decode
   slows by 1 / (1 - share) (strict time sharing: no overlap of memory-bound decode
   with compute-bound prefill is assumed, which is pessimistic for BanaServe), and
-  gives up KV memory for the weights. KV-block migration lends KV capacity (step-time
+  gives up KV memory for the weights. Both speeds come from
+  `migrate.balancer.split_speeds` and are in the workers' load snapshots
+  (`WorkerLoad.prefill_speed`), so the router and the balancer compare queues at
+  them, as the live router does from the agents' placements. KV-block migration lends KV capacity (step-time
   effects of partial attention are ignored); request migration moves a running
   request with downtime = its KV transfer time. Every migration first pays
   bytes / bandwidth + fixed cost. One migration at a time per worker.
@@ -389,7 +392,10 @@ MODEL_NOTES = """
   threshold: workers still in a migration are no longer proposed (such plans were
   refused, and each spent the plan slot), a prefill backlog of 3 s or more acts
   without the 3-observation streak (the streak's own length at the 1 s tick), and a
-  plan may hold one action per 8 workers instead of one. Other values of the
+  plan may hold one action per 8 workers instead of one. A fourth (the same day, later
+  session): queues are compared at each worker's prefill speed during a layer split
+  (before, a donor computing half its layers looked as loaded as before the split,
+  and its peer as if it had its whole time). Other values of the
   interval, cool-down, queue horizon and backlog threshold were tried in that
   exploration and not adopted.
   Two modelling fixes were made after the first smoke run, both to remove an
