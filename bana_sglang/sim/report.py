@@ -155,7 +155,7 @@ def _findings(results: dict[tuple, SimResult], thr: dict[str, float | None]) -> 
     for n in bs:
         if ("B", n, "bana") in results and ("B", n, "global_cache_aware") in results:
             r = results[("B", n, "bana")].ttft_mean / results[("B", n, "global_cache_aware")].ttft_mean
-            cells.append(f"{n} GPUs {r:.2f}x ({'met' if r <= 0.85 else 'NOT met'})")
+            cells.append(f"{n} GPUs {r:.4f}x ({'met' if r <= 0.85 else 'NOT met'})")
     if cells:
         L.append("- Scale (B), `bana` / global-cache-aware mean TTFT at the same load per GPU: "
                  + ", ".join(cells) + ".")
