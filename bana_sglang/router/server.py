@@ -10,7 +10,9 @@ for a prefill and a decode worker, adds SGLang's bootstrap fields
 (``bootstrap_host``/``bootstrap_port`` of the prefill worker and a random
 63-bit ``bootstrap_room``) and sends the same body to both at once, as SGLang's
 PD routers do. The client gets the decode worker's answer; a stream is relayed
-chunk by chunk as it arrives.
+chunk by chunk as it arrives. That part lives in :mod:`.dispatch`; request
+migration's continuation in :mod:`.continuation`; this module holds the app,
+its endpoints and the request checks.
 
 **Prompt-only requests** (``/generate`` with ``max_new_tokens: 0``: what the
 frontend's ``select``/``choices`` send) go to one prefill worker alone, with
@@ -36,7 +38,6 @@ import asyncio
 import hmac
 import logging
 import random
-import re
 import time
 from collections.abc import Sequence
 
@@ -50,36 +51,23 @@ from bana_sglang.router.metrics import RouterMetrics
 from bana_sglang.router.policy import (
     RouteRequest,
     RequestId,
-    RoutingError,
     Tier,
     get_policy,
 )
 from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
-from bana_sglang.router.errors import ClientError, UpstreamError, error_body, error_response, sse_error
-from bana_sglang.router.generate import fix_logprob_window, merge_input_logprobs, split_generate
+from bana_sglang.router.errors import error_response
+from bana_sglang.router.generate import split_generate
 from bana_sglang.router.monitor import WorkerMonitor
-from bana_sglang.migrate.reqmove import PREFIX as MIGRATABLE
 from bana_sglang.router.continuation import ContinuationMixin
-from bana_sglang.router.splice import Splicer, mark, migratable
-from bana_sglang.router.upstream import Upstream
+from bana_sglang.router.dispatch import PDDispatchMixin
 from bana_sglang.router.workers import Worker
 
 logger = logging.getLogger(__name__)
 
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST
 _JSON = "application/json"
 
 
-# SGLang 0.5.23's decode-side errors when its prefill peer cannot be reached or
-# its KV never arrives (disaggregation/mooncake/conn.py, decode.py).
-_KV_TRANSFER_FAILURE = re.compile(r"KVTransferError|bootstrap|Prefill instance could be dead|"
-                                  r"remote mooncake session .* is not alive", re.IGNORECASE)
-# bana's decode-side error when the peer holding a request's KV pages (KV-block
-# migration) failed: the worker is fine, the request is recomputed elsewhere or there.
-_KV_BLOCKS_LOST = re.compile(r"KV blocks lost")
-
-
-class Router(ContinuationMixin):
+class Router(PDDispatchMixin, ContinuationMixin):
     """State and handlers of one router process."""
 
     def __init__(self, cfg: RouterConfig):
@@ -342,326 +330,6 @@ class Router(ContinuationMixin):
         payload = b"[" + b",".join(b for _, b in results) + b"]"
         self._count(label, 200, t0)
         return web.Response(body=payload, content_type=_JSON)
-
-    # ------------------------------------------------------------------ routing
-    def _pick(self, tier: Tier, route: RouteRequest, exclude: set) -> Worker | None:
-        pool = self.prefill if tier is Tier.PREFILL else self.decode
-        cands = [w for w in pool if w.healthy and w.id not in exclude]
-        if not cands:  # every healthy one failed this request: try the ones marked down
-            cands = [w for w in pool if w.id not in exclude]
-        if not cands:
-            return None
-        now = time.monotonic()
-        loads = [w.load(now) for w in cands]
-        try:
-            wid = (self.policy.pick_prefill if tier is Tier.PREFILL else self.policy.pick_decode)(route, loads)
-        except RoutingError as e:
-            logger.error("policy %s failed: %s", self.cfg.policy, e)
-            return cands[0]
-        return self.by_id[wid]
-
-    def _pairs(self, route: RouteRequest, tried_p: set, tried_d: set, prefer_d: Worker | None = None):
-        """Up to ``max_attempts`` (prefill, decode) pairs, skipping workers that
-        already failed this request (the caller adds them to ``tried_*``);
-        ``prefer_d``, while healthy and untried, is the decode worker."""
-        for _ in range(self.cfg.max_attempts):
-            p = self._pick(Tier.PREFILL, route, tried_p)
-            if prefer_d is not None and prefer_d.healthy and prefer_d.id not in tried_d:
-                d = prefer_d
-            else:
-                d = self._pick(Tier.DECODE, route, tried_d)
-            if p is None or d is None:
-                return
-            yield p, d
-
-    def _start_pair(self, p: Worker, d: Worker, path: str, body: dict,
-                    route: RouteRequest) -> tuple[dict, int, asyncio.Task]:
-        """Count the pair, add the bootstrap fields and send the prefill half;
-        returns (body sent, decode tokens to release, prefill task)."""
-        bp = self._bootstrap(body, p)
-        p_tok = self._begin(p, route.uncached_tokens)
-        d_tok = self._begin(d, route.num_tokens + route.max_new_tokens)
-        p_task = asyncio.create_task(self._post(p, path, bp))
-        p_task.add_done_callback(lambda _t: p.end(p_tok))
-        return bp, d_tok, p_task
-
-    def _begin(self, w: Worker, tokens: int) -> int:
-        """Count a request sent to ``w`` (router's own load and metrics); returns ``tokens``."""
-        w.begin(tokens)
-        child = self._routed.get(w.id)
-        if child is None:
-            child = self._routed[w.id] = self.metrics.routed.labels(w.url, w.tier.value)
-        child.inc()
-        return tokens
-
-    def _bootstrap(self, body: dict, p: Worker, *, fake: bool = False) -> dict:
-        return dict(body, bootstrap_host=FAKE_BOOTSTRAP_HOST if fake else p.host,
-                    bootstrap_port=p.bootstrap_port, bootstrap_room=self._rooms.getrandbits(63))
-
-    async def _post(self, w: Worker, path: str, body: dict) -> bytes:
-        """POST and read the whole answer; raises UpstreamError / ClientError."""
-        assert self.session is not None
-        try:
-            async with self.session.post(w.url + path, json=body) as resp:
-                data = await resp.read()
-                if resp.status >= 500:
-                    raise UpstreamError(w, f"answered {resp.status}: {data[:200]!r}", resp.status, data)
-                if resp.status >= 400:
-                    raise ClientError(resp.status, data, resp.content_type)
-                return data
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError,
-                asyncio.TimeoutError) as e:
-            raise UpstreamError(w, f"{type(e).__name__}: {e}") from None
-
-    def _fail(self, w: Worker, why: str) -> None:
-        self.metrics.worker_failures.labels(w.url, w.tier.value).inc()
-        w.mark_down(why)
-
-    async def _prefill_only(self, body: dict, route: RouteRequest) -> tuple[int, bytes]:
-        """Prompt-only request on one prefill worker (no KV leaves it); logprob window fixed."""
-        start = body.get("logprob_start_len")
-        shift = bool(body.get("return_logprob")) and isinstance(start, int) and start > 0
-        sent = dict(body, logprob_start_len=start - 1) if shift else body
-        tried: set = set()
-        last = "no prefill worker"
-        for _ in range(self.cfg.max_attempts):
-            p = self._pick(Tier.PREFILL, route, tried)
-            if p is None:
-                break
-            tried.add(p.id)
-            self._begin(p, route.uncached_tokens)
-            try:
-                data = await self._post(p, "/generate", self._bootstrap(sent, p, fake=True))
-            except UpstreamError as e:
-                self._fail(p, e.reason)
-                self.metrics.retries.labels("prefill_failed").inc()
-                last = str(e)
-                continue
-            except ClientError as e:
-                return e.status, e.body
-            finally:
-                p.end(route.uncached_tokens)
-            if body.get("return_logprob"):
-                out = orjson.loads(data)
-                fix_logprob_window(out.get("meta_info", {}), shift=shift,
-                                    from_start=not shift and start in (0, None))
-                data = orjson.dumps(out)
-            return 200, data
-        return 502, error_body(502, f"no prefill worker could serve the request: {last}")
-
-    async def _pd_once_json(self, path: str, body: dict, route: RouteRequest, *,
-                            merge_logprobs: bool) -> tuple[int, bytes]:
-        """Non-streaming PD request with retries; (status, body)."""
-        tried_p: set = set()
-        tried_d: set = set()
-        last = "no worker"
-        for p, d in self._pairs(route, tried_p, tried_d):
-            bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
-            d_task = asyncio.create_task(self._post(d, path, bp))
-            try:
-                # A failed prefill leaves its decode waiting for KV that never comes:
-                # whichever fails first decides, and the other is cancelled.
-                await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-                if p_task.done() and not d_task.done():
-                    p_task.result()  # raises if the prefill failed
-                d_data = await d_task
-            except UpstreamError as e:
-                d_task.cancel()
-                if e.worker is d and e.status is not None and _KV_BLOCKS_LOST.search(e.body.decode(errors="replace")):
-                    # the decode worker is healthy; nothing of this request was returned yet: recompute it
-                    self.metrics.retries.labels("kv_blocks_lost").inc()
-                    last = str(e)
-                    continue
-                culprit = e.worker if e.worker is p else await self._blame(p, p_task, e)
-                (tried_p if culprit is p else tried_d).add(culprit.id)
-                self._fail(culprit, e.reason if culprit is e.worker else culprit.down_reason or e.reason)
-                self.metrics.retries.labels(f"{culprit.tier.value}_failed").inc()
-                last = str(e)
-                continue
-            except ClientError as e:
-                p_task.cancel()
-                d_task.cancel()
-                return e.status, e.body
-            except BaseException:
-                p_task.cancel()
-                d_task.cancel()
-                raise
-            finally:
-                d.end(d_tok)
-            try:
-                p_data = await p_task
-            except UpstreamError as e:  # decode got its KV, so the answer stands
-                logger.warning("prefill answer lost after decode finished: %s", e)
-                p_data = None
-            except ClientError:
-                p_data = None
-            if merge_logprobs and p_data is not None:
-                d_data = merge_input_logprobs(p_data, d_data)
-            return 200, d_data
-        return 502, error_body(502, f"no worker pair could serve the request: {last}")
-
-    async def _blame(self, p: Worker, p_task: asyncio.Task, err: UpstreamError) -> Worker:
-        """Decode failed: was it the prefill worker's fault? A decode worker whose
-        prefill peer died fails too, so wait briefly for the prefill's outcome.
-        A decode worker that *answered* that it could not receive the KV (SGLang's
-        KV transfer or bootstrap error) is alive: the prefill side is blamed, even
-        before its own request fails (an unreachable host only fails at the
-        connect timeout); a healthy prefill is readmitted by its next probe."""
-        if err.worker is not p and err.status is not None and _KV_TRANSFER_FAILURE.search(
-                err.body.decode(errors="replace") or err.reason):
-            if not p_task.done():
-                p_task.cancel()
-            p.down_reason = f"its decode peer could not receive the KV: {err.reason[:200]}"
-            return p
-        try:
-            await asyncio.wait_for(asyncio.shield(p_task), timeout=1.0)
-        except UpstreamError as pe:
-            p.down_reason = pe.reason
-            return p
-        except (asyncio.TimeoutError, ClientError, asyncio.CancelledError):
-            pass
-        finally:
-            if not p_task.done():
-                p_task.cancel()
-        return p if not p.healthy else err.worker
-
-    async def _pd(self, request: web.Request, path: str, body: dict, route: RouteRequest, label: str,
-                  t0: float, *, stream: bool, merge_logprobs: bool) -> web.StreamResponse:
-        if not stream:
-            status, data = await self._pd_once_json(path, body, route, merge_logprobs=merge_logprobs)
-            self._count(label, status, t0)
-            return web.Response(status=status, body=data, content_type=_JSON)
-        return await self._pd_stream(request, path, body, route, label, t0)
-
-    async def _open_stream(self, path: str, body: dict, route: RouteRequest, *, avoid_d: frozenset = frozenset(),
-                           prefer_d: Worker | None = None) -> Upstream | web.Response | str:
-        """Send a streamed PD request and wait for its first byte, retrying other
-        pairs on failures before it. Returns the open upstream, a worker's 4xx
-        answer (the client's problem), or why no pair could serve it."""
-        assert self.session is not None
-        tried_p: set = set()
-        tried_d: set = {w.id for w in self.decode if w.url in avoid_d}
-        last = "no worker"
-        for attempt, (p, d) in enumerate(self._pairs(route, tried_p, tried_d, prefer_d=prefer_d)):
-            if attempt and str(body.get("rid", "")).startswith(MIGRATABLE):
-                # a retry may meet the same worker while it still holds the first try: SGLang refuses a
-                # duplicate rid
-                body = dict(body, rid=f"{body['rid'].split('~')[0]}~{attempt}")
-            bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
-            resp: aiohttp.ClientResponse | None = None
-            try:
-                try:
-                    resp = await self.session.post(d.url + path, json=bp)
-                except (aiohttp.ClientConnectionError, ConnectionError, asyncio.TimeoutError) as e:
-                    raise UpstreamError(d, f"{type(e).__name__}: {e}") from None
-                if resp.status >= 400:
-                    data = await resp.read()
-                    if resp.status < 500:
-                        p_task.cancel()
-                        d.end(d_tok)
-                        return web.Response(status=resp.status, body=data, content_type=resp.content_type or _JSON)
-                    raise UpstreamError(d, f"answered {resp.status}: {data[:200]!r}", resp.status, data)
-                first = asyncio.ensure_future(resp.content.readany())
-                while True:
-                    waiting = {first} if p_task.done() else {first, p_task}
-                    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                    if first in done:
-                        break
-                    exc = p_task.exception()
-                    if isinstance(exc, UpstreamError):
-                        first.cancel()
-                        raise exc
-                    if isinstance(exc, ClientError):
-                        first.cancel()
-                        resp.close()
-                        d.end(d_tok)
-                        return web.Response(status=exc.status, body=exc.body, content_type=exc.content_type or _JSON)
-                try:
-                    chunk = first.result()
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
-                        asyncio.TimeoutError) as e:
-                    raise UpstreamError(d, f"stream broke before the first byte: {type(e).__name__}") from None
-                if not chunk:
-                    raise UpstreamError(d, "stream ended before the first byte")
-            except UpstreamError as e:
-                if resp is not None:
-                    resp.close()
-                culprit = await self._blame(p, p_task, e) if e.worker is d else e.worker
-                (tried_p if culprit is p else tried_d).add(culprit.id)
-                self._fail(culprit, culprit.down_reason if culprit is not d else e.reason)
-                self.metrics.retries.labels(f"{culprit.tier.value}_failed").inc()
-                last = str(e)
-                d.end(d_tok)
-                continue
-            except BaseException:
-                if resp is not None:
-                    resp.close()
-                p_task.cancel()
-                d.end(d_tok)
-                raise
-            return Upstream(p, d, resp, chunk, p_task, d_tok, rid=str(body.get("rid", "")))
-        return last
-
-    async def _pd_stream(self, request: web.Request, path: str, body: dict, route: RouteRequest,
-                         label: str, t0: float) -> web.StreamResponse:
-        splice = None
-        if self.cfg.request_migration and self.admin.agents and migratable(label, body):
-            body = mark(body, self._rooms)
-            splice = Splicer(label, body)
-        up = await self._open_stream(path, body, route)
-        if isinstance(up, web.Response):
-            self._count(label, up.status, t0)
-            return up
-        if isinstance(up, str):
-            self._count(label, 502, t0)
-            return error_response(502, f"no worker pair could serve the request: {up}")
-        # ---- committed: relay chunk by chunk
-        out = web.StreamResponse(status=200, headers={
-            "Content-Type": up.resp.headers.get("Content-Type", "text/event-stream"),
-            "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        chunk = up.first
-        try:
-            await out.prepare(request)
-            self.metrics.ttfb_seconds.labels(label).observe(time.perf_counter() - t0)
-            while True:
-                if splice is None:
-                    await out.write(chunk)
-                else:
-                    for ev in splice.feed(chunk):
-                        await out.write(ev)
-                    if splice.migrated is not None:
-                        up.finish(drained=False)
-                        nxt = await self._continue(splice, up, route)
-                        if isinstance(nxt, bytes):  # nothing could continue it: the client is told
-                            await out.write(nxt)
-                            break
-                        up, chunk = nxt, nxt.first
-                        continue
-                try:
-                    chunk = await up.resp.content.readany()
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
-                        asyncio.TimeoutError) as e:
-                    why = f"decode worker {up.d.url} failed mid-stream: {type(e).__name__}"
-                    logger.warning("%s", why)
-                    self.metrics.stream_errors.inc()
-                    if not isinstance(e, asyncio.TimeoutError):
-                        self._fail(up.d, why)
-                    await out.write(sse_error(why))
-                    break
-                if not chunk:
-                    if splice is not None:
-                        await out.write(splice.flush())
-                    up.drained = True
-                    break
-            await out.write_eof()
-        except (ConnectionResetError, asyncio.CancelledError):
-            logger.info("client went away; aborting its request on %s", up.d.url)
-            up.p_task.cancel()
-            raise
-        finally:
-            up.finish(drained=up.drained)
-        self._count(label, 200, t0)
-        return out
 
     # ------------------------------------------------------------------ helpers
     def _refuse(self, e: BadRequest, label: str) -> web.Response:
