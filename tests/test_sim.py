@@ -256,3 +256,20 @@ def test_workers_sharing_a_host_slow_each_other_down_while_both_compute(tmp_path
     lost = shared[0].finish - apart[0].finish
     assert overlap / 3 <= lost <= 1.1 * overlap / 3
     assert Simulation(SimConfig(profile=str(prof), num_workers=2, shared_host=True), []).run().finished == 0
+
+
+def test_throughput_is_the_highest_rate_below_the_first_miss_and_bisection_closes_in():
+    from bana_sglang.sim.compare import SLO_GOAL, max_rate, next_probe
+
+    ok, miss = SLO_GOAL + 0.05, SLO_GOAL - 0.3
+    assert max_rate({0.75: ok, 1.0: ok, 1.25: miss, 1.5: ok}) == 1.0  # not past the first miss
+    assert max_rate({0.75: miss, 1.0: ok}) is None
+    assert next_probe({1.0: ok, 1.25: miss, 1.5: miss}) == 1.125
+    assert next_probe({1.0: ok, 2.0: ok}) is None and next_probe({1.0: miss}) is None
+    # bisection on a system whose attainment falls below the goal at 1.3: four halvings of
+    # the 0.25 step land within 1/64 of it
+    pts = {m: (ok if m < 1.3 else miss) for m in (0.75, 1.0, 1.25, 1.5, 2.0)}
+    for _ in range(4):
+        m = next_probe(pts)
+        pts[m] = ok if m < 1.3 else miss
+    assert 1.3 - 0.25 / 16 <= max_rate(pts) < 1.3

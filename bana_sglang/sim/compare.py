@@ -10,7 +10,9 @@ Experiments:
 - B (scale): ``h100_llama3_8b`` on 16/32/64 GPUs, the trace sped up by N/4 so
   that the offered load per GPU is constant.
 - C (throughput): 32 GPUs, arrival rate swept; a system's throughput is the
-  highest rate with >= 90% of requests meeting both SLOs.
+  highest rate with >= 90% of requests meeting both SLOs, found on the grid and
+  then bisected ``REFINE_STEPS`` times between the last rate that meets it and
+  the first that does not (1/64 of the base rate).
 - D (sensitivity): anchor setting with one assumption changed at a time.
 - E (generated workloads): bursty, mixed, shared-prefix, long-context.
 """
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import multiprocessing as mp
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +39,26 @@ logger = logging.getLogger(__name__)
 MOONCAKE_TTFT = {"global_cache_aware": 3.07, "local_cache_aware": 3.58, "load_only": 5.27}
 SLO_GOAL = 0.9
 SWEEP = (0.75, 1.0, 1.25, 1.5, 2.0)
+REFINE_STEPS = 4  # bisections of C's grid step (0.25 -> 1/64)
 ALL = tuple(SYSTEMS)
+
+
+def max_rate(points: Mapping[float, float]) -> float | None:
+    """``{rate multiplier: SLO attainment}`` -> the highest rate meeting ``SLO_GOAL``
+    below the lowest one that misses it (None: even the lowest misses it)."""
+    miss = min((m for m, a in points.items() if a < SLO_GOAL), default=math.inf)
+    ok = [m for m, a in points.items() if a >= SLO_GOAL and m < miss]
+    return max(ok) if ok else None
+
+
+def next_probe(points: Mapping[float, float]) -> float | None:
+    """The midpoint between ``max_rate`` and the lowest missing rate above it, or None
+    (nothing met the goal, or nothing missed it)."""
+    lo = max_rate(points)
+    miss = min((m for m, a in points.items() if a < SLO_GOAL), default=math.inf)
+    if lo is None or math.isinf(miss):
+        return None
+    return (lo + miss) / 2
 
 
 @dataclass(frozen=True)
@@ -61,6 +84,30 @@ def _mk(key, system, base: SimConfig, workload="mooncake", **wkw) -> RunSpec:
     return RunSpec(key, system, system_config(system, base), workload, tuple(sorted(wkw.items())))
 
 
+def _throughput_spec(m: float, system: str, quick: bool) -> RunSpec:
+    n = 16 if quick else 32
+    lim = {"limit": 1500} if quick else {}
+    return _mk(("C", m, system), system, SimConfig(profile="h100_llama3_8b", num_workers=n),
+               time_scale=m * n / 4, **lim)
+
+
+def refine_throughput(results: dict[tuple, SimResult], jobs: int, quick: bool) -> int:
+    """Bisect every system's C rate between its last pass and first miss, in place;
+    returns the number of runs added."""
+    added = 0
+    for _ in range(REFINE_STEPS):
+        specs = []
+        for s in ALL:
+            m = next_probe({k[1]: r.slo_attainment for k, r in results.items() if k[0] == "C" and k[2] == s})
+            if m is not None:
+                specs.append(_throughput_spec(m, s, quick))
+        if not specs:
+            break
+        results.update(run_all(specs, jobs))
+        added += len(specs)
+    return added
+
+
 def build_specs(quick: bool) -> list[RunSpec]:
     lim = {"limit": 1500} if quick else {}
     specs: list[RunSpec] = []
@@ -71,11 +118,8 @@ def build_specs(quick: bool) -> list[RunSpec]:
         base = SimConfig(profile="h100_llama3_8b", num_workers=n)
         for s in ALL:
             specs.append(_mk(("B", n, s), s, base, time_scale=n / 4, **lim))
-    n_c = 16 if quick else 32
     for m in ((1.0, 2.0) if quick else SWEEP):
-        base = SimConfig(profile="h100_llama3_8b", num_workers=n_c)
-        for s in ALL:
-            specs.append(_mk(("C", m, s), s, base, time_scale=m * n_c / 4, **lim))
+        specs += [_throughput_spec(m, s, quick) for s in ALL]
     sens = {"store bandwidth x0.25": dict(store_bandwidth_scale=0.25),
             "store capacity x0.25": dict(store_capacity_scale=0.25),
             "no layer-wise load overlap": dict(layerwise_load=False),
@@ -111,10 +155,11 @@ def run_comparison(out_md: str | Path, img_dir: str | Path, jobs: int = 2,
     t0 = time.perf_counter()
     specs = build_specs(quick)
     results = run_all(specs, jobs)
+    refined = refine_throughput(results, jobs, quick)
     wall = time.perf_counter() - t0
     from bana_sglang.sim.report import write_report
 
     write_report(results, Path(out_md), Path(img_dir), quick=quick, wall_s=wall,
                  anchor=load_profile("a100_llama70b_tp8"), scale=load_profile("h100_llama3_8b"))
-    logger.info("comparison: %s runs in %.1fs", len(specs), wall)
+    logger.info("comparison: %s runs (%d of them bisecting C) in %.1fs", len(specs) + refined, refined, wall)
     return results
