@@ -8,7 +8,8 @@ Experiments:
   conversation trace in real time on 16 workers of a 70B model on 8x A100-class
   GPUs (``a100_llama70b_tp8``; Mooncake used 16 x 8 A800).
 - B (scale): ``h100_llama3_8b`` on 16/32/64 GPUs, the trace sped up by N/4 so
-  that the offered load per GPU is constant.
+  that the offered load per GPU is constant; ``bana`` and global-cache-aware again
+  at 98-102% of that load (``NUDGES``), to show how much the ratio moves.
 - C (throughput): 32 GPUs, arrival rate swept; a system's throughput is the
   highest rate with >= 90% of requests meeting both SLOs, found on the grid and
   then bisected ``REFINE_STEPS`` times between the last rate that meets it and
@@ -39,6 +40,9 @@ logger = logging.getLogger(__name__)
 MOONCAKE_TTFT = {"global_cache_aware": 3.07, "local_cache_aware": 3.58, "load_only": 5.27}
 SLO_GOAL = 0.9
 SWEEP = (0.75, 1.0, 1.25, 1.5, 2.0)
+# B's load nudged by a percent or two: how far the bana/global-cache-aware ratio moves
+# with arrival times alone (the policies are discrete; the comparison is not smooth)
+NUDGES = (0.98, 0.99, 1.01, 1.02)
 REFINE_STEPS = 4  # bisections of C's grid step (0.25 -> 1/64)
 ALL = tuple(SYSTEMS)
 
@@ -118,6 +122,9 @@ def build_specs(quick: bool) -> list[RunSpec]:
         base = SimConfig(profile="h100_llama3_8b", num_workers=n)
         for s in ALL:
             specs.append(_mk(("B", n, s), s, base, time_scale=n / 4, **lim))
+        for f in (() if quick else NUDGES):
+            for s in ("bana", "global_cache_aware"):
+                specs.append(_mk(("B~", n, f, s), s, base, time_scale=f * n / 4))
     for m in ((1.0, 2.0) if quick else SWEEP):
         specs += [_throughput_spec(m, s, quick) for s in ALL]
     sens = {"store bandwidth x0.25": dict(store_bandwidth_scale=0.25),
