@@ -43,9 +43,14 @@ class SimConfig:
     slo_tpot_s: float = 0.1
     seed: int = 0
     page_tokens: int = PAGE  # tokens per prefix hash of the workload (the trace's block)
+    # share of a decode worker's time on a donor's guest layers hidden under its own
+    # memory-bound decode steps (0: strict time sharing, the default; a sensitivity knob)
+    decode_overlap: float = 0.0
     shared_host: bool = False  # every worker on one host's cores (the profile's contention factors apply)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.decode_overlap < 1:
+            raise SimConfigError("decode_overlap must be in [0, 1)")
         if self.page_tokens < 1:
             raise SimConfigError("page_tokens must be >= 1")
         if self.routing not in POLICIES:

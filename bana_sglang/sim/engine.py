@@ -51,6 +51,7 @@ class _Lease:
     src_prefill: float = 1.0  # multipliers applied at start, divided out at the end
     src_decode: float = 1.0
     dst_mult: float = 1.0
+    dst_decode: float = 1.0
     phi: float = 0.0
     tokens: int = 0
     share: float = 0.0
@@ -503,12 +504,15 @@ class Simulation:
             # share at the peer's (time-shared) speed: no latency gain.
             lease.src_prefill = 1 / donor_speed
             lease.src_decode = (1 - phi) + phi * lease.dst_mult
+            # a decode peer's memory-bound steps may hide part of the guest layers' compute
+            # (SimConfig.decode_overlap; 0: strict time sharing)
+            lease.dst_decode = 1 / (1 - lease.share * (1 - self.cfg.decode_overlap))
             src.offload_phi += phi
             dst.lent_share += lease.share
             lease.tokens = min(act.bytes // p.kv_bytes_per_token, dst.kv_capacity - dst.kv_reserved)
             dst.kv_capacity -= lease.tokens
             self._set_factors(src, lease.src_prefill, lease.src_decode)
-            self._set_factors(dst, lease.dst_mult, lease.dst_mult)
+            self._set_factors(dst, lease.dst_mult, lease.dst_decode)
         elif isinstance(act, KVBlockMigration):
             lease.tokens = min(act.pages * self.page, dst.kv_capacity - dst.kv_reserved)
             dst.kv_capacity -= lease.tokens
@@ -523,7 +527,7 @@ class Simulation:
         src, dst = self.by_id[act.src], self.by_id[act.dst]
         if isinstance(act, LayerMigration):
             self._set_factors(src, 1 / lease.src_prefill, 1 / lease.src_decode)
-            self._set_factors(dst, 1 / lease.dst_mult, 1 / lease.dst_mult)
+            self._set_factors(dst, 1 / lease.dst_mult, 1 / lease.dst_decode)
             src.offload_phi -= lease.phi
             dst.kv_capacity += lease.tokens
             dst.lent_share -= lease.share

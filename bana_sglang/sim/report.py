@@ -13,7 +13,8 @@ import math
 import os
 from pathlib import Path
 
-from bana_sglang.sim.compare import MOONCAKE_TTFT, REFINE_STEPS, SLO_GOAL, SWEEP, max_rate
+from bana_sglang.sim.compare import (C_ROWS, MOONCAKE_TTFT, OVERLAP_ROWS, REFINE_STEPS, SLO_GOAL, SWEEP,
+                                    max_rate)
 from bana_sglang.sim.config import SYSTEMS, SimConfig
 from bana_sglang.sim.metrics import SimResult
 from bana_sglang.sim.profiles import Profile
@@ -105,10 +106,11 @@ def _plots(results, img: Path, scales) -> list[str]:
     plt.close(fig)
     names.append("sim_anchor_ttft.png")
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    for s in SYSTEMS:
+    for s in C_ROWS:
         pts = _rates(results, s)
         if pts:
-            ax.plot(list(pts), list(pts.values()), marker="o", markersize=3, label=s)
+            ax.plot(list(pts), list(pts.values()), marker="o", markersize=3, label=s,
+                    ls=":" if s in OVERLAP_ROWS else "-")
     ax.axhline(SLO_GOAL, color="grey", ls="--")
     ax.set_xlabel("arrival rate (x the scale experiment's rate)")
     ax.set_ylabel("SLO attainment")
@@ -210,7 +212,9 @@ def _findings(results: dict[tuple, SimResult], thr: dict[str, float | None]) -> 
         L.append("- Throughput under SLO (C), the highest rate each system sustains: "
                  + "; ".join(at(s) for s in ("bana", "bana_no_migration", "colocated", "load_only"))
                  + ". `bana` holds TTFT low past the others' limits by lending decode workers' time "
-                 "to prefill layers; what ends it is TPOT.")
+                 "to prefill layers; what ends it is TPOT."
+                 + "".join(f" With {ov:.0%} of a decode peer's guest-layer compute hidden under its "
+                           f"own steps: {at(row)}." for row, ov in OVERLAP_ROWS.items() if row in thr))
     L.append("")
     return L
 
@@ -304,7 +308,7 @@ def write_report(results: dict[tuple, SimResult], out: Path, img: Path, *, quick
                              for n in sorted(nudged)],
                             ["setting", *[f"x{f:g} load" for f in fs], "range"]))
         L.append("")
-    thr = _throughput(results, SYSTEMS)
+    thr = _throughput(results, C_ROWS)
     if any(("C", m, s) in results for m in SWEEP for s in SYSTEMS):
         L.append("## C. Throughput under SLO\n")
         L.append(f"Arrival rate swept (multiples of the scale experiment's rate); a system's "
@@ -313,7 +317,7 @@ def write_report(results: dict[tuple, SimResult], out: Path, img: Path, *, quick
                  f"{REFINE_STEPS} times between the last rate that meets it and the first that "
                  f"does not (to {(SWEEP[1] - SWEEP[0]) / 2 ** REFINE_STEPS:g} of the base rate).\n")
         rows = []
-        for s in SYSTEMS:
+        for s in C_ROWS:
             cells = [_f(results[("C", m, s)].slo_attainment, 3) if ("C", m, s) in results else "-"
                      for m in SWEEP]
             rows.append([f"`{s}`", *cells, f"{thr[s]:.4g}" if thr[s] else f"< {min(_rates(results, s), default=SWEEP[0]):g}"])
@@ -397,7 +401,9 @@ MODEL_NOTES = """
   in sequence). The peer spends a time share
   min(0.8, k/(L-k) x donor busy) on the donor's layers, so its own prefill/decode
   slows by 1 / (1 - share) (strict time sharing: no overlap of memory-bound decode
-  with compute-bound prefill is assumed, which is pessimistic for BanaServe), and
+  with compute-bound prefill is assumed, which is pessimistic for BanaServe; C's
+  `bana, decode overlap 0.5` row and D's last row hide half of the share under a decode
+  peer's own steps, `SimConfig.decode_overlap`), and
   gives up KV memory for the weights. Both speeds come from
   `migrate.balancer.split_speeds` and are in the workers' load snapshots
   (`WorkerLoad.prefill_speed`), so the router and the balancer compare queues at
