@@ -307,6 +307,10 @@ def test_prefill_speeds_come_from_the_agents_placements_while_layers_are_away():
     assert speeds["http://d0"] == pytest.approx(0.4)
     # a peer whose agent did not answer is left out (it keeps 1.0); the donor is still known
     assert layer_split_speeds({"http://p0": away["http://p0"]}, {}) == {"http://p0": 2.0}
+    # every layer away: counted as all but one, never an error that would stop the loop
+    whole = {"http://p0": _status("prefill-0", [(0, 4, "decode-0")]), "http://d0": away["http://d0"]}
+    assert layer_split_speeds(whole, {"http://p0": 1.0}) == pytest.approx(
+        {"http://p0": 4.0, "http://d0": split_speeds(4, 3, 1.0)[1]})
 
     admin = AdminAPI(())
     rounds = [away, {**away, "http://p0": _status("prefill-0", [(0, 4, "prefill-0")], ("recalling",))},

@@ -31,6 +31,7 @@ are blocking and short); the router's event loop never waits on them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,8 @@ from bana_sglang.migrate import messages as m
 from bana_sglang.migrate.balancer import split_speeds
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
 from bana_sglang.router.errors import error_response
+
+logger = logging.getLogger(__name__)
 
 # Agents answer at their scheduler's batch boundaries; a CPU batch can take seconds.
 AGENT_TIMEOUT_S = 30.0
@@ -60,18 +63,19 @@ def layer_split_speeds(statuses: Mapping[str, m.StatusResult], busy: Mapping[str
     """Each agent's worker (by URL) -> its prefill speed, from the placements: a donor
     with ``k`` of its layers on a peer, and that peer, get ``split_speeds`` (the
     donor's ``busy`` fraction sets the peer's share); 1.0 for everyone else. A peer
-    whose agent did not answer is simply not in ``statuses``: it keeps 1.0."""
+    whose agent did not answer is simply not in ``statuses``: it keeps 1.0. A donor
+    with every layer away counts as all but one (it still embeds and samples)."""
     url_of = {st.worker: url for url, st in statuses.items()}
     speed = dict.fromkeys(statuses, 1.0)
     for url, st in statuses.items():
         away = [(p.stop - p.start, p.executor) for p in st.placement if p.executor != st.worker]
         if not away:
             continue
-        b = busy.get(url, 0.0)
-        speed[url] *= split_speeds(st.num_layers, sum(k for k, _ in away), b)[0]
+        b, most = busy.get(url, 0.0), st.num_layers - 1
+        speed[url] *= split_speeds(st.num_layers, min(most, sum(k for k, _ in away)), b)[0]
         for k, executor in away:
             if executor in url_of:
-                speed[url_of[executor]] *= split_speeds(st.num_layers, k, b)[1]
+                speed[url_of[executor]] *= split_speeds(st.num_layers, min(most, k), b)[1]
     return speed
 
 
@@ -166,9 +170,13 @@ class AdminAPI:
             await asyncio.sleep(SPEED_REFRESH_S)
             if not self.layers_out:
                 continue
-            statuses = await self._statuses()
-            ok = {url: st for url, st in statuses.items() if isinstance(st, m.StatusResult)}
-            apply(layer_split_speeds(ok, busy()))
+            try:
+                statuses = await self._statuses()
+                ok = {url: st for url, st in statuses.items() if isinstance(st, m.StatusResult)}
+                apply(layer_split_speeds(ok, busy()))
+            except Exception:  # never let one bad answer stop the loop (the speeds stay as they were)
+                logger.exception("reading the agents' placements failed")
+                continue
             if len(ok) == len(statuses) and all(_layers_settled(st) for st in ok.values()):
                 self.layers_out = False
 
