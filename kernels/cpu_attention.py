@@ -41,9 +41,22 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-# Padding one batched decode call costs at most this factor over the true KV length;
-# beyond it, the requests are run one by one.
-DECODE_PAD_WASTE = 2.0
+# Decode runs either as one padded call (every request's keys gathered to the longest
+# length, a mask for the shorter ones) or as a loop of one call per request. Their costs
+# on this CPU (microseconds per layer; `python -m bench.bench_decode_paths` measures
+# them and checks the choice against both paths): the padded call per padded key, the
+# loop per key and per request. One padded call wins for many short requests; with
+# mixed lengths its gather and mask cost several times the loop (2026-12-01: a batch
+# of the trace's first burst, 163-1700 tokens, 44 ms a step padded against 17.5 ms).
+PAD_KEY_US = 0.45
+LOOP_KEY_US = 0.30
+LOOP_REQUEST_US = 35.0
+
+
+def decode_pads(seq_lens: Sequence[int]) -> bool:
+    """Whether :func:`decode_attention` runs these lengths as one padded call."""
+    b = len(seq_lens)
+    return b > 1 and PAD_KEY_US * b * max(seq_lens) < LOOP_KEY_US * sum(seq_lens) + LOOP_REQUEST_US * b
 
 
 class AttentionResult(NamedTuple):
@@ -220,7 +233,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if bsz == 0:
         return AttentionResult(out, torch.empty((0, hq)) if need_lse else None)
     max_len = max(seq_lens)
-    if need_lse or bsz == 1 or max_len * bsz > DECODE_PAD_WASTE * sum(seq_lens):
+    if need_lse or not decode_pads(seq_lens):
         lse = torch.empty((bsz, hq), dtype=torch.float32) if need_lse else None
         for b, n in enumerate(seq_lens):
             slots = kv_table[b, :n]

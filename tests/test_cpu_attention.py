@@ -101,7 +101,7 @@ def test_extend_rejects_inconsistent_lengths():
         ca.extend_attention(q, k, v, [torch.arange(3)], [4], scale=1.0)
 
 
-@pytest.mark.parametrize("lens", [[1], [7], [5, 5, 5], [3, 30, 12, 1], [40, 2]])
+@pytest.mark.parametrize("lens", [[1], [7], [5, 5, 5], [3, 30, 12, 1], [40, 2], [700, 20]])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("need_lse", [False, True])
 def test_decode_matches_reference(lens, hq, hkv, need_lse):
@@ -123,6 +123,16 @@ def test_decode_matches_reference(lens, hq, hkv, need_lse):
         torch.testing.assert_close(res.output[b:b + 1].double(), ref.output, atol=ATOL, rtol=0)
         if need_lse:
             torch.testing.assert_close(res.lse[b:b + 1].double(), ref.lse, atol=ATOL, rtol=0)
+
+
+def test_decode_path_choice_follows_the_measured_costs():
+    """Many short requests: one padded call; mixed or long lengths: one call per request
+    (bench/bench_decode_paths.py times both on each of these batches)."""
+    assert ca.decode_pads([64] * 32) and ca.decode_pads([128] * 64)
+    assert ca.decode_pads([5, 5, 5]) and ca.decode_pads([3, 30, 12, 1])  # the tests above cover both paths
+    assert not ca.decode_pads([478, 472, 163, 1466, 1700, 676, 1111])  # the trace's first burst
+    assert not ca.decode_pads([128, 128, 256, 256, 384, 512, 1024, 1408])
+    assert not ca.decode_pads([700, 20]) and not ca.decode_pads([9])
 
 
 def test_decode_kv_dtype_cast_and_bf16():

@@ -50,11 +50,11 @@ logger = logging.getLogger("bana_sglang.sim.calibrate")
 PREFILL_LENGTHS = (128, 512, 1024, 2048, 3072, 4096)
 CHUNKED_LENGTHS = (6144, 8192)  # longer than a chunk: the later chunks attend over a cached prefix
 # Decode batches (prompt lengths of requests decoding together): short prompts at
-# batch 1, 4 and 8, then a large KV. The lengths are mixed, as in the trace's bursts
-# (the longest more than twice the mean, so the CPU kernel takes its per-request path,
-# kernels.cpu_attention.DECODE_PAD_WASTE): the live cluster ran such batches 1.2x
-# slower than equal lengths with the same KV (2 runs each, 2026-12-01), more than the
-# kernel alone accounts for.
+# batch 1, 4 and 8, then a large KV. The lengths are mixed, as in the trace's bursts.
+# (Until 2026-12-01 the CPU kernel ran a batch like the trace's first burst
+# as one padded call, several times slower than these points' per-request path, which
+# made the live decode slower than the calibrated law; kernels.cpu_attention.decode_pads
+# now chooses by measured cost, so both take the per-request path.)
 DECODE_POINTS = ((128,), (32, 64, 96, 320), (32, 32, 64, 64, 96, 96, 160, 480),
                  (256, 512, 1024, 2304), (128, 128, 256, 256, 384, 512, 1024, 1408))
 CONTENTION_PROMPT = 2048
