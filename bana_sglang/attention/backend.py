@@ -4,7 +4,8 @@ A subclass of SGLang's ``TorchNativeAttnBackend`` that keeps its KV write and
 metadata (SWA location translation) and replaces the attention math with
 :mod:`kernels.cpu_attention`: an extend's new queries attend to the cached
 prefix plus themselves with the causal offset, instead of padding the queries
-to the whole KV length; decode batches run as one padded SDPA call.
+to the whole KV length; a decode batch runs as one padded SDPA call when that is
+cheaper, else one call per request (``kernels.cpu_attention.decode_pads``).
 
 Why not SGLang's ``flex_attention`` backend, which also runs on CPU: measured
 in the same run (``bench/bench_attention.py --backends torch_native bana_cpu
