@@ -52,10 +52,19 @@ OVERLAP_ROWS = {"bana, decode overlap 0.5": 0.5}
 C_ROWS = ALL + tuple(OVERLAP_ROWS)
 
 
+def rates(results: Mapping[tuple, SimResult], row: str) -> dict[float, float]:
+    """C's runs of ``row`` (grid and bisection): {rate multiplier: SLO attainment}."""
+    return dict(sorted((k[1], r.slo_attainment) for k, r in results.items() if k[0] == "C" and k[2] == row))
+
+
+def _first_miss(points: Mapping[float, float]) -> float:
+    return min((m for m, a in points.items() if a < SLO_GOAL), default=math.inf)
+
+
 def max_rate(points: Mapping[float, float]) -> float | None:
     """``{rate multiplier: SLO attainment}`` -> the highest rate meeting ``SLO_GOAL``
     below the lowest one that misses it (None: even the lowest misses it)."""
-    miss = min((m for m, a in points.items() if a < SLO_GOAL), default=math.inf)
+    miss = _first_miss(points)
     ok = [m for m, a in points.items() if a >= SLO_GOAL and m < miss]
     return max(ok) if ok else None
 
@@ -63,8 +72,7 @@ def max_rate(points: Mapping[float, float]) -> float | None:
 def next_probe(points: Mapping[float, float]) -> float | None:
     """The midpoint between ``max_rate`` and the lowest missing rate above it, or None
     (nothing met the goal, or nothing missed it)."""
-    lo = max_rate(points)
-    miss = min((m for m, a in points.items() if a < SLO_GOAL), default=math.inf)
+    lo, miss = max_rate(points), _first_miss(points)
     if lo is None or math.isinf(miss):
         return None
     return (lo + miss) / 2
@@ -108,7 +116,7 @@ def refine_throughput(results: dict[tuple, SimResult], jobs: int, quick: bool) -
     for _ in range(REFINE_STEPS):
         specs = []
         for s in C_ROWS:
-            m = next_probe({k[1]: r.slo_attainment for k, r in results.items() if k[0] == "C" and k[2] == s})
+            m = next_probe(rates(results, s))
             if m is not None:
                 specs.append(_throughput_spec(m, s, quick))
         if not specs:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from bana_sglang.sim.compare import (C_ROWS, MOONCAKE_TTFT, OVERLAP_ROWS, REFINE_STEPS, SLO_GOAL, SWEEP,
-                                    max_rate)
+                                    max_rate, rates)
 from bana_sglang.sim.config import SYSTEMS, SimConfig
 from bana_sglang.sim.metrics import SimResult
 from bana_sglang.sim.profiles import Profile
@@ -56,11 +56,6 @@ def _main_table(res: dict[str, SimResult], ref: str) -> str:
                          "migrations", "SLO ok", "sim wall s"])
 
 
-def _rates(results, s) -> dict[float, float]:
-    """System ``s``'s C runs: {rate multiplier: SLO attainment}, grid and bisection."""
-    return dict(sorted((k[1], r.slo_attainment) for k, r in results.items() if k[0] == "C" and k[2] == s))
-
-
 def _nudged(results, scales) -> dict[int, dict[float, float]]:
     """{GPUs: {load factor: bana / global-cache-aware mean TTFT}}, the unnudged run as 1.0."""
     out: dict[int, dict[float, float]] = {}
@@ -76,7 +71,7 @@ def _nudged(results, scales) -> dict[int, dict[float, float]]:
 
 
 def _throughput(results, systems) -> dict[str, float | None]:
-    return {s: max_rate(_rates(results, s)) for s in systems}
+    return {s: max_rate(rates(results, s)) for s in systems}
 
 
 def _plots(results, img: Path, scales) -> list[str]:
@@ -107,7 +102,7 @@ def _plots(results, img: Path, scales) -> list[str]:
     names.append("sim_anchor_ttft.png")
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for s in C_ROWS:
-        pts = _rates(results, s)
+        pts = rates(results, s)
         if pts:
             ax.plot(list(pts), list(pts.values()), marker="o", markersize=3, label=s,
                     ls=":" if s in OVERLAP_ROWS else "-")
@@ -320,7 +315,7 @@ def write_report(results: dict[tuple, SimResult], out: Path, img: Path, *, quick
         for s in C_ROWS:
             cells = [_f(results[("C", m, s)].slo_attainment, 3) if ("C", m, s) in results else "-"
                      for m in SWEEP]
-            rows.append([f"`{s}`", *cells, f"{thr[s]:.4g}" if thr[s] else f"< {min(_rates(results, s), default=SWEEP[0]):g}"])
+            rows.append([f"`{s}`", *cells, f"{thr[s]:.4g}" if thr[s] else f"< {min(rates(results, s), default=SWEEP[0]):g}"])
         L.append(_table(rows, ["system", *[f"x{m:g}" for m in SWEEP], "max rate"]))
 
         def ratio(a_, b_):
