@@ -163,6 +163,68 @@ def test_the_pd_hand_off_and_the_overlap_loop_lag_show_in_simulated_latencies(tm
 
 
 
+def _stream(rid, times):
+    return SimpleNamespace(rid=rid, chunks=tuple((t, 1) for t in times))
+
+
+def test_a_join_is_timed_by_the_running_requests_gaps_across_it():
+    from bana_sglang.sim.calibrate import join_effect
+
+    # two requests decode at 0.1 s a step; a third's first token comes at 1.05, its
+    # second at 1.45, and the running ones' gap across that window takes 0.4 s (0.3 over a step)
+    a = _stream(1, [0.1 * i for i in range(11)] + [1.4 + 0.1 * i for i in range(5)])
+    b = _stream(2, [0.05 + 0.1 * i for i in range(11)] + [1.45 + 0.1 * i for i in range(5)])
+    new = _stream(3, [1.05, 1.45, 1.55, 1.65])
+    hold, gap = join_effect([a, b], new)
+    assert math.isclose(hold, 0.3, rel_tol=1e-6) and math.isclose(gap, 0.3, rel_tol=1e-6)
+    with pytest.raises(ValueError, match="joined no running batch"):
+        join_effect([_stream(4, [0.0, 0.1, 0.2, 0.3, 0.4])], new)  # it ended before the join
+    with pytest.raises(ValueError, match="at least 3"):
+        join_effect([a], _stream(5, [1.0, 1.1]))
+
+
+def test_the_join_fit_gives_hold_and_hand_off_and_refuses_a_negative_slope():
+    from bana_sglang.sim.calibrate import fit_join
+
+    base = load_profile("cpu_small")
+    transfer = lambda n: base.net_seconds(n * base.kv_bytes_per_token) * (1 - base.pd_transfer_overlap)
+    pts = [{"tokens": n, "hold_s": 0.02 + 4e-5 * n, "gap_s": 0.01 + 0.02 + 4e-5 * n + transfer(n)}
+           for n in (256, 1024, 2048)]
+    p = fit_join(base, pts)
+    assert math.isclose(p.decode_join_s, 0.02, rel_tol=1e-6)
+    assert math.isclose(p.decode_join_s_per_token, 4e-5, rel_tol=1e-6)
+    assert math.isclose(p.pd_handoff_s, 0.01, abs_tol=1e-9)
+    flat = fit_join(base, [{"tokens": 256, "hold_s": 0.2, "gap_s": 0.0}, {"tokens": 2048, "hold_s": 0.1, "gap_s": 0.0}])
+    assert flat.decode_join_s_per_token == 0 and math.isclose(flat.decode_join_s, 0.15)
+    assert flat.pd_handoff_s == 0  # never negative
+
+
+def test_a_request_joining_a_decode_batch_holds_the_requests_already_in_it(tmp_path):
+    """With the profile's join hold, request 1 joining request 0's batch delays
+    request 0's finish by the hold of a 1000-token prompt; request 1 waits for its
+    own hold too. Without it (every GPU profile), nothing moves."""
+    from bana_sglang.sim.engine import Simulation
+
+    base = load_profile("cpu_small")
+    reqs = [SimRequest(rid=0, arrival=0.0, input_len=100, output_len=400, hashes=(1,)),
+            SimRequest(rid=1, arrival=0.5, input_len=1000, output_len=5, hashes=(2,))]
+
+    def run(**changes):
+        path = save_profile(replace(base, **changes), tmp_path / "p.json")
+        sim = Simulation(SimConfig(profile=str(path), num_workers=2, store="global", page_tokens=100), reqs)
+        sim.run()
+        return {r.rid: r for r in sim.records}
+
+    plain, held = run(), run(decode_join_s=0.05, decode_join_s_per_token=1e-4)
+    hold = lambda n: 0.05 + 1e-4 * n
+    assert plain[0].finish > plain[1].first_token  # request 1 joins while 0 decodes
+    assert all(math.isclose(held[i].first_token, plain[i].first_token) for i in range(2))
+    # (to a few ms: request 1's steps overlap request 0's at a slightly different KV length)
+    assert abs(held[0].finish - plain[0].finish - (hold(100) + hold(1000))) < 0.005
+    assert held[1].finish - plain[1].finish > hold(1000) - 0.005  # its own hold (request 0's came before it)
+    assert held[1].finish - plain[1].finish <= hold(100) + hold(1000) + 1e-6
+
+
 def test_the_decode_fit_separates_per_request_work_from_kv_reads():
     from bana_sglang.sim.calibrate import fit_decode, fit_plane
 

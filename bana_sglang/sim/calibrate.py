@@ -14,7 +14,12 @@ and measures, through the router, one request at a time:
   ``CONTENTION_PROMPT``-token prefill while ``CONTENTION_DECODE`` decodes, against each
   alone. ``host_contention_prefill`` is the prefill's TTFT with / alone,
   ``host_contention_decode`` the decode steps' mean gap during that prefill /
-  the batch's TPOT alone. The fidelity run simulates one shared host with them.
+  the batch's TPOT alone. The fidelity run simulates one shared host with them;
+- joins: a prompt of each of ``JOIN_PROMPTS`` tokens joins that batch while it
+  decodes. The running requests' gaps across the join, less a step, give the
+  batch's hold (``decode_join_s + decode_join_s_per_token * tokens``); the
+  joining request's own gap, less a step, the hold and its KV transfer, gives
+  ``pd_handoff_s``.
 It writes a profile JSON (default ``profiles/cpu_small_calibrated.json``)
 whose fitted fields cite the run, and prints the fit's residuals.
 
@@ -36,6 +41,7 @@ guests) over what they measured.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import statistics
@@ -59,6 +65,9 @@ DECODE_POINTS = ((128,), (32, 64, 96, 320), (32, 32, 64, 64, 96, 96, 160, 480),
                  (256, 512, 1024, 2304), (128, 128, 256, 256, 384, 512, 1024, 1408))
 CONTENTION_PROMPT = 2048
 CONTENTION_DECODE = DECODE_POINTS[-1]
+# prompts that join a running decode batch (CONTENTION_DECODE) one at a time: how long
+# the batch holds while each is admitted (Profile.decode_join_s / _per_token)
+JOIN_PROMPTS = (256, 1024, 2048)
 MIN_DECODE_FIXED_S = 1e-4
 WARM_BURST = (1792, 1536, 1280, 1024, 768, 512, 256, 128)  # 7296 tokens
 
@@ -188,6 +197,8 @@ def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tupl
         p = replace(p, **factors)
         if "pd_handoff_s" in contention:
             p = replace(p, pd_handoff_s=max(0.0, float(contention["pd_handoff_s"])))
+        if contention.get("join_points"):  # sets pd_handoff_s again, beyond the joins' hold
+            p = fit_join(p, contention["join_points"])
         if "prefill_result_lag" in contention:
             p = replace(p, prefill_result_lag=bool(contention["prefill_result_lag"]))
     fit = {"prefill": [{"tokens": n, "measured_s": t, "fitted_s": chunked_prefill_seconds(p, n)}
@@ -196,6 +207,9 @@ def calibrate(base: Profile, prefill: list[tuple[int, float]], decode: list[tupl
                       for bsz, kv, t in decode]}
     if contention:
         fit["contention"] = {**contention, **factors}
+        if contention.get("join_points"):  # what the profile took (its pd_handoff_s replaces the batches')
+            fit["join"] = {"decode_join_s": p.decode_join_s, "decode_join_s_per_token": p.decode_join_s_per_token,
+                           "pd_handoff_s": p.pd_handoff_s}
     return p, fit
 
 
@@ -321,6 +335,75 @@ def measure_contention(endpoint: str, repeats: int = 2) -> dict:
     return {k: statistics.fmean(v) for k, v in out.items()}
 
 
+def join_effect(running: list, new) -> tuple[float, float]:
+    """``(hold, gap)`` of one request ``new`` joining the decode batch of ``running``
+    (streamed records, client clock): ``hold`` is how much longer than their own
+    step the running requests' gaps across the join took (the join's window: ``new``'s
+    first token, from the prefill, to its second, from the decode), averaged over the
+    running requests; ``gap`` is ``new``'s first-to-second token gap less one step."""
+    ts_new = [t for t, _ in new.chunks]
+    if len(ts_new) < 3:
+        raise ValueError(f"request {new.rid}: needs at least 3 streamed chunks to time its join")
+    first, second = ts_new[0], ts_new[1]
+    holds, steps = [], []
+    for r in running:
+        ts = [t for t, _ in r.chunks]
+        gaps = list(itertools.pairwise(ts))
+        if len(gaps) < 3:
+            continue
+        step = statistics.median(b - a for a, b in gaps)
+        across = [b - a for a, b in gaps if b > first and a < second]
+        if across:
+            holds.append(sum(across) - step * len(across))
+            steps.append(step)
+    if not holds:
+        raise ValueError(f"request {new.rid} joined no running batch: every request of it ended before "
+                         "its second token")
+    return statistics.fmean(holds), (second - first) - statistics.median(steps)
+
+
+def measure_join(endpoint: str, repeats: int = 2) -> list[dict[str, float]]:
+    """Each prompt of ``JOIN_PROMPTS`` joins a running batch of ``CONTENTION_DECODE``
+    ``repeats`` times (arriving once every request of the batch decodes); per trial
+    ``{"tokens", "hold_s", "gap_s"}`` from :func:`join_effect`."""
+    from bench.workloads import Request
+
+    cfg = _client(endpoint)
+    seed = 6000
+    probe = _replay(cfg, _batch(CONTENTION_DECODE, seed, 4, stride=10))
+    started = max(r.ttft for r in probe) + 0.5
+    points = []
+    for n in JOIN_PROMPTS:
+        for _ in range(repeats):
+            seed += 10
+            new = Request(rid=99, arrival_s=started, prompt=_fresh(seed + 5, n), max_tokens=8)
+            recs = _replay(cfg, _batch(CONTENTION_DECODE, seed, 160, stride=10) + [new])
+            rec = next(r for r in recs if r.rid == 99)
+            hold, gap = join_effect([r for r in recs if r.rid != 99], rec)
+            points.append({"tokens": n, "hold_s": hold, "gap_s": gap})
+            logger.info("join of a %d-token prompt: the batch held %.3fs, its own gap %.3fs beyond a step",
+                        n, hold, gap)
+    return points
+
+
+def fit_join(p: Profile, points: list[dict[str, float]]) -> Profile:
+    """``decode_join_s``/``_per_token`` (least squares of the hold on the prompt tokens,
+    never negative) and ``pd_handoff_s``: the median of what a joining request's own
+    gap has beyond the hold, its KV transfer and a step (the simulator adds those)."""
+    tokens = [float(x["tokens"]) for x in points]
+    holds = [float(x["hold_s"]) for x in points]
+    if len(set(tokens)) >= 2:
+        a, b = fit_line(tokens, holds)
+    else:
+        a, b = statistics.fmean(holds), 0.0
+    if b < 0:
+        a, b = statistics.fmean(holds), 0.0
+    p = replace(p, decode_join_s=max(0.0, a), decode_join_s_per_token=b)
+    rest = [x["gap_s"] - p.join_stall_seconds(int(x["tokens"]))
+            - p.net_seconds(x["tokens"] * p.kv_bytes_per_token) * (1 - p.pd_transfer_overlap) for x in points]
+    return replace(p, pd_handoff_s=max(0.0, statistics.median(rest)))
+
+
 def live_metrics(live: list, duration_live: float) -> dict[str, float]:
     """One live replay's metrics, keyed as in the fidelity table."""
     from bana_sglang.sim.metrics import percentile
@@ -397,7 +480,7 @@ def run_calibrate(args) -> int:
         prefill = [(r["tokens"], r["measured_s"]) for r in old["prefill"]]
         decode = [(r["batch"], r["kv_tokens"], r["measured_s"]) for r in old["decode"]]
         contention = {k: v for k, v in old.get("contention", {}).items()
-                      if k.endswith("_s") or k == "prefill_result_lag"} or None
+                      if k.endswith("_s") or k in ("prefill_result_lag", "join_points")} or None
     else:
         log_dir = Path(args.log_dir or f"/tmp/bana-calibrate-{int(time.time())}")
         with _cluster(args.model, args.port, log_dir) as cluster:
@@ -405,6 +488,7 @@ def run_calibrate(args) -> int:
             prefill, decode, handoff = measure(cluster.plan.endpoint, args.repeats)
             contention = measure_contention(cluster.plan.endpoint, args.repeats)
             contention["pd_handoff_s"] = handoff
+            contention["join_points"] = measure_join(cluster.plan.endpoint, args.repeats)
             # SGLang runs its overlap event loop unless told not to (the launcher does not)
             contention["prefill_result_lag"] = not any(
                 "--disable-overlap-schedule" in w.argv for w in cluster.plan.workers)
@@ -432,8 +516,13 @@ def run_calibrate(args) -> int:
         "kv_read_bytes_per_s": f"fitted {day}: 1 / the same fit's KV-byte coefficient",
         "prefix_attention_cost": f"fitted {day}: TTFT of fresh prompts {list(CHUNKED_LENGTHS)} tokens (chunked "
                                  "prefill) against the law with the dense fit's rate",
-        "pd_handoff_s": f"measured {day}: median over the decode batches' requests of (first-to-second token gap "
-                        "- their later step time)",
+        "pd_handoff_s": f"measured {day}: median over prompts of {list(JOIN_PROMPTS)} tokens joining a running "
+                        "decode batch of their first-to-second token gap less one step, the batch's hold and "
+                        "their modelled KV transfer",
+        "decode_join_s": f"measured {day}: intercept of a least-squares fit, on the joining prompt's tokens, of how "
+                         f"much longer than a step a running batch of prompts {list(CONTENTION_DECODE)} took "
+                         f"across the join of a prompt of {list(JOIN_PROMPTS)} tokens",
+        "decode_join_s_per_token": f"measured {day}: the same fit's slope",
         "prefill_result_lag": "SGLang's overlap event loop (its default, kept by the launcher): a prefill batch's "
                               "results go out after the next batch computes",
         "host_contention_prefill": f"measured {day}: TTFT of a {CONTENTION_PROMPT}-token prompt while the batch "
@@ -459,9 +548,9 @@ def run_calibrate(args) -> int:
         print(f"  contention: prefill {c['prefill_alone_s']:.2f}s alone, {c['prefill_shared_s']:.2f}s with decode "
               f"(x{c['host_contention_prefill']:.2f}); decode step {c['decode_alone_s']:.4f}s alone, "
               f"{c['decode_shared_s']:.4f}s during prefill (x{c['host_contention_decode']:.2f})")
-        if "pd_handoff_s" in c:
-            print(f"  PD hand-off {c['pd_handoff_s']:.3f}s; prefill results lag one batch: "
-                  f"{c.get('prefill_result_lag', False)}")
+        print(f"  PD hand-off {prof.pd_handoff_s:.3f}s; prefill results lag one batch: "
+              f"{c.get('prefill_result_lag', False)}; a joining request holds the decode batch "
+              f"{prof.decode_join_s:.3f}s + {prof.decode_join_s_per_token * 1e3:.3f}s per 1k prompt tokens")
     return 0
 
 

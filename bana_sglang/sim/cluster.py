@@ -76,7 +76,8 @@ class Worker:
                  "step_time", "batch", "heap", "base_kv", "kv_reserved", "kv_capacity",
                  "kv_base_capacity", "pending", "incoming", "version", "prefill_factor",
                  "decode_factor", "offload_phi", "colo_stepping", "lent_share", "leases",
-                 "cont_p", "cont_d", "chunk_t", "chunk_left", "chunk_ver", "chunk_arg", "lagged", "_snap")
+                 "cont_p", "cont_d", "chunk_t", "chunk_left", "chunk_ver", "chunk_arg", "lagged", "stall_until",
+                 "_snap")
 
     def __init__(self, wid: WorkerId, tier: Tier, profile: Profile, hbm_pages: int,
                  dram_pages: int | None) -> None:
@@ -105,6 +106,7 @@ class Worker:
         self.pending: deque[Job] = deque()  # waiting for KV memory / a batch slot
         self.incoming = 0  # admitted, KV in transfer
         self.version = 0
+        self.stall_until = 0.0  # the batch makes no progress before this (a request joining it)
         self.prefill_factor = 1.0  # multiplies prefill compute time (layer migration)
         self.decode_factor = 1.0  # multiplies decode step time
         self.offload_phi = 0.0  # share of this worker's layers running on a peer
@@ -140,8 +142,13 @@ class Worker:
 
     def advance(self, now: float) -> None:
         if self.batch and self.step_time and not self.decode_paused and not self.colo_stepping:
-            self.S += (now - self.last_t) / self.step_time
+            self.S += max(0.0, now - max(self.last_t, self.stall_until)) / self.step_time
         self.last_t = now
+
+    def stall(self, now: float, seconds: float) -> None:
+        """Hold the decode batch for ``seconds`` more (after any hold already running);
+        call after :meth:`advance`."""
+        self.stall_until = max(now, self.stall_until) + seconds
 
     def kv_tokens(self) -> float:
         return self.base_kv + len(self.batch) * self.S

@@ -371,6 +371,9 @@ class Simulation:
     def _on_transfer_done(self, d: Worker, job: Job) -> None:
         d.incoming -= 1
         d.advance(self.now)
+        hold = self.p.join_stall_seconds(job.req.input_len)
+        if hold > 0:  # admitting it holds the whole batch (a CPU host's cores; 0 on GPUs)
+            d.stall(self.now, hold * d.cont_d)
         d.join(job, job.steps_left)
         self._reschedule(d)
 
@@ -389,7 +392,8 @@ class Simulation:
         nxt = w.next_finish()
         if nxt is None:
             raise SimError(f"{w.wid}: batch of {len(w.batch)} without a finish entry")
-        self._push(now + max(0.0, nxt.finish_step - w.S) * w.step_time, DECODE_TICK, w, w.version)
+        held = max(0.0, w.stall_until - now)
+        self._push(now + held + max(0.0, nxt.finish_step - w.S) * w.step_time, DECODE_TICK, w, w.version)
         self._busy(w, True)
 
     def _on_decode_tick(self, w: Worker, version: int) -> None:

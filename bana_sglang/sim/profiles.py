@@ -83,6 +83,12 @@ class Profile:
     # CPU computes synchronously inside "launch")
     pd_handoff_s: float = 0.0
     prefill_result_lag: bool = False
+    # a request joining a decode worker's batch (its KV arrived) holds the whole batch
+    # for ``decode_join_s + decode_join_s_per_token * prompt tokens``: receiving and
+    # admitting it takes the worker's own cores (measured on a CPU host; 0 on GPUs,
+    # where the KV lands in HBM without the decode loop)
+    decode_join_s: float = 0.0
+    decode_join_s_per_token: float = 0.0
     # per running request and decode step, beyond the memory/compute law (a CPU
     # worker's per-request work: sampling, bookkeeping, its attention call); 0 on GPUs
     decode_per_request_s: float = 0.0
@@ -112,6 +118,8 @@ class Profile:
             raise ProfileError(self.name, "decode_per_request_s must be >= 0")
         if self.pd_handoff_s < 0:
             raise ProfileError(self.name, "pd_handoff_s must be >= 0")
+        if min(self.decode_join_s, self.decode_join_s_per_token) < 0:
+            raise ProfileError(self.name, "decode_join_s and decode_join_s_per_token must be >= 0")
         if min(self.host_contention_prefill, self.host_contention_decode) < 1:
             raise ProfileError(self.name, "host contention factors must be >= 1 (1: none)")
         if not 0 <= self.pd_transfer_overlap < 1 or not 0 <= self.local_cache_fraction < 1:
@@ -162,6 +170,10 @@ class Profile:
         mem = self.weight_bytes / hbm + kv_tokens * self.kv_bytes_per_token / (self.kv_read_bytes_per_s or hbm)
         comp = 2.0 * self.num_params * batch / self.flops_per_s
         return self.decode_fixed_s + self.decode_per_request_s * batch + max(mem, comp)
+
+    def join_stall_seconds(self, prompt_tokens: int) -> float:
+        """How long a decode batch holds while a request of ``prompt_tokens`` joins it."""
+        return self.decode_join_s + self.decode_join_s_per_token * prompt_tokens
 
     def net_seconds(self, nbytes: float) -> float:
         return self.transfer_fixed_s + nbytes / (self.net_bytes_per_s * self.net_efficiency)

@@ -411,12 +411,14 @@ MODEL_NOTES = """
   `host_contention_prefill` / `host_contention_decode` times slower while another
   worker on the host computes (processor sharing: a running chunk's remaining time
   is rescaled whenever a worker starts or stops). The CPU profile's factors, its
-  PD hand-off delay (first token to first decode step, beyond the KV transfer),
-  the overlap loop's result lag (a prefill batch's first tokens go out after the
+  PD hand-off delay (first token to first decode step, beyond the KV transfer), the
+  hold of a decode batch while a request joins it (receiving and admitting its KV on
+  the same cores: every request in the batch waits `decode_join_s +
+  decode_join_s_per_token x prompt tokens`), the overlap loop's result lag (a prefill batch's first tokens go out after the
   next batch computes), the cost of attention over a cached prefix relative to the
   prefill rate, and the decode step's per-request and KV-read terms are measured
   by `python -m bana_sglang.sim calibrate`; the GPU profiles leave them neutral
-  (factor 1, no delay, no lag, KV read at HBM speed).
+  (factor 1, no delay, no hold, no lag, KV read at HBM speed).
 - **Routing snapshots are exact** (the router sees the state at the decision time);
   the live router polls, so it will see staler loads.
 - **No-wait floor.** Each request's TTFT alone on an idle worker with the cache hits
