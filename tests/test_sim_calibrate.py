@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bana_sglang.sim.calibrate import (calibrate, cpu_steal_ticks, fidelity_compare, fidelity_rows, fit_line,
-                                       store_faults)
+from bana_sglang.sim.calibrate import calibrate, cpu_steal_ticks, fit_line, store_faults
+from bana_sglang.sim.fidelity import fidelity_compare, fidelity_rows
 from bana_sglang.sim.config import SimConfig, SimConfigError
 from bana_sglang.sim.engine import simulate
 from bana_sglang.sim.profiles import load_profile, save_profile

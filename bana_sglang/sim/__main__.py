@@ -86,11 +86,13 @@ def cmd_profiles(_args) -> int:
     return 0
 
 
-def _lazy(name: str):
+def _lazy(module: str, name: str):
+    """``bana_sglang.sim.<module>.<name>``, imported when the command runs (they load
+    the live harness)."""
     def run(args) -> int:
-        from bana_sglang.sim import calibrate
+        import importlib
 
-        return getattr(calibrate, name)(args)
+        return getattr(importlib.import_module(f"bana_sglang.sim.{module}"), name)(args)
 
     return run
 
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="refit the measurements of a previous run (its .fit.json) instead of measuring")
     cal.add_argument("--port", type=int, default=31200)
     cal.add_argument("--log-dir", default=None)
-    cal.set_defaults(fn=_lazy("run_calibrate"))
+    cal.set_defaults(fn=_lazy("calibrate", "run_calibrate"))
     fid = sub.add_parser("fidelity", help="one trace slice on the live cluster and in the simulator: the errors")
     fid.add_argument("--model", default="small")
     fid.add_argument("--profile-path", default=str(Path(__file__).parent / "profiles" / "cpu_small_calibrated.json"))
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     fid.add_argument("--write-results", action="store_true", help="replace this run's section of docs/RESULTS.md")
     fid.add_argument("--results-key", default="sim-fidelity")
     fid.add_argument("--results-title", default="Simulator fidelity (live vs simulated, one trace slice)")
-    fid.set_defaults(fn=_lazy("run_fidelity"))
+    fid.set_defaults(fn=_lazy("fidelity", "run_fidelity"))
     p = sub.add_parser("profiles", help="list profiles with derived figures")
     p.set_defaults(fn=cmd_profiles)
     args = ap.parse_args(argv)

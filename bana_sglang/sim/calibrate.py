@@ -23,20 +23,9 @@ and measures, through the router, one request at a time:
 It writes a profile JSON (default ``profiles/cpu_small_calibrated.json``)
 whose fitted fields cite the run, and prints the fit's residuals.
 
-``python -m bana_sglang.sim fidelity`` replays one slice of the Mooncake
-conversation trace (lengths scaled by ``--length-scale``, the prefix
-structure kept: one block per hash id) on the live 1P1D cluster with the
-benchmark client, then the same requests (arrival, prompt and output
-lengths, block hashes) in the simulator with that profile and the same system
-(``bana_no_migration``: load-aware routing, global store, no balancer), and
-prints the relative error of mean and p99 TTFT, mean TPOT and throughput.
-With ``--repeats N`` it replays the slice N times, each on a fresh cluster
-(a used one would serve the slice's prefixes from its global store), compares
-the simulator with the runs' mean and prints the runs' own spread: on a
-shared VM the live system's speed drifts by more than the 5.5% target, so one
-live run cannot show that target met or missed. Both commands print the CPU
-steal time (``/proc/stat``: time the hypervisor gave this VM's CPUs to other
-guests) over what they measured.
+The live harness here (cluster, client, warm-up, CPU steal, store faults) is
+shared with :mod:`bana_sglang.sim.fidelity`, which replays a trace slice live and
+simulated with the profile this writes.
 """
 
 from __future__ import annotations
@@ -72,7 +61,7 @@ MIN_DECODE_FIXED_S = 1e-4
 WARM_BURST = (1792, 1536, 1280, 1024, 768, 512, 256, 128)  # 7296 tokens
 
 
-def _cluster(model: str, port: int, log_dir: Path):
+def start_cluster(model: str, port: int, log_dir: Path):
     from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
     from bench import configs
 
@@ -81,7 +70,7 @@ def _cluster(model: str, port: int, log_dir: Path):
     return Cluster(plan_cluster(cfg), log_dir=log_dir, startup_timeout=900)
 
 
-def _client(endpoint: str):
+def live_client(endpoint: str):
     import httpx
 
     from bench.client import ClientConfig
@@ -90,7 +79,7 @@ def _client(endpoint: str):
     return ClientConfig(endpoint=endpoint, model=model, prompt_mode="ids", progress=False)
 
 
-def _replay(cfg, reqs):
+def replay(cfg, reqs):
     from bench.client import replay_checked
 
     return replay_checked(cfg, reqs)
@@ -249,41 +238,40 @@ def warm_up(cfg) -> None:
     from bench.workloads import Request
 
     for i, n in enumerate((256, 2048)):
-        _replay(cfg, [Request(rid=i, arrival_s=0.0, prompt=_fresh(900 + i, n), max_tokens=4)])
+        replay(cfg, [Request(rid=i, arrival_s=0.0, prompt=_fresh(900 + i, n), max_tokens=4)])
     # a burst of mixed lengths decoding together (WARM_BURST tokens of KV at once)
-    _replay(cfg, _batch(WARM_BURST, 910, 16, rid0=10))
+    replay(cfg, _batch(WARM_BURST, 910, 16, rid0=10))
 
 
 def measure(endpoint: str, repeats: int = 2) -> tuple[list[tuple[int, float]], list[tuple[int, int, float]]]:
     from bench.workloads import Request
 
-    cfg = _client(endpoint)
+    cfg = live_client(endpoint)
     warm_up(cfg)
     prefill = []
     seed = 100
     for n in PREFILL_LENGTHS:
         for _ in range(repeats):
             seed += 1
-            rec, = _replay(cfg, [Request(rid=seed, arrival_s=0.0, prompt=_fresh(seed, n), max_tokens=2)])
+            rec, = replay(cfg, [Request(rid=seed, arrival_s=0.0, prompt=_fresh(seed, n), max_tokens=2)])
             prefill.append((n, rec.ttft))
             logger.info("prefill %5d tokens: TTFT %.3fs", n, rec.ttft)
     for n in CHUNKED_LENGTHS:
         seed += 1
-        rec, = _replay(cfg, [Request(rid=seed, arrival_s=0.0, prompt=_fresh(seed, n), max_tokens=2)])
+        rec, = replay(cfg, [Request(rid=seed, arrival_s=0.0, prompt=_fresh(seed, n), max_tokens=2)])
         prefill.append((n, rec.ttft))
         logger.info("prefill %5d tokens (chunked): TTFT %.3fs", n, rec.ttft)
-    decode, handoffs = [], []
+    decode = []
     for lens in DECODE_POINTS:
         seed += 1
         bsz = len(lens)
-        recs = _replay(cfg, _batch(lens, seed * 100, 33))
+        recs = replay(cfg, _batch(lens, seed * 100, 33))
         split = [steady_and_handoff(r) for r in recs]
         tpot = statistics.fmean(x[0] for x in split)
-        handoffs += [x[1] for x in split]
         decode.append((bsz, sum(lens) + 16 * bsz, tpot))  # KV at the mean measured step
         logger.info("decode batch %d: TPOT %.4fs (after the second token), hand-off %.3fs", bsz, tpot,
                     statistics.fmean(x[1] for x in split))
-    return prefill, decode, statistics.median(handoffs)
+    return prefill, decode
 
 
 def steady_and_handoff(r) -> tuple[float, float]:
@@ -310,19 +298,19 @@ def measure_contention(endpoint: str, repeats: int = 2) -> dict:
     prefill arrives 0.5 s after the batch's first tokens); means over ``repeats``."""
     from bench.workloads import Request
 
-    cfg = _client(endpoint)
+    cfg = live_client(endpoint)
     out: dict[str, list[float]] = {}
     seed = 5000
     for _ in range(repeats):
         seed += 10
-        recs = _replay(cfg, _batch(CONTENTION_DECODE, seed, 33, stride=10))
+        recs = replay(cfg, _batch(CONTENTION_DECODE, seed, 33, stride=10))
         out.setdefault("decode_alone_s", []).append(statistics.fmean(steady_and_handoff(r)[0] for r in recs))
         started = max(r.ttft for r in recs) + 0.5  # every request of the batch decoding
-        rec, = _replay(cfg, [Request(rid=99, arrival_s=0.0, prompt=_fresh(seed + 5, CONTENTION_PROMPT),
+        rec, = replay(cfg, [Request(rid=99, arrival_s=0.0, prompt=_fresh(seed + 5, CONTENTION_PROMPT),
                                      max_tokens=2)])
         out.setdefault("prefill_alone_s", []).append(rec.ttft)
         big = Request(rid=99, arrival_s=started, prompt=_fresh(seed + 6, CONTENTION_PROMPT), max_tokens=2)
-        recs = _replay(cfg, _batch(CONTENTION_DECODE, seed + 7, 160, stride=10) + [big])
+        recs = replay(cfg, _batch(CONTENTION_DECODE, seed + 7, 160, stride=10) + [big])
         b = next(r for r in recs if r.rid == 99)
         gaps = decode_gaps_during([r for r in recs if r.rid != 99], b.send_s, b.first_token_s)
         if not gaps:
@@ -368,16 +356,16 @@ def measure_join(endpoint: str, repeats: int = 2) -> list[dict[str, float]]:
     ``{"tokens", "hold_s", "gap_s"}`` from :func:`join_effect`."""
     from bench.workloads import Request
 
-    cfg = _client(endpoint)
+    cfg = live_client(endpoint)
     seed = 6000
-    probe = _replay(cfg, _batch(CONTENTION_DECODE, seed, 4, stride=10))
+    probe = replay(cfg, _batch(CONTENTION_DECODE, seed, 4, stride=10))
     started = max(r.ttft for r in probe) + 0.5
     points = []
     for n in JOIN_PROMPTS:
         for _ in range(repeats):
             seed += 10
             new = Request(rid=99, arrival_s=started, prompt=_fresh(seed + 5, n), max_tokens=8)
-            recs = _replay(cfg, _batch(CONTENTION_DECODE, seed, 160, stride=10) + [new])
+            recs = replay(cfg, _batch(CONTENTION_DECODE, seed, 160, stride=10) + [new])
             rec = next(r for r in recs if r.rid == 99)
             hold, gap = join_effect([r for r in recs if r.rid != 99], rec)
             points.append({"tokens": n, "hold_s": hold, "gap_s": gap})
@@ -402,38 +390,6 @@ def fit_join(p: Profile, points: list[dict[str, float]]) -> Profile:
     rest = [x["gap_s"] - p.join_stall_seconds(int(x["tokens"]))
             - p.net_seconds(x["tokens"] * p.kv_bytes_per_token) * (1 - p.pd_transfer_overlap) for x in points]
     return replace(p, pd_handoff_s=max(0.0, statistics.median(rest)))
-
-
-def live_metrics(live: list, duration_live: float) -> dict[str, float]:
-    """One live replay's metrics, keyed as in the fidelity table."""
-    from bana_sglang.sim.metrics import percentile
-
-    ttft = [r.ttft for r in live if r.ttft is not None]
-    tpot = [r.tpot for r in live if r.tpot is not None]
-    return {"mean TTFT s": statistics.fmean(ttft), "p99 TTFT s": percentile(ttft, 99),
-            "mean TPOT s": statistics.fmean(tpot) if tpot else 0.0,
-            "throughput out tok/s": sum(r.output_tokens for r in live) / duration_live}
-
-
-def fidelity_rows(runs: list[dict[str, float]], sim_result) -> list[dict]:
-    """Rows (metric, live mean over ``runs``, simulated, relative error, and the
-    live runs' own spread: (max - min) / mean) from per-run live metrics."""
-    sim = {"mean TTFT s": sim_result.ttft_mean, "p99 TTFT s": sim_result.ttft_p99,
-           "mean TPOT s": sim_result.tpot_mean, "throughput out tok/s": sim_result.out_tok_per_s}
-    if not runs:
-        raise ValueError("no live run to compare with")
-    rows = []
-    for m, sv in sim.items():
-        vals = [r[m] for r in runs]
-        lv = statistics.fmean(vals)
-        rows.append({"metric": m, "live": lv, "sim": sv, "error": (sv - lv) / lv if lv else float("nan"),
-                     "live_runs": vals, "live_spread": (max(vals) - min(vals)) / lv if lv else float("nan")})
-    return rows
-
-
-def fidelity_compare(live: list, sim_result, duration_live: float) -> list[dict]:
-    """Rows (metric, live, simulated, relative error) from one replay's records and a SimResult."""
-    return fidelity_rows([live_metrics(live, duration_live)], sim_result)
 
 
 STALL_LINE = "Failed to complete transfers after"  # Mooncake: a batch waited out its transfer timeout
@@ -483,11 +439,10 @@ def run_calibrate(args) -> int:
                       if k.endswith("_s") or k in ("prefill_result_lag", "join_points")} or None
     else:
         log_dir = Path(args.log_dir or f"/tmp/bana-calibrate-{int(time.time())}")
-        with _cluster(args.model, args.port, log_dir) as cluster:
+        with start_cluster(args.model, args.port, log_dir) as cluster:
             ticks0 = cpu_steal_ticks()
-            prefill, decode, handoff = measure(cluster.plan.endpoint, args.repeats)
+            prefill, decode = measure(cluster.plan.endpoint, args.repeats)
             contention = measure_contention(cluster.plan.endpoint, args.repeats)
-            contention["pd_handoff_s"] = handoff
             contention["join_points"] = measure_join(cluster.plan.endpoint, args.repeats)
             # SGLang runs its overlap event loop unless told not to (the launcher does not)
             contention["prefill_result_lag"] = not any(
@@ -551,110 +506,4 @@ def run_calibrate(args) -> int:
         print(f"  PD hand-off {prof.pd_handoff_s:.3f}s; prefill results lag one batch: "
               f"{c.get('prefill_result_lag', False)}; a joining request holds the decode batch "
               f"{prof.decode_join_s:.3f}s + {prof.decode_join_s_per_token * 1e3:.3f}s per 1k prompt tokens")
-    return 0
-
-
-def _replay_live(args, wl, run: int) -> tuple[list, float, float, dict[str, int]]:
-    """One replay of the slice on a fresh cluster (a used one would hold the
-    slice's prefixes in its global store): (records, makespan s, CPU steal share,
-    the cluster's store faults)."""
-    log_dir = Path(args.log_dir) / f"run{run}"
-    with _cluster(args.model, args.port, log_dir) as cluster:
-        cfg = _client(cluster.plan.endpoint)
-        warm_up(cfg)
-        ticks0 = cpu_steal_ticks()
-        t0 = time.monotonic()
-        live = _replay(cfg, wl.requests)
-        duration = time.monotonic() - t0
-        steal = steal_share(ticks0, cpu_steal_ticks())
-    makespan = max(r.end_s for r in live) - min(r.scheduled_s for r in live) if live else duration
-    return live, makespan, steal, store_faults(log_dir)
-
-
-def run_fidelity(args) -> int:
-    from bana_sglang.sim.config import SimConfig, system_config
-    from bana_sglang.sim.engine import Simulation
-    from bana_sglang.sim.workloads import SimRequest
-    from bench import configs
-    from bench.workloads import MOONCAKE_BLOCK, TokenSpace, WorkloadSpec, build
-
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
-    space = TokenSpace.from_model(configs.model_dir(args.model))
-    spec = WorkloadSpec(name="mooncake", num_requests=args.requests, request_rate=args.rate,
-                        length_scale=args.length_scale, trace_offset=args.offset)
-    wl = build(spec, space)
-    args.log_dir = args.log_dir or f"/tmp/bana-fidelity-{int(time.time())}"
-    lives, runs, steals, faults = [], [], [], []
-    for k in range(args.repeats):
-        live, makespan, steal, fault = _replay_live(args, wl, k)
-        lives.append(live)
-        runs.append(live_metrics(live, makespan))
-        steals.append(steal)
-        faults.append(fault)
-        logger.warning("live run %d/%d: mean TTFT %.3fs, mean TPOT %.4fs, CPU steal %.1f%%, store stalls %d, "
-                       "failed transfers %d", k + 1, args.repeats, runs[-1]["mean TTFT s"], runs[-1]["mean TPOT s"],
-                       100 * steal, fault["stalls"], fault["failed"])
-    block = max(1, round(MOONCAKE_BLOCK * args.length_scale))
-    sim_reqs = [SimRequest(rid=r.rid, arrival=r.arrival_s, input_len=len(r.prompt), output_len=r.max_tokens,
-                           hashes=tuple(r.prefix_ids)) for r in wl.requests]
-    # both live workers share this machine's cores: one simulated host
-    sim_cfg = system_config("bana_no_migration", SimConfig(profile=str(args.profile_path), num_workers=2,
-                                                           prefill_fraction=0.5, page_tokens=block,
-                                                           shared_host=True))
-    sim = Simulation(sim_cfg, sim_reqs, system="bana_no_migration")
-    res = sim.run()
-    rows = fidelity_rows(runs, res)
-    n = len(runs)
-    head = f"| metric | live{' (mean of %d runs)' % n if n > 1 else ''} | simulated | error |"
-    lines = [f"Fidelity: {wl.describe()}", "", head, "|---|---|---|---|"]
-    lines += [f"| {r['metric']} | {r['live']:.4f} | {r['sim']:.4f} | {100 * r['error']:+.1f}% |" for r in rows]
-    if n > 1:
-        lines += ["", "| metric | live runs | live spread (max-min)/mean | error vs each run |", "|---|---|---|---|"]
-        for r in rows:
-            vals = ", ".join(f"{v:.4f}" for v in r["live_runs"])
-            errs = ", ".join(f"{100 * (r['sim'] - v) / v:+.1f}%" for v in r["live_runs"])
-            lines.append(f"| {r['metric']} | {vals} | {100 * r['live_spread']:.1f}% | {errs} |")
-    lines += ["", "CPU steal (hypervisor) during the live replays: "
-              + ", ".join(f"{100 * x:.1f}%" for x in steals) + "; Mooncake store batches stalled for the 60 s "
-              "transfer timeout: " + ", ".join(str(f["stalls"]) for f in faults) + "; failed store transfers: "
-              + ", ".join(str(f["failed"]) for f in faults) + "."]
-    clean = [r for r, f in zip(runs, faults) if not f["stalls"]]
-    if 0 < len(clean) < n:
-        lines += ["", f"Against the {len(clean)} run(s) without a store stall:", "",
-                  "| metric | live | simulated | error |", "|---|---|---|---|"]
-        lines += [f"| {r['metric']} | {r['live']:.4f} | {r['sim']:.4f} | {100 * r['error']:+.1f}% |"
-                  for r in fidelity_rows(clean, res)]
-    print("\n".join(lines))
-    if args.write_results:
-        from bench.sidebyside import machine_description, write_results_section
-
-        prof = load_profile(args.profile_path)
-        intro = [
-            f"Run: `python -m bana_sglang.sim fidelity --model {args.model} --requests {args.requests} "
-            f"--rate {args.rate} --repeats {n}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-            f"{machine_description()}.", "",
-            f"Profile `{prof.name}` (from `python -m bana_sglang.sim calibrate`): effective prefill rate "
-            f"{prof.flops_per_s / 1e9:.1f} GFLOP/s, prefill fixed {prof.prefill_fixed_s:.3f} s, decode fixed "
-            f"{prof.decode_fixed_s:.4f} s, host contention x{prof.host_contention_prefill:.2f} on prefill and "
-            f"x{prof.host_contention_decode:.2f} on decode while the other worker computes. The live 1P1D cluster "
-            "and the simulated one (2 workers on one shared host, `bana_no_migration`) get the same requests: "
-            "arrivals, prompt and output lengths, block hashes.", ""]
-        write_results_section(args.results_key, args.results_title, "\n".join(intro + lines[2:] + [""]))
-    if args.json:
-        sim_by_id = {r.rid: r for r in sim.records}
-        live_by_id = [{r.rid: r for r in live} for live in lives]
-        per_request = [{"rid": r.rid, "input": r.prompt_len, "output": r.output_tokens,
-                        "cached_live": r.cached_tokens, "ttft_live": r.ttft, "tpot_live": r.tpot,
-                        "ttft_live_runs": [lb[r.rid].ttft if r.rid in lb else None for lb in live_by_id],
-                        "tpot_live_runs": [lb[r.rid].tpot if r.rid in lb else None for lb in live_by_id],
-                        "cached_sim": sim_by_id[r.rid].hbm_hit_tokens + sim_by_id[r.rid].store_hit_tokens,
-                        "ttft_sim": sim_by_id[r.rid].ttft, "tpot_sim": sim_by_id[r.rid].tpot,
-                        # the first run's stream: send time and (seconds after it, tokens) per chunk
-                        "send_live": r.send_s, "chunks_live": [(t - r.send_s, k) for t, k in r.chunks]}
-                       for r in lives[0] if r.rid in sim_by_id]
-        Path(args.json).write_text(json.dumps({"workload": wl.describe(), "rows": rows, "cpu_steal": steals,
-                                               "store_faults": faults,
-                                               "profile": str(args.profile_path), "requests": per_request},
-                                              indent=2))
     return 0
