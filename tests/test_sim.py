@@ -3,6 +3,7 @@ conservation of requests, KV capacity, profiles, workloads, CLI. Small slices.""
 
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
@@ -287,3 +288,65 @@ def test_throughput_is_the_highest_rate_below_the_first_miss_and_bisection_close
         m = next_probe(pts)
         pts[m] = ok if m < 1.3 else miss
     assert 1.3 - 0.25 / 16 <= max_rate(pts) < 1.3
+
+
+def test_decode_loads_count_requests_waiting_for_memory_as_in_flight(tmp_path):
+    """A request waiting on a decode worker for KV memory is in-flight load there (the
+    live router counts every routed, unfinished request's tokens), so the decode pick
+    sees it: with the waiting requests hidden, every long request waits on one worker."""
+    from bana_sglang.sim.workloads import SimRequest
+
+    doc = json.loads((PROFILE_DIR / "h100_llama3_8b.json").read_text())
+    doc["hardware"]["mem_bytes"]["value"] = 20e9  # ~ 15K-token KV pool per worker
+    p = tmp_path / "tiny_kv.json"
+    p.write_text(json.dumps(doc))
+    cap = load_profile(p).kv_capacity_tokens
+    big = cap // 2 + 100  # two never fit one decode worker together
+    reqs = [SimRequest(i, 0.01 * i, big, 400, (1000 + i,)) for i in range(6)]
+    cfg = SimConfig(profile=str(p), num_workers=4, store="global", page_tokens=512)
+    sim = Simulation(cfg, reqs, check=True)
+    seen = []
+    orig = sim._admit
+
+    def admit(d):
+        orig(d)
+        load = d.load(sim.now)
+        assert load.inflight_tokens == sum(j.kv_need for j in d.pending)
+        seen.append(load.inflight_tokens)
+
+    sim._admit = admit
+    res = sim.run()
+    assert res.finished == len(reqs) and max(seen) > 0
+    # the waiting requests alternate: each one goes where fewer wait (hidden, all but
+    # the second would wait on d0)
+    assert collections.Counter(r.decode_worker for r in sim.records) == {"d0": 3, "d1": 3}
+
+
+def test_a_kv_block_lease_costs_its_host_the_page_reads_and_its_lender_a_hop_per_layer():
+    """KV pages lent to a host: the host reads them on every lender step (its steps
+    slow by 1 / (1 - share)); each of the lender's layers waits one round trip; both
+    factors are undone when the pages come back."""
+    from bana_sglang.migrate.balancer import KVBlockMigration
+    from bana_sglang.sim.cluster import Job
+    from bana_sglang.sim.workloads import SimRequest
+
+    cfg = SimConfig(profile="h100_llama3_8b", num_workers=4, store="global", page_tokens=512)
+    reqs = [SimRequest(i, 0.0, 20_000, 4000, (i + 1,)) for i in range(4)]
+    sim = Simulation(cfg, reqs)
+    p = sim.p
+    sim.run()  # the workers exist and are idle again; now give d0 a batch and lend its pages
+    src, dst = sim.by_id["d0"], sim.by_id["d1"]
+    for r in reqs[:2]:
+        src.join(Job(r), 4000)
+    pages = 40
+    sim._on_mig_done(KVBlockMigration(src.wid, dst.wid, pages, pages * 512 * p.kv_bytes_per_token, 0.1), None)
+    step = p.decode_step_seconds(2, src.kv_tokens())
+    share = p.kv_read_seconds(pages * 512) / step
+    assert 0 < share < 0.5
+    assert dst.decode_factor == pytest.approx(1 / (1 - share)) and dst.lent_share == pytest.approx(share)
+    assert src.decode_factor == pytest.approx(1 + p.num_layers * p.remote_attention_hop_s / step)
+    assert src.kv_capacity == p.kv_capacity_tokens + pages * 512
+    assert not sim._returns  # held until its LEASE_END
+    sim._on_lease_end(next(e[3] for e in sim.events if e[2] == sim_engine.LEASE_END), None)
+    assert src.decode_factor == pytest.approx(1.0) and dst.decode_factor == pytest.approx(1.0)
+    assert dst.lent_share == pytest.approx(0.0) and src.kv_capacity == p.kv_capacity_tokens

@@ -74,7 +74,7 @@ class Worker:
     __slots__ = ("wid", "tier", "profile", "hbm", "dram", "queue", "queued_tokens", "prefilling",
                  "busy_total", "busy_from", "window_busy", "busy_fraction", "S", "last_t",
                  "step_time", "batch", "heap", "base_kv", "kv_reserved", "kv_capacity",
-                 "kv_base_capacity", "pending", "incoming", "version", "prefill_factor",
+                 "kv_base_capacity", "pending", "pending_tokens", "incoming", "version", "prefill_factor",
                  "decode_factor", "offload_phi", "colo_stepping", "lent_share", "leases",
                  "cont_p", "cont_d", "chunk_t", "chunk_left", "chunk_ver", "chunk_arg", "lagged", "stall_until",
                  "_snap")
@@ -104,6 +104,7 @@ class Worker:
         self.kv_capacity = profile.kv_capacity_tokens
         self.kv_base_capacity = self.kv_capacity
         self.pending: deque[Job] = deque()  # waiting for KV memory / a batch slot
+        self.pending_tokens = 0  # their KV need (the live router counts it in-flight)
         self.incoming = 0  # admitted, KV in transfer
         self.version = 0
         self.stall_until = 0.0  # the batch makes no progress before this (a request joining it)
@@ -197,7 +198,7 @@ class Worker:
                 queued_requests=len(self.queue) + len(self.pending),
                 running_requests=running + len(self.batch) + self.incoming,
                 queued_prefill_tokens=self.queued_tokens,
-                inflight_tokens=0, kv_used_tokens=self.kv_reserved,
+                inflight_tokens=self.pending_tokens, kv_used_tokens=self.kv_reserved,
                 kv_total_tokens=self.kv_capacity, busy_fraction=self.busy_fraction,
                 timestamp=now, prefill_speed=1 / self.prefill_factor)
         return s

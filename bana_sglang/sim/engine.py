@@ -27,9 +27,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bana_sglang.migrate.balancer import (Action, KVBlockMigration, LayerMigration,
-                                          MigrationCostModel, ModelShape, RequestMigration,
-                                          get_balancer, split_speeds)
+from bana_sglang.migrate.balancer import (MAX_HOST_SHARE, Action, KVBlockMigration,
+                                          LayerMigration, MigrationCostModel, ModelShape,
+                                          RequestMigration, get_balancer, split_speeds)
 from bana_sglang.router.policy import RouteRequest, Tier, WorkerId, get_policy
 from bana_sglang.router.prefix_tree import PagePrefixTree
 from bana_sglang.sim.cluster import CacheView, Job, LazyRunning, SimError, Worker
@@ -280,6 +280,7 @@ class Simulation:
                 rr = RouteRequest(job.rid, job.req.input_len, h, job.req.output_len, self.page)
                 d = self.by_id[self.policy.pick_decode(rr, [x.load(now) for x in self.decode_workers])]
                 d.pending.append(job)
+                d.pending_tokens += job.kv_need
                 d.dirty()
                 self._admit(d)
         w.dirty()
@@ -361,6 +362,7 @@ class Simulation:
                     or d.kv_reserved + job.kv_need > d.kv_capacity):
                 break
             d.pending.popleft()
+            d.pending_tokens -= job.kv_need
             d.kv_reserved += job.kv_need
             d.incoming += 1
             t = p.net_seconds(job.req.input_len * p.kv_bytes_per_token) * (1 - p.pd_transfer_overlap) \
@@ -521,6 +523,15 @@ class Simulation:
             lease.tokens = min(act.pages * self.page, dst.kv_capacity - dst.kv_reserved)
             dst.kv_capacity -= lease.tokens
             src.kv_capacity += lease.tokens
+            # Every lender step, the host reads the pages for its partial attention (its
+            # time: strict sharing), and each layer of the step waits one round trip.
+            step = p.decode_step_seconds(max(1, len(src.batch)), src.kv_tokens()) * src.decode_factor
+            lease.share = min(MAX_HOST_SHARE, p.kv_read_seconds(lease.tokens) / step)
+            lease.dst_mult = lease.dst_decode = 1 / (1 - lease.share)
+            lease.src_decode = 1 + p.num_layers * p.remote_attention_hop_s / step
+            self._set_factors(src, 1.0, lease.src_decode)
+            self._set_factors(dst, lease.dst_mult, lease.dst_decode)
+            dst.lent_share += lease.share
             self._admit(src)
         src.dirty()
         dst.dirty()
@@ -549,6 +560,9 @@ class Simulation:
         if src.kv_reserved <= src.kv_capacity - lease.tokens:
             src.kv_capacity -= lease.tokens
             dst.kv_capacity += lease.tokens
+            self._set_factors(src, 1.0, 1 / lease.src_decode)
+            self._set_factors(dst, 1 / lease.dst_mult, 1 / lease.dst_decode)
+            dst.lent_share -= lease.share
             self._returns.remove(lease)
             src.leases -= 1
             dst.leases -= 1

@@ -98,6 +98,10 @@ class Profile:
     # attention of new tokens over a cached prefix (chunked prefill, prefix reuse) costs
     # this many times its FLOPs at the prefill rate (1 on GPUs; the CPU fits it)
     prefix_attention_cost: float = 1.0
+    # per layer and decode step, the wait of a KV-block lender for its host's partial
+    # attention (the round trip of queries and partial outputs; the host's own read of
+    # the pages is charged to the host)
+    remote_attention_hop_s: float = 0.0
     sources: tuple[str, ...] = ()
     assumptions: tuple[str, ...] = ()
 
@@ -116,6 +120,8 @@ class Profile:
             raise ProfileError(self.name, "kv_read_bytes_per_s must be >= 0 (0: the HBM rate)")
         if self.decode_per_request_s < 0:
             raise ProfileError(self.name, "decode_per_request_s must be >= 0")
+        if self.remote_attention_hop_s < 0:
+            raise ProfileError(self.name, "remote_attention_hop_s must be >= 0")
         if self.pd_handoff_s < 0:
             raise ProfileError(self.name, "pd_handoff_s must be >= 0")
         if min(self.decode_join_s, self.decode_join_s_per_token) < 0:
@@ -167,9 +173,14 @@ class Profile:
 
     def decode_step_seconds(self, batch: int, kv_tokens: float) -> float:
         hbm = self.hbm_bytes_per_s * self.hbm_efficiency
-        mem = self.weight_bytes / hbm + kv_tokens * self.kv_bytes_per_token / (self.kv_read_bytes_per_s or hbm)
+        mem = self.weight_bytes / hbm + self.kv_read_seconds(kv_tokens)
         comp = 2.0 * self.num_params * batch / self.flops_per_s
         return self.decode_fixed_s + self.decode_per_request_s * batch + max(mem, comp)
+
+    def kv_read_seconds(self, tokens: float) -> float:
+        """Reading ``tokens`` of KV (all layers) for attention, as a decode step does."""
+        return tokens * self.kv_bytes_per_token / (self.kv_read_bytes_per_s
+                                                   or self.hbm_bytes_per_s * self.hbm_efficiency)
 
     def join_stall_seconds(self, prompt_tokens: int) -> float:
         """How long a decode batch holds while a request of ``prompt_tokens`` joins it."""

@@ -204,10 +204,18 @@ def _findings(results: dict[tuple, SimResult], thr: dict[str, float | None]) -> 
                 return f"{s} below the lowest rate"
             r = results[("C", m, s)]
             return f"{s} x{m:.4g} (mean TTFT {r.ttft_mean:.2f} s, TPOT {r.tpot_mean * 1e3:.0f} ms there)"
+        def miss(s):
+            pts = {k[1]: r for k, r in results.items() if k[0] == "C" and k[2] == s}
+            above = [m for m in pts if m > thr[s] and pts[m].slo_attainment < SLO_GOAL]
+            if not above:
+                return "none swept"
+            r = pts[min(above)]
+            return (f"x{min(above):.4g}: {r.slo_attainment:.0%} meet both SLOs, mean TTFT "
+                    f"{r.ttft_mean:.2f} s, TPOT {r.tpot_mean * 1e3:.0f} ms")
         L.append("- Throughput under SLO (C), the highest rate each system sustains: "
                  + "; ".join(at(s) for s in ("bana", "bana_no_migration", "colocated", "load_only"))
                  + ". `bana` holds TTFT low past the others' limits by lending decode workers' time "
-                 "to prefill layers; what ends it is TPOT."
+                 f"to prefill layers. At its first missed rate, {miss('bana')}."
                  + "".join(f" With {ov:.0%} of a decode peer's guest-layer compute hidden under its "
                            f"own steps: {at(row)}." for row, ov in OVERLAP_ROWS.items() if row in thr))
     L.append("")
@@ -384,7 +392,9 @@ MODEL_NOTES = """
 - **PD transfer.** KV bytes / per-worker network bandwidth, 40% hidden by layer
   pipelining. Decode admission reserves input + output tokens (no retraction), so KV
   never exceeds capacity; a request waits for memory and a batch slot on its decode
-  worker.
+  worker, and its KV counts there as in-flight load (`WorkerLoad.inflight_tokens`,
+  as the live router counts every routed request until it ends), so the decode pick
+  and the balancer see the requests waiting.
 - **Colocated baseline.** Prefill chunks (8192 tokens) stall the worker's decode batch;
   one decode step runs between two chunks (SGLang without mixed chunked prefill).
 - **Migrations.** A layer migration of k of L layers lasts a 30 s lease. A prefill
@@ -402,8 +412,10 @@ MODEL_NOTES = """
   gives up KV memory for the weights. Both speeds come from
   `migrate.balancer.split_speeds` and are in the workers' load snapshots
   (`WorkerLoad.prefill_speed`), so the router and the balancer compare queues at
-  them, as the live router does from the agents' placements. KV-block migration lends KV capacity (step-time
-  effects of partial attention are ignored); request migration moves a running
+  them, as the live router does from the agents' placements. KV-block migration lends KV capacity; on every
+  lender step the host reads the lent pages for its partial attention (a time share
+  of pages' read time / lender step, strict sharing) and each of the lender's layers
+  waits `remote_attention_hop_s` for the partial result; request migration moves a running
   request with downtime = its KV transfer time. Every migration first pays
   bytes / bandwidth + fixed cost. One migration at a time per worker.
 - **Workers sharing a host** (`shared_host`, used by the fidelity run of the
