@@ -17,10 +17,10 @@ COST = MigrationCostModel(bandwidth_bytes_per_s=25 * GB, fixed_s=0.005)
 CFG = BalancerConfig(consecutive=3, cooldown_s=20.0, min_interval_s=2.0, budget_s=2.0)
 
 
-def W(name, tier, *, busy=0.0, queued=0, kv_used=0, kv_total=400_000, running=0):
+def W(name, tier, *, busy=0.0, queued=0, kv_used=0, kv_total=400_000, running=0, step=0.0):
     return WorkerLoad(WorkerId(name), tier, running_requests=running,
                       queued_prefill_tokens=queued, kv_used_tokens=kv_used,
-                      kv_total_tokens=kv_total, busy_fraction=busy)
+                      kv_total_tokens=kv_total, busy_fraction=busy, decode_step_s=step)
 
 
 def bana(**cfg):
@@ -205,3 +205,47 @@ def test_one_action_per_eight_workers_in_one_plan():
     assert len(plan_after(bana(max_actions=5), hot, 3)[2].actions) == 3  # only three are hot
     with pytest.raises(BalancerError):
         BalancerConfig(max_actions=-1)
+
+
+def test_layers_equalise_against_the_peers_compute_and_its_memory_takes_the_weights():
+    """A decode peer with much KV in use but little compute busy can take about half of a
+    hot donor's layers (its compute is what the layers use); the predicted peak counts
+    the weights in its KV memory."""
+    loads = [W("p0", Tier.PREFILL, busy=1.0, queued=20_000), W("p1", Tier.PREFILL, busy=0.9),
+             W("d0", Tier.DECODE, busy=0.1, kv_used=200_000)]
+    a = plan_after(bana(), loads, 3)[2].actions[0]
+    assert isinstance(a, LayerMigration) and a.dst == "d0"
+    # U(p0) = 1.2: equalising against d0's compute (0.1) gives phi = 0.46 (14 layers);
+    # against its U (KV usage 0.5) it would be 0.29 (9 layers)
+    assert a.num_layers == 14
+    b = bana()
+    pred = b._predict(a, {w.worker_id: w for w in loads}, {"p0": 1.2, "d0": 0.5})
+    assert pred["d0"] == pytest.approx(max(0.1 + 14 / 32 * 1.2, 0.5 + a.bytes / 131_072 / 400_000))
+    full = [*loads[:2], W("d0", Tier.DECODE, busy=0.1, kv_used=395_000)]  # no room for the weights
+    assert plan_after(bana(), full, 3)[2].empty
+
+
+def test_tpot_guard_keeps_a_decode_peers_step_within_the_slo():
+    """With a TPOT SLO, a decode peer takes only the layers whose time share keeps its
+    step within tpot_headroom x SLO; a peer already there takes none (the next one does)."""
+    hot = [W("p0", Tier.PREFILL, busy=1.0, queued=20_000), W("p1", Tier.PREFILL, busy=0.9)]
+    a = plan_after(bana(tpot_slo_s=0.1), [*hot, W("d0", Tier.DECODE, busy=0.1, step=0.01)], 3)[2].actions[0]
+    assert a.num_layers == 14  # 0.01 s step: share <= 0.875, phi <= 0.47: the unguarded 14 layers
+    a = plan_after(bana(tpot_slo_s=0.1), [*hot, W("d0", Tier.DECODE, busy=0.1, step=0.02)], 3)[2].actions[0]
+    assert a.num_layers == 13  # 0.02 s: share <= 0.75, phi <= 0.43
+    capped = bana(tpot_slo_s=0.1)
+    a = plan_after(capped, [*hot, W("d0", Tier.DECODE, busy=0.1, step=0.06)], 3)[2].actions[0]
+    # share <= 1 - 0.06 / 0.08 = 0.25 -> phi <= 0.25 / 1.25 = 0.2 -> 6 layers
+    assert a.num_layers == 6
+    phi = a.num_layers / 32
+    assert 0.06 / (1 - phi / (1 - phi) * 1.0) <= 0.08 + 1e-9
+    slow = [*hot, W("d0", Tier.DECODE, busy=0.1, step=0.09), W("d1", Tier.DECODE, busy=0.3, step=0.03)]
+    p = plan_after(bana(tpot_slo_s=0.1), slow, 3)[2]
+    assert [x.dst for x in p.actions] == ["d1"]
+    alone = plan_after(bana(tpot_slo_s=0.1), slow[:3], 3)[2]
+    assert all(x.dst != "d0" for x in alone.actions)  # a prefill peer, or nothing
+    assert [x.dst for x in plan_after(bana(tpot_slo_s=0), slow[:3], 3)[2].actions] == ["d0"]  # 0: no guard
+    with pytest.raises(BalancerError):
+        BalancerConfig(tpot_slo_s=-1)
+    with pytest.raises(BalancerError):
+        BalancerConfig(tpot_headroom=0)

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bana_sglang.router.policy import Tier
+from bana_sglang.router.policy import Tier, WorkerId, WorkerLoad
 from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
 from bana_sglang.router.config import RouterConfig
 from bana_sglang.router.server import Router
@@ -96,6 +96,23 @@ def test_worker_load_takes_the_larger_of_report_and_own_count():
     assert w.load().num_requests == 5 and w.load().queued_prefill_tokens == 500
     with pytest.raises(ValueError):
         Reported.from_loads_json({"nope": 1}, at=0)
+
+
+def test_decode_load_reports_its_step_time_from_the_generation_rate():
+    """SGLang's /v1/loads gives running requests and generated tokens/s (per DP rank):
+    their ratio is the step time the balancer's TPOT guard reads; unknown is 0."""
+    d = Worker("http://127.0.0.1:1", Tier.DECODE)
+    d.reported = Reported.from_loads_json(
+        {"loads": [{"num_running_reqs": 6, "gen_throughput": 150.0, "max_total_num_tokens": 100},
+                   {"num_running_reqs": 2, "gen_throughput": 50.0, "max_total_num_tokens": 100}]}, at=1.0)
+    assert d.load().decode_step_s == pytest.approx(8 / 200)
+    d.reported = Reported.from_loads_json({"loads": [{"num_running_reqs": 0, "gen_throughput": 0.0}]}, at=2.0)
+    assert d.load().decode_step_s == 0.0
+    p = Worker("http://127.0.0.1:2", Tier.PREFILL, bootstrap_port=3)
+    p.reported = Reported.from_loads_json({"loads": [{"num_running_reqs": 3, "gen_throughput": 30.0}]}, at=1.0)
+    assert p.load().decode_step_s == 0.0  # a prefill worker's "generation" is its first tokens
+    with pytest.raises(ValueError, match="decode_step_s"):
+        WorkerLoad(WorkerId("x"), Tier.DECODE, decode_step_s=-1.0)
 
 
 def test_worker_backoff_doubles_and_resets():

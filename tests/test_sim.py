@@ -350,3 +350,12 @@ def test_a_kv_block_lease_costs_its_host_the_page_reads_and_its_lender_a_hop_per
     sim._on_lease_end(next(e[3] for e in sim.events if e[2] == sim_engine.LEASE_END), None)
     assert src.decode_factor == pytest.approx(1.0) and dst.decode_factor == pytest.approx(1.0)
     assert dst.lent_share == pytest.approx(0.0) and src.kv_capacity == p.kv_capacity_tokens
+
+
+def test_the_simulated_balancer_guards_the_runs_tpot_slo_unless_told_otherwise():
+    from bana_sglang.migrate.balancer import BalancerConfig
+
+    cfg = system_config("bana", SimConfig(profile="h100_llama3_8b", num_workers=4, slo_tpot_s=0.07))
+    assert Simulation(cfg, []).balancer.config.tpot_slo_s == 0.07
+    off = cfg.with_(balancer_config=BalancerConfig(tpot_slo_s=0.0))
+    assert Simulation(off, []).balancer.config.tpot_slo_s == 0.0

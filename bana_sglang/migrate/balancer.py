@@ -15,6 +15,15 @@ Utilisation ``U_g`` (dimensionless, may exceed 1 when a queue builds):
   :func:`split_speeds`)
 - decode: ``max(busy_fraction, kv_usage)``; colocated: the max of both.
 
+A layer migration adds compute to its peer and puts the layers' weights in the
+peer's KV memory, so its share is sized against the peer's compute part of ``U``
+(``compute_utilisation``: a decode worker with much KV in use may still have most
+of its compute free), and the prediction takes the larger of the peer's compute
+after and its memory after. With ``tpot_slo_s`` set, a decode peer takes only the
+share that keeps its step (``WorkerLoad.decode_step_s``) within
+``tpot_headroom x tpot_slo_s`` (the guest layers take ``share`` of its time, so its
+step becomes ``step / (1 - share)``).
+
 Invariants:
 - Pure with respect to its inputs except for its own controller state (streak,
   cool-downs, last plan time); the live balancer and the simulator call the same
@@ -166,6 +175,11 @@ class BalancerConfig:
     min_peak: float = 0.6  # do nothing while every worker is below this
     queue_horizon_s: float = 5.0
     sustained_backlog_s: float = 3.0  # queued prefill work that skips the streak (see above)
+    # TPOT guard: a decode peer takes guest layers only while its step, slowed by their
+    # time share, stays within tpot_headroom x tpot_slo_s (None: not set, the caller's
+    # SLO if it has one; 0: no guard)
+    tpot_slo_s: float | None = None
+    tpot_headroom: float = 0.8
 
     def actions_per_plan(self, num_workers: int) -> int:
         return self.max_actions or max(1, num_workers // WORKERS_PER_ACTION)
@@ -179,6 +193,10 @@ class BalancerConfig:
                 raise BalancerError(f"invalid balancer config: {name}={getattr(self, name)!r}")
         if not 0 < self.max_layer_fraction < 1:
             raise BalancerError("max_layer_fraction must be in (0, 1)")
+        if self.tpot_slo_s is not None and self.tpot_slo_s < 0:
+            raise BalancerError(f"tpot_slo_s must be >= 0 (0: no guard), got {self.tpot_slo_s!r}")
+        if not 0 < self.tpot_headroom <= 1:
+            raise BalancerError(f"tpot_headroom must be in (0, 1], got {self.tpot_headroom!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +217,13 @@ def utilisation(w: WorkerLoad, shape: ModelShape, cfg: BalancerConfig) -> float:
     if w.tier is Tier.DECODE:
         return max(w.busy_fraction, w.kv_usage)
     return max(w.busy_fraction + queue, w.kv_usage)
+
+
+def compute_utilisation(w: WorkerLoad, shape: ModelShape, cfg: BalancerConfig) -> float:
+    """The compute part of ``U`` (``utilisation`` without the KV usage term)."""
+    if w.tier is Tier.DECODE:
+        return w.busy_fraction
+    return w.busy_fraction + w.prefill_backlog_tokens / (shape.prefill_tokens_per_s * cfg.queue_horizon_s)
 
 
 MAX_HOST_SHARE = 0.8  # of a peer's time its guest layers may take (its own work keeps the rest)
@@ -350,7 +375,9 @@ class BanaBalancer(Balancer):
 
     def _layer_action(self, hot, cold, uh, uc, budget) -> LayerMigration | None:
         shape, cfg = self.shape, self.config
-        phi = min((uh - uc) / (2 * uh), cfg.max_layer_fraction)
+        # the layers add compute to the peer: equalise against its compute, not its KV usage
+        uc = compute_utilisation(cold, shape, cfg)
+        phi = min((uh - uc) / (2 * uh), cfg.max_layer_fraction, self._tpot_cap(hot, cold))
         k = int(phi * shape.num_layers)
         k = min(k, self.cost.max_bytes(budget) // max(1, shape.layer_weight_bytes))
         # The peer must hold the weights in memory it does not need for KV.
@@ -362,6 +389,20 @@ class BanaBalancer(Balancer):
         start = shape.num_layers - k  # the tail layers: the donor streams hidden states
         return LayerMigration(hot.worker_id, cold.worker_id, (start, shape.num_layers),
                               nbytes, self.cost.seconds(nbytes))
+
+    def _tpot_cap(self, hot: WorkerLoad, cold: WorkerLoad) -> float:
+        """The largest share of ``hot``'s layers a decode peer may run without its step
+        passing ``tpot_headroom x tpot_slo_s`` (1: no guard applies). The guest layers
+        take ``share = phi / (1 - phi) x donor busy`` of its time (:func:`split_speeds`),
+        so its step becomes ``step / (1 - share)``."""
+        slo = self.config.tpot_slo_s
+        if not slo or cold.tier is Tier.PREFILL or cold.decode_step_s <= 0:
+            return 1.0
+        share = 1 - cold.decode_step_s / (self.config.tpot_headroom * slo)
+        if share <= 0:
+            return 0.0
+        busy = max(MIN_DONOR_BUSY, hot.busy_fraction)
+        return share / (busy + share)
 
     def _memory_action(self, hot, cold, budget, running) -> Action | None:
         shape = self.shape
@@ -389,8 +430,15 @@ class BanaBalancer(Balancer):
         """Utilisations of the pair after ``act`` (first-order model)."""
         uh, uc = u[act.src], u[act.dst]
         if isinstance(act, LayerMigration):
+            # two resources on the peer: the donor's share of compute, and the weights in
+            # its KV memory (a decode peer's U is the larger of the two)
             phi = act.num_layers / self.shape.num_layers
-            return {act.src: uh * (1 - phi), act.dst: uc + phi * uh}
+            cold = by_id[act.dst]
+            compute = compute_utilisation(cold, self.shape, self.config) + phi * uh
+            if cold.tier is Tier.PREFILL:
+                return {act.src: uh * (1 - phi), act.dst: compute}
+            memory = cold.kv_usage + act.bytes / self.shape.kv_bytes_per_token / max(1, cold.kv_total_tokens)
+            return {act.src: uh * (1 - phi), act.dst: max(compute, memory)}
         hot, cold = by_id[act.src], by_id[act.dst]
         tokens = act.bytes // self.shape.kv_bytes_per_token
         dh = tokens / max(1, hot.kv_total_tokens)

@@ -310,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="actions per plan; 0: one per 8 workers, at least one")
     p.add_argument("--sustained-backlog-s", type=float, default=d.sustained_backlog_s,
                    help="a prefill backlog this long (queued tokens / --prefill-tokens-per-s) acts without the streak")
+    p.add_argument("--tpot-slo-s", type=float, default=0.0,
+                   help="TPOT SLO in seconds: a decode worker takes guest layers only while its step "
+                        "(running requests / generated tokens per second) stays within --tpot-headroom "
+                        "of it; 0: no guard")
+    p.add_argument("--tpot-headroom", type=float, default=d.tpot_headroom,
+                   help="share of --tpot-slo-s a decode worker's step may reach with guest layers")
     p.add_argument("--host", default="127.0.0.1", help="where /metrics and /decisions are served")
     p.add_argument("--port", type=int, default=0, help="0: an ephemeral port (logged)")
     p.add_argument("--log-level", default="INFO")
@@ -321,7 +327,8 @@ def controller_from_args(args: argparse.Namespace) -> Controller:
                          release_threshold=min(BalancerConfig().release_threshold, args.imbalance_threshold),
                          consecutive=args.consecutive, cooldown_s=args.cooldown_s,
                          min_interval_s=args.min_interval_s, min_peak=args.min_peak, budget_s=args.budget_s,
-                         max_actions=args.max_actions, sustained_backlog_s=args.sustained_backlog_s)
+                         max_actions=args.max_actions, sustained_backlog_s=args.sustained_backlog_s,
+                         tpot_slo_s=args.tpot_slo_s, tpot_headroom=args.tpot_headroom)
     return Controller(router=args.router, balancer_name=args.balancer,
                       shape=model_shape(args.model_path, args.page_size, args.prefill_tokens_per_s),
                       cost=MigrationCostModel(args.bandwidth_mbps * 1e6), config=cfg, interval_s=args.interval,

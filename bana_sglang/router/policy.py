@@ -78,10 +78,15 @@ class WorkerLoad:
     # layers (it computes only the rest), < 1 while it executes a donor's layers
     # (``migrate.balancer.split_speeds``); 1 without a layer migration
     prefill_speed: float = 1.0
+    # seconds per decode step of its running batch (the inter-token time it gives its
+    # requests now); 0: unknown or nothing decoding
+    decode_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prefill_speed > 0:
             raise ValueError(f"WorkerLoad.prefill_speed must be positive, got {self.prefill_speed!r}")
+        if not self.decode_step_s >= 0:
+            raise ValueError(f"WorkerLoad.decode_step_s must be >= 0, got {self.decode_step_s!r}")
 
     @property
     def prefill_backlog_tokens(self) -> float:

@@ -43,7 +43,16 @@ class Reported:
     used_tokens: int = 0
     total_tokens: int = 0
     utilization: float = 0.0
+    gen_throughput: float = 0.0  # tokens/s over the running requests, summed over DP ranks
     at: float = 0.0  # time.monotonic() of the answer; 0: never
+
+    @property
+    def decode_step_s(self) -> float:
+        """Seconds per step of the running batch (its requests' inter-token time):
+        running requests / generated tokens per second; 0 when either is unknown."""
+        if self.running <= 0 or self.gen_throughput <= 0:
+            return 0.0
+        return self.running / self.gen_throughput
 
     @classmethod
     def from_loads_json(cls, body: dict, at: float) -> Reported:
@@ -60,6 +69,7 @@ class Reported:
             r.used_tokens += int(d.get("num_used_tokens", 0))
             r.total_tokens += int(d.get("max_total_num_tokens", 0) or d.get("num_total_tokens", 0))
             util.append(float(d.get("utilization", 0.0) or 0.0))
+            r.gen_throughput += max(0.0, float(d.get("gen_throughput", 0.0) or 0.0))
         r.utilization = max(util, default=0.0)
         return r
 
@@ -150,6 +160,7 @@ class Worker:
             kv_used_tokens=r.used_tokens, kv_total_tokens=max(1, r.total_tokens),
             busy_fraction=min(1.0, max(0.0, r.utilization)),
             timestamp=r.at if now is None else now, prefill_speed=self.prefill_speed,
+            decode_step_s=r.decode_step_s if self.tier is not Tier.PREFILL else 0.0,
         )
 
     def snapshot(self) -> dict:

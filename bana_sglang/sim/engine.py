@@ -21,6 +21,7 @@ function of (config, workload).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import time
@@ -86,12 +87,15 @@ class Simulation:
                                  oracle=CacheView(self.by_id, self.store),
                                  prefill_time=p.prefill_seconds,
                                  transfer_time=lambda n: p.store_seconds(n) / self.store_bw_scale)
+        bcfg = config.balancer_config
+        if bcfg.tpot_slo_s is None:  # not set: the balancer guards the run's own TPOT SLO
+            bcfg = dataclasses.replace(bcfg, tpot_slo_s=config.slo_tpot_s)
         self.balancer = get_balancer(
             config.balancer,
             shape=ModelShape(p.num_layers, p.layer_weight_bytes, p.kv_bytes_per_token, page,
                              p.prefill_tokens_per_s),
             cost=MigrationCostModel(p.net_bytes_per_s * p.net_efficiency, p.transfer_fixed_s),
-            config=config.balancer_config)
+            config=bcfg)
         self.events: list[tuple] = []
         self._seq = 0
         self.now = 0.0
@@ -391,6 +395,7 @@ class Simulation:
                 self._busy(w, False)
             return
         w.step_time = self.p.decode_step_seconds(len(w.batch), w.kv_tokens()) * w.decode_factor
+        w.dirty()  # its snapshot reports the step time
         nxt = w.next_finish()
         if nxt is None:
             raise SimError(f"{w.wid}: batch of {len(w.batch)} without a finish entry")

@@ -409,7 +409,9 @@ MODEL_NOTES = """
   with compute-bound prefill is assumed, which is pessimistic for BanaServe; C's
   `bana, decode overlap 0.5` row and D's last row hide half of the share under a decode
   peer's own steps, `SimConfig.decode_overlap`), and
-  gives up KV memory for the weights. Both speeds come from
+  gives up KV memory for the weights. The balancer sizes the share against the
+  peer's compute and counts the weights in its memory, and keeps a decode peer's
+  step within 0.8 x the TPOT SLO (`BalancerConfig.tpot_slo_s`, the run's SLO). Both speeds come from
   `migrate.balancer.split_speeds` and are in the workers' load snapshots
   (`WorkerLoad.prefill_speed`), so the router and the balancer compare queues at
   them, as the live router does from the agents' placements. KV-block migration lends KV capacity; on every
