@@ -293,7 +293,7 @@ def test_throughput_is_the_highest_rate_below_the_first_miss_and_bisection_close
 def test_decode_loads_count_requests_waiting_for_memory_as_in_flight(tmp_path):
     """A request waiting on a decode worker for KV memory is in-flight load there (the
     live router counts every routed, unfinished request's tokens), so the decode pick
-    sees it: with the waiting requests hidden, every long request waits on one worker."""
+    and the balancer see it in the worker's KV usage."""
     from bana_sglang.sim.workloads import SimRequest
 
     doc = json.loads((PROFILE_DIR / "h100_llama3_8b.json").read_text())
@@ -317,8 +317,6 @@ def test_decode_loads_count_requests_waiting_for_memory_as_in_flight(tmp_path):
     sim._admit = admit
     res = sim.run()
     assert res.finished == len(reqs) and max(seen) > 0
-    # the waiting requests alternate: each one goes where fewer wait (hidden, all but
-    # the second would wait on d0)
     assert collections.Counter(r.decode_worker for r in sim.records) == {"d0": 3, "d1": 3}
 
 
