@@ -336,6 +336,7 @@ def test_a_kv_block_lease_costs_its_host_the_page_reads_and_its_lender_a_hop_per
     src, dst = sim.by_id["d0"], sim.by_id["d1"]
     for r in reqs[:2]:
         src.join(Job(r), 4000)
+    sim._reschedule(src)  # its step time, as after any join
     pages = 40
     sim._on_mig_done(KVBlockMigration(src.wid, dst.wid, pages, pages * 512 * p.kv_bytes_per_token, 0.1), None)
     step = p.decode_step_seconds(2, src.kv_tokens())

@@ -210,20 +210,17 @@ class RunningRequest:
 
 # ----------------------------------------------------------------------------- policies
 
-def utilisation(w: WorkerLoad, shape: ModelShape, cfg: BalancerConfig) -> float:
-    queue = w.prefill_backlog_tokens / (shape.prefill_tokens_per_s * cfg.queue_horizon_s)
-    if w.tier is Tier.PREFILL:
-        return w.busy_fraction + queue
-    if w.tier is Tier.DECODE:
-        return max(w.busy_fraction, w.kv_usage)
-    return max(w.busy_fraction + queue, w.kv_usage)
-
-
 def compute_utilisation(w: WorkerLoad, shape: ModelShape, cfg: BalancerConfig) -> float:
-    """The compute part of ``U`` (``utilisation`` without the KV usage term)."""
+    """The compute part of ``U``: busy time, plus the queued prompt work of a worker
+    that prefills."""
     if w.tier is Tier.DECODE:
         return w.busy_fraction
     return w.busy_fraction + w.prefill_backlog_tokens / (shape.prefill_tokens_per_s * cfg.queue_horizon_s)
+
+
+def utilisation(w: WorkerLoad, shape: ModelShape, cfg: BalancerConfig) -> float:
+    compute = compute_utilisation(w, shape, cfg)
+    return compute if w.tier is Tier.PREFILL else max(compute, w.kv_usage)
 
 
 MAX_HOST_SHARE = 0.8  # of a peer's time its guest layers may take (its own work keeps the rest)

@@ -503,6 +503,14 @@ class Simulation:
         w.decode_factor *= decode_mult
         self._reschedule(w)
 
+    def _lease_effects(self, lease: _Lease, sign: int) -> None:
+        """Apply (+1) or undo (-1) a lease's speed factors on both workers and the peer's
+        time share lent to it."""
+        src, dst = self.by_id[lease.action.src], self.by_id[lease.action.dst]
+        self._set_factors(src, lease.src_prefill ** sign, lease.src_decode ** sign)
+        self._set_factors(dst, lease.dst_mult ** sign, lease.dst_decode ** sign)
+        dst.lent_share += sign * lease.share
+
     def _on_mig_done(self, act: Action, _b) -> None:
         src, dst, p = self.by_id[act.src], self.by_id[act.dst], self.p
         lease = _Lease(act)
@@ -519,24 +527,20 @@ class Simulation:
             # (SimConfig.decode_overlap; 0: strict time sharing)
             lease.dst_decode = 1 / (1 - lease.share * (1 - self.cfg.decode_overlap))
             src.offload_phi += phi
-            dst.lent_share += lease.share
             lease.tokens = min(act.bytes // p.kv_bytes_per_token, dst.kv_capacity - dst.kv_reserved)
             dst.kv_capacity -= lease.tokens
-            self._set_factors(src, lease.src_prefill, lease.src_decode)
-            self._set_factors(dst, lease.dst_mult, lease.dst_decode)
+            self._lease_effects(lease, +1)
         elif isinstance(act, KVBlockMigration):
             lease.tokens = min(act.pages * self.page, dst.kv_capacity - dst.kv_reserved)
             dst.kv_capacity -= lease.tokens
             src.kv_capacity += lease.tokens
             # Every lender step, the host reads the pages for its partial attention (its
             # time: strict sharing), and each layer of the step waits one round trip.
-            step = p.decode_step_seconds(max(1, len(src.batch)), src.kv_tokens()) * src.decode_factor
+            step = src.step_time or p.decode_step_seconds(1, 0) * src.decode_factor
             lease.share = min(MAX_HOST_SHARE, p.kv_read_seconds(lease.tokens) / step)
             lease.dst_mult = lease.dst_decode = 1 / (1 - lease.share)
             lease.src_decode = 1 + p.num_layers * p.remote_attention_hop_s / step
-            self._set_factors(src, 1.0, lease.src_decode)
-            self._set_factors(dst, lease.dst_mult, lease.dst_decode)
-            dst.lent_share += lease.share
+            self._lease_effects(lease, +1)
             self._admit(src)
         src.dirty()
         dst.dirty()
@@ -546,11 +550,9 @@ class Simulation:
         act = lease.action
         src, dst = self.by_id[act.src], self.by_id[act.dst]
         if isinstance(act, LayerMigration):
-            self._set_factors(src, 1 / lease.src_prefill, 1 / lease.src_decode)
-            self._set_factors(dst, 1 / lease.dst_mult, 1 / lease.dst_decode)
+            self._lease_effects(lease, -1)
             src.offload_phi -= lease.phi
             dst.kv_capacity += lease.tokens
-            dst.lent_share -= lease.share
             src.leases -= 1
             dst.leases -= 1
             if dst.tier is not Tier.PREFILL:
@@ -565,9 +567,7 @@ class Simulation:
         if src.kv_reserved <= src.kv_capacity - lease.tokens:
             src.kv_capacity -= lease.tokens
             dst.kv_capacity += lease.tokens
-            self._set_factors(src, 1.0, 1 / lease.src_decode)
-            self._set_factors(dst, 1 / lease.dst_mult, 1 / lease.dst_decode)
-            dst.lent_share -= lease.share
+            self._lease_effects(lease, -1)
             self._returns.remove(lease)
             src.leases -= 1
             dst.leases -= 1
