@@ -249,3 +249,27 @@ def test_tpot_guard_keeps_a_decode_peers_step_within_the_slo():
         BalancerConfig(tpot_slo_s=-1)
     with pytest.raises(BalancerError):
         BalancerConfig(tpot_headroom=0)
+
+
+def test_a_decode_host_short_of_memory_gets_its_guest_layers_back():
+    """memory_recalls names the hosts whose requests wait for memory they do not have
+    (KV usage with the waiting requests past recall_kv_usage); never a prefill host, a
+    worker that hosts nothing, or a host merely full; 0 turns it off."""
+    def D(name, used, waiting, tier=Tier.DECODE):
+        return WorkerLoad(WorkerId(name), tier, kv_used_tokens=used, inflight_tokens=waiting,
+                          kv_total_tokens=100_000)
+
+    loads = [D("d0", 99_000, 5_000),  # 1.04: its waiting requests need memory it has not got
+             D("d1", 100_000, 0),  # full, nothing waiting
+             D("d2", 60_000, 5_000),  # requests on their way, room for them
+             D("d3", 99_000, 5_000),  # pressed, but hosts nothing
+             D("p0", 99_000, 5_000, Tier.PREFILL)]
+    b = bana()
+    assert b.memory_recalls(loads, {"d0", "d1", "d2", "p0"}) == ["d0"]
+    assert b.memory_recalls(loads, set()) == []
+    assert bana(recall_kv_usage=1.1).memory_recalls(loads, {"d0"}) == []  # 1.04 is below it
+    assert bana(recall_kv_usage=0.9).memory_recalls(loads, {"d0", "d2"}) == ["d0"]
+    assert bana(recall_kv_usage=0).memory_recalls(loads, {"d0"}) == []
+    assert get_balancer("none").memory_recalls(loads, {"d0"}) == []
+    with pytest.raises(BalancerError, match="recall_kv_usage"):
+        BalancerConfig(recall_kv_usage=-0.5)

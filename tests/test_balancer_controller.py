@@ -211,3 +211,23 @@ def test_the_command_line_refuses_an_unknown_policy(tiny_model):
     out = subprocess.run([sys.executable, "-m", "bana_sglang.migrate.controller", "--model-path", str(tiny_model),
                           "--balancer", "greedy"], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2 and "greedy" in out.stderr
+
+
+def test_a_layer_host_short_of_memory_gets_the_layers_recalled_before_the_plan(router, shape):
+    """The decode worker hosting a donor's layers comes to need its memory (requests
+    wait for KV it has not got): the controller recalls that migration at the next tick,
+    while the cluster is still busy (no calm period), and says why."""
+    ctl = controller(router, shape, recall_after_s=1e9)
+    router.loads = hot_prefill()
+    ctl.tick(now=100.0)
+    (_, body), = router.posts
+    assert len(ctl.active) == 1
+    router.loads = [WorkerLoad("http://p0", Tier.PREFILL, queued_prefill_tokens=9000, busy_fraction=1.0,
+                               kv_total_tokens=32768),
+                    WorkerLoad("http://d0", Tier.DECODE, busy_fraction=0.3, kv_used_tokens=32000,
+                               inflight_tokens=4000, kv_total_tokens=32768)]
+    ctl.tick(now=101.0)
+    assert (f"/bana/admin/migrations/{body['id']}/recall", {}) in router.posts
+    d = next(x for x in ctl.decisions if x.kind == "recall")
+    assert d.result == "recalled" and d.dst == "http://d0" and "needs its memory" in d.reason
+    assert not ctl.active

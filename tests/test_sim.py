@@ -358,3 +358,45 @@ def test_the_simulated_balancer_guards_the_runs_tpot_slo_unless_told_otherwise()
     assert Simulation(cfg, []).balancer.config.tpot_slo_s == 0.07
     off = cfg.with_(balancer_config=BalancerConfig(tpot_slo_s=0.0))
     assert Simulation(off, []).balancer.config.tpot_slo_s == 0.0
+
+
+@pytest.mark.parametrize("limit", [1.0, 0.0])
+def test_a_layer_lease_ends_early_when_its_decode_host_needs_the_memory(limit):
+    """A decode peer hosting a donor's layers lends them KV capacity (the weights); once
+    a request waits there for memory it has not got, the next balancer tick recalls the
+    lease (Balancer.memory_recalls): capacity and speed factors come back exactly once
+    and the waiting request is admitted. With recall_kv_usage=0 the lease holds."""
+    from bana_sglang.migrate.balancer import BalancerConfig, LayerMigration
+    from bana_sglang.sim.cluster import Job
+    from bana_sglang.sim.workloads import SimRequest
+
+    cfg = system_config("bana", SimConfig(profile="h100_llama3_8b", num_workers=4, page_tokens=512,
+                                          balancer_config=BalancerConfig(recall_kv_usage=limit)))
+    sim = Simulation(cfg, [], check=True)
+    p, src, dst = sim.p, sim.by_id["p0"], sim.by_id["d0"]
+    k = 8
+    act = LayerMigration(src.wid, dst.wid, (p.num_layers - k, p.num_layers), k * p.layer_weight_bytes, 0.1)
+    sim._start_action(act)  # as a plan's action starts: both workers engaged, then the transfer
+    sim._on_mig_done(act, None)
+    weights = k * p.layer_weight_bytes // p.kv_bytes_per_token
+    assert dst.kv_capacity == p.kv_capacity_tokens - weights and src.prefill_factor < 1
+    # d0 fills up: a request of twice the weights' tokens waits for memory
+    dst.kv_reserved = dst.kv_capacity - weights
+    job = Job(SimRequest(0, 0.0, 2 * weights - 10, 10, (1,)))
+    dst.pending.append(job)
+    dst.pending_tokens += job.kv_need
+    dst.dirty()
+    sim._on_tick(None, None)
+    if not limit:
+        assert sim.early_recalls == 0 and dst.kv_capacity == p.kv_capacity_tokens - weights
+        assert list(dst.pending) == [job]
+        return
+    assert sim.early_recalls == 1 and not sim._layer_leases
+    assert dst.kv_capacity == p.kv_capacity_tokens and src.leases == dst.leases == 0
+    assert src.prefill_factor == pytest.approx(1.0) and dst.prefill_factor == pytest.approx(1.0)
+    assert not dst.pending and dst.incoming == 1  # admitted: its KV is on its way
+    # the lease's own LEASE_END comes later and changes nothing
+    lease = next(e[3] for e in sim.events if e[2] == sim_engine.LEASE_END)
+    sim._on_lease_end(lease, None)
+    assert dst.kv_capacity == p.kv_capacity_tokens and src.leases == dst.leases == 0
+    assert src.prefill_factor == pytest.approx(1.0)

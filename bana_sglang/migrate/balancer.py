@@ -41,6 +41,15 @@ Invariants:
   per ``cooldown_s``, a worker still in a migration (``engaged``) in none, and
   never the reverse of a recent action (no ping-pong).
 - Every returned action predicts a lower peak; the plan's ``seconds`` <= budget.
+
+Memory recall (:meth:`Balancer.memory_recalls`): guest layers on a decode peer
+hold memory its own requests may come to need (their weights, and on a GPU host
+their KV area). Once a host's KV usage, counting the requests waiting for its
+memory, passes ``recall_kv_usage`` (default 1: requests wait for memory it does
+not have), the balancer names it, and the caller (the live controller, the
+simulator) recalls the layers it hosts at once instead of at the lease's end or
+after a calm period. It is the layer counterpart of a KV host reclaiming lent
+pages when its own pool runs low (``migrate.kvhost``).
 """
 
 from __future__ import annotations
@@ -180,6 +189,9 @@ class BalancerConfig:
     # SLO if it has one; 0: no guard)
     tpot_slo_s: float | None = None
     tpot_headroom: float = 0.8
+    # a decode host of guest layers gives them back once its KV usage (resident plus
+    # waiting requests) passes this (0: only at the lease's end; see memory_recalls)
+    recall_kv_usage: float = 1.0
 
     def actions_per_plan(self, num_workers: int) -> int:
         return self.max_actions or max(1, num_workers // WORKERS_PER_ACTION)
@@ -197,6 +209,8 @@ class BalancerConfig:
             raise BalancerError(f"tpot_slo_s must be >= 0 (0: no guard), got {self.tpot_slo_s!r}")
         if not 0 < self.tpot_headroom <= 1:
             raise BalancerError(f"tpot_headroom must be in (0, 1], got {self.tpot_headroom!r}")
+        if not self.recall_kv_usage >= 0:
+            raise BalancerError(f"recall_kv_usage must be >= 0 (0: no early recall), got {self.recall_kv_usage!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +272,12 @@ class Balancer(abc.ABC):
         """``running``: each decode worker's movable requests; ``engaged``: workers
         still taking part in a migration (an agent runs one at a time), never
         picked as donor or peer."""
+
+    def memory_recalls(self, loads: Sequence[WorkerLoad], hosts: Collection[WorkerId]) -> list[WorkerId]:
+        """Of ``hosts`` (workers now running a donor's guest layers), those that need
+        their memory back: the caller recalls every layer migration they host. The
+        base policy never asks (a lease ends when its owner says)."""
+        return []
 
 
 class NoneBalancer(Balancer):
@@ -348,6 +368,20 @@ class BanaBalancer(Balancer):
                     now, len(actions), peak, after, reason)
         st.streak = 0
         return Plan(tuple(actions), peak_before=peak, peak_after=after, reason=reason)
+
+    def memory_recalls(self, loads, hosts):
+        """Decode hosts whose KV usage with their waiting requests passes
+        ``recall_kv_usage``, i.e. requests wait for memory the guest layers hold. A
+        prefill host is never named: its memory holds no waiting decode batch."""
+        limit, hosts = self.config.recall_kv_usage, set(hosts)
+        if not limit or not hosts:
+            return []
+        out = [w.worker_id for w in loads if w.worker_id in hosts and w.tier is not Tier.PREFILL
+               and w.inflight_tokens > 0 and w.kv_usage > limit]
+        for wid in out:
+            logger.info("balancer: %s needs its memory back (KV usage %.2f > %.2f with requests waiting)",
+                        wid, next(w.kv_usage for w in loads if w.worker_id == wid), limit)
+        return out
 
     # -- one donor/peer pair -------------------------------------------------------
     def _pair_action(self, hot: WorkerLoad, cold: WorkerLoad, u: dict[WorkerId, float],

@@ -16,7 +16,10 @@ router's admin API:
   lives on the receiver now;
 - a migration it started is recalled once the cluster has stayed
   below the policy's ``min_peak`` for ``--recall-after-s`` (the load that
-  justified it is gone), and at shutdown.
+  justified it is gone), and at shutdown;
+- a layer migration is recalled at once when the policy says its peer needs
+  the memory back (``Balancer.memory_recalls``: requests wait on that decode
+  worker for KV memory, ``--recall-kv-usage``), before the tick's plan.
 
 Every decision (with the plan's reason, the peak utilisation before and the
 predicted one after, and what the cluster answered) is logged, kept in
@@ -101,6 +104,7 @@ class _Active:
     dst: str
     what: str  # "layers [a, b)" or "N KV pages"
     since: float
+    kind: str = "layer_migration"  # or kv_block_migration
 
 
 @dataclass
@@ -150,8 +154,10 @@ class Controller:
     def tick(self, now: float | None = None) -> Plan:
         now = time.monotonic() if now is None else now
         loads = self.loads()
-        # a worker in a migration this controller started takes part in no other
+        # a worker in a migration this controller started takes part in no other (one that
+        # is being recalled neither, until the next tick)
         engaged = {w for a in self.active for w in (a.src, a.dst)}
+        self._memory_recalls(loads)
         plan = self.balancer.plan(loads, now, self.running(), engaged=engaged)
         self.ticks += 1
         self.peak = plan.peak_before
@@ -186,8 +192,20 @@ class Controller:
                                   **base | {"reason": f"{plan.reason}; {r.status_code} {r.text[:200]}"}))
             return
         if kind != "request_migration":  # a moved request has nothing to recall
-            self.active.append(_Active(mid, act.src, act.dst, detail, time.monotonic()))
+            self.active.append(_Active(mid, act.src, act.dst, detail, time.monotonic(), kind))
         self._record(Decision(kind=kind, detail=detail, result="started", migration=mid, **base))
+
+    def _memory_recalls(self, loads: Sequence[WorkerLoad]) -> None:
+        hosted = [a for a in self.active if a.kind == "layer_migration"]
+        if not hosted:
+            return
+        pressed = set(self.balancer.memory_recalls(loads, {a.dst for a in hosted}))
+        by_id = {w.worker_id: w for w in loads}
+        for a in hosted:
+            if a.dst in pressed:
+                w = by_id[a.dst]
+                self._recall(a, f"{a.dst} needs its memory: KV usage {w.kv_usage:.2f} with "
+                                f"{w.inflight_tokens} tokens waiting")
 
     def _maybe_recall(self, plan: Plan, now: float) -> None:
         if not self.active:
@@ -205,15 +223,18 @@ class Controller:
 
     def recall_all(self, reason: str) -> None:
         for a in list(self.active):
-            r = self.http.post(f"/bana/admin/migrations/{a.migration}/recall", json={})
-            ok = r.status_code in (200, 202)
-            # a migration the owner already restored (its peer failed) has nothing to recall
-            self._record(Decision(at=time.time(), kind="recall", src=a.src, dst=a.dst,
-                                  detail=a.what, reason=reason,
-                                  peak_before=self.peak, peak_after=self.peak,
-                                  result="recalled" if ok else f"failed: {r.status_code} {r.text[:120]}",
-                                  migration=a.migration))
-            self.active.remove(a)
+            self._recall(a, reason)
+
+    def _recall(self, a: _Active, reason: str) -> None:
+        r = self.http.post(f"/bana/admin/migrations/{a.migration}/recall", json={})
+        ok = r.status_code in (200, 202)
+        # a migration the owner already restored (its peer failed) has nothing to recall
+        self._record(Decision(at=time.time(), kind="recall", src=a.src, dst=a.dst,
+                              detail=a.what, reason=reason,
+                              peak_before=self.peak, peak_after=self.peak,
+                              result="recalled" if ok else f"failed: {r.status_code} {r.text[:120]}",
+                              migration=a.migration))
+        self.active.remove(a)
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: threading.Event) -> None:
@@ -316,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "of it; 0: no guard")
     p.add_argument("--tpot-headroom", type=float, default=d.tpot_headroom,
                    help="share of --tpot-slo-s a decode worker's step may reach with guest layers")
+    p.add_argument("--recall-kv-usage", type=float, default=d.recall_kv_usage,
+                   help="recall the layers a decode worker hosts at once when its KV usage, counting the "
+                        "requests waiting for its memory, passes this; 0: only when calm")
     p.add_argument("--host", default="127.0.0.1", help="where /metrics and /decisions are served")
     p.add_argument("--port", type=int, default=0, help="0: an ephemeral port (logged)")
     p.add_argument("--log-level", default="INFO")
@@ -328,7 +352,8 @@ def controller_from_args(args: argparse.Namespace) -> Controller:
                          consecutive=args.consecutive, cooldown_s=args.cooldown_s,
                          min_interval_s=args.min_interval_s, min_peak=args.min_peak, budget_s=args.budget_s,
                          max_actions=args.max_actions, sustained_backlog_s=args.sustained_backlog_s,
-                         tpot_slo_s=args.tpot_slo_s, tpot_headroom=args.tpot_headroom)
+                         tpot_slo_s=args.tpot_slo_s, tpot_headroom=args.tpot_headroom,
+                         recall_kv_usage=args.recall_kv_usage)
     return Controller(router=args.router, balancer_name=args.balancer,
                       shape=model_shape(args.model_path, args.page_size, args.prefill_tokens_per_s),
                       cost=MigrationCostModel(args.bandwidth_mbps * 1e6), config=cfg, interval_s=args.interval,

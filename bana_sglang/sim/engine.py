@@ -56,6 +56,7 @@ class _Lease:
     phi: float = 0.0
     tokens: int = 0
     share: float = 0.0
+    ended: bool = False  # a layer lease recalled before its LEASE_END event
 
 
 class Simulation:
@@ -105,6 +106,8 @@ class Simulation:
         self.migration_bytes = 0
         self.refused = 0
         self._returns: list[_Lease] = []
+        self._layer_leases: list[_Lease] = []  # active, in start order
+        self.early_recalls = 0  # layer leases ended by Balancer.memory_recalls
         self._finished_ids: set[int] = set()
         self._contending = self._again = False
 
@@ -144,7 +147,7 @@ class Simulation:
         return summarise(self.system, self.records, n, busy=busy, migrations=self.migrations,
                          migration_bytes=self.migration_bytes, slo_ttft=self.cfg.slo_ttft_s,
                          slo_tpot=self.cfg.slo_tpot_s, wall_s=time.perf_counter() - t_wall,
-                         rejected=len(self.rejected))
+                         rejected=len(self.rejected), early_recalls=self.early_recalls)
 
     def _check(self) -> None:
         for w in self.workers:
@@ -463,7 +466,16 @@ class Simulation:
             w.dirty()
         for lease in list(self._returns):
             self._try_return(lease)
-        plan = self.balancer.plan([w.load(now) for w in self.workers], now, LazyRunning(self.by_id),
+        loads = [w.load(now) for w in self.workers]
+        if self._layer_leases:
+            pressed = set(self.balancer.memory_recalls(loads, {ls.action.dst for ls in self._layer_leases}))
+            for lease in [ls for ls in self._layer_leases if ls.action.dst in pressed]:
+                logger.debug("t=%.1f recall %s: its host needs the memory", now, lease.action)
+                self.early_recalls += 1
+                self._on_lease_end(lease, None)
+            if pressed:
+                loads = [w.load(now) for w in self.workers]
+        plan = self.balancer.plan(loads, now, LazyRunning(self.by_id),
                                   engaged=[w.wid for w in self.workers if w.leases])
         for act in plan.actions:
             logger.debug("t=%.1f %s", now, act)
@@ -530,6 +542,7 @@ class Simulation:
             lease.tokens = min(act.bytes // p.kv_bytes_per_token, dst.kv_capacity - dst.kv_reserved)
             dst.kv_capacity -= lease.tokens
             self._lease_effects(lease, +1)
+            self._layer_leases.append(lease)
         elif isinstance(act, KVBlockMigration):
             lease.tokens = min(act.pages * self.page, dst.kv_capacity - dst.kv_reserved)
             dst.kv_capacity -= lease.tokens
@@ -550,6 +563,10 @@ class Simulation:
         act = lease.action
         src, dst = self.by_id[act.src], self.by_id[act.dst]
         if isinstance(act, LayerMigration):
+            if lease.ended:  # recalled early; this is its original LEASE_END
+                return
+            lease.ended = True
+            self._layer_leases.remove(lease)
             self._lease_effects(lease, -1)
             src.offload_phi -= lease.phi
             dst.kv_capacity += lease.tokens

@@ -67,6 +67,7 @@ class SimResult:
     # migration; ttft_mean - this is queueing (and what a balancer can remove by
     # spreading load; only splitting a prompt's layers can go below it)
     ttft_floor_mean: float = math.nan
+    early_recalls: int = 0  # layer leases ended early: their host needed its memory back
 
     def row(self) -> dict:
         return asdict(self)
@@ -85,14 +86,15 @@ def percentile(xs: Sequence[float], q: float) -> float:
 
 def summarise(system: str, records: list[RequestRecord], n_requests: int, *,
               busy: list[float], migrations: int, migration_bytes: int, slo_ttft: float,
-              slo_tpot: float, wall_s: float, rejected: int = 0) -> SimResult:
+              slo_tpot: float, wall_s: float, rejected: int = 0, early_recalls: int = 0) -> SimResult:
     if not records:
         nan = float("nan")
         return SimResult(system=system, num_requests=n_requests, finished=0, makespan_s=0.0, ttft_mean=nan,
                          ttft_p50=nan, ttft_p90=nan, ttft_p99=nan, tpot_mean=nan, tpot_p90=nan, e2e_mean=nan,
                          req_per_s=0.0, out_tok_per_s=0.0, slo_attainment=0.0, hit_rate=0.0, store_hit_rate=0.0,
                          prefill_imbalance=1.0, prefill_cv=0.0, migrations=migrations,
-                         migration_bytes=migration_bytes, wall_s=wall_s, rejected=rejected)
+                         migration_bytes=migration_bytes, wall_s=wall_s, rejected=rejected,
+                         early_recalls=early_recalls)
     ttft = [r.ttft for r in records]
     floor = statistics.fmean(r.floor_s for r in records)
     tpot = [r.tpot for r in records if r.output_len > 1] or [0.0]
@@ -117,4 +119,4 @@ def summarise(system: str, records: list[RequestRecord], n_requests: int, *,
         prefill_imbalance=max(b) / mean_b if mean_b > 0 else 1.0,
         prefill_cv=statistics.pstdev(b) / mean_b if mean_b > 0 else 0.0,
         migrations=migrations, migration_bytes=migration_bytes, wall_s=wall_s, rejected=rejected,
-        ttft_floor_mean=floor)
+        ttft_floor_mean=floor, early_recalls=early_recalls)
