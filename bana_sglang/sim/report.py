@@ -397,7 +397,10 @@ MODEL_NOTES = """
   and the balancer see the requests waiting.
 - **Colocated baseline.** Prefill chunks (8192 tokens) stall the worker's decode batch;
   one decode step runs between two chunks (SGLang without mixed chunked prefill).
-- **Migrations.** A layer migration of k of L layers lasts a 30 s lease. A prefill
+- **Migrations.** A layer migration of k of L layers lasts a 30 s lease, or ends at the
+  balancer's next tick once requests wait on its decode peer for KV memory the peer
+  has not got (`Balancer.memory_recalls`, `BalancerConfig.recall_kv_usage`; the live
+  controller recalls the same way; `early_recalls` counts them). A prefill
   donor is busy for (1 - k/L) of each chunk and starts the next chunk while the peer
   runs the last k layers, so a chunk's tokens finish after the donor's share plus
   k/L of the compute plus the hidden-state hop (throughput rises; a prompt of several
