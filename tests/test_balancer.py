@@ -255,17 +255,19 @@ def test_a_decode_host_short_of_memory_gets_its_guest_layers_back():
     """memory_recalls names the hosts whose requests wait for memory they do not have
     (KV usage with the waiting requests past recall_kv_usage); never a prefill host, a
     worker that hosts nothing, or a host merely full; 0 turns it off."""
-    def D(name, used, waiting, tier=Tier.DECODE):
-        return WorkerLoad(WorkerId(name), tier, kv_used_tokens=used, inflight_tokens=waiting,
-                          kv_total_tokens=100_000)
+    def D(name, used, waiting, tier=Tier.DECODE, inflight=0):
+        return WorkerLoad(WorkerId(name), tier, kv_used_tokens=used, kv_waiting_tokens=waiting,
+                          inflight_tokens=inflight, kv_total_tokens=100_000)
 
     loads = [D("d0", 99_000, 5_000),  # 1.04: its waiting requests need memory it has not got
              D("d1", 100_000, 0),  # full, nothing waiting
-             D("d2", 60_000, 5_000),  # requests on their way, room for them
+             D("d2", 60_000, 5_000),  # requests waiting for a batch slot, memory for them
              D("d3", 99_000, 5_000),  # pressed, but hosts nothing
-             D("p0", 99_000, 5_000, Tier.PREFILL)]
+             D("p0", 99_000, 5_000, Tier.PREFILL),
+             # live, the router's in-flight count includes resident requests: not a wait
+             D("d4", 70_000, 0, inflight=70_000)]
     b = bana()
-    assert b.memory_recalls(loads, {"d0", "d1", "d2", "p0"}) == ["d0"]
+    assert b.memory_recalls(loads, {"d0", "d1", "d2", "p0", "d4"}) == ["d0"]
     assert b.memory_recalls(loads, set()) == []
     assert bana(recall_kv_usage=1.1).memory_recalls(loads, {"d0"}) == []  # 1.04 is below it
     assert bana(recall_kv_usage=0.9).memory_recalls(loads, {"d0", "d2"}) == ["d0"]

@@ -225,9 +225,24 @@ def test_a_layer_host_short_of_memory_gets_the_layers_recalled_before_the_plan(r
     router.loads = [WorkerLoad("http://p0", Tier.PREFILL, queued_prefill_tokens=9000, busy_fraction=1.0,
                                kv_total_tokens=32768),
                     WorkerLoad("http://d0", Tier.DECODE, busy_fraction=0.3, kv_used_tokens=32000,
-                               inflight_tokens=4000, kv_total_tokens=32768)]
+                               kv_waiting_tokens=4000, inflight_tokens=36000, kv_total_tokens=32768)]
     ctl.tick(now=101.0)
     assert (f"/bana/admin/migrations/{body['id']}/recall", {}) in router.posts
     d = next(x for x in ctl.decisions if x.kind == "recall")
     assert d.result == "recalled" and d.dst == "http://d0" and "needs its memory" in d.reason
-    assert not ctl.active
+    assert "4000 waiting" in d.reason and not ctl.active
+
+
+def test_a_layer_host_whose_requests_are_all_resident_keeps_the_layers(router, shape):
+    """The router's in-flight tokens count resident requests too (live): a host with
+    plenty in flight and nothing waiting for memory is not asked for it."""
+    ctl = controller(router, shape, recall_after_s=1e9)
+    router.loads = hot_prefill()
+    ctl.tick(now=100.0)
+    assert len(ctl.active) == 1
+    router.loads = [WorkerLoad("http://p0", Tier.PREFILL, queued_prefill_tokens=9000, busy_fraction=1.0,
+                               kv_total_tokens=32768),
+                    WorkerLoad("http://d0", Tier.DECODE, busy_fraction=0.3, kv_used_tokens=20000,
+                               inflight_tokens=20000, kv_total_tokens=32768)]
+    ctl.tick(now=101.0)
+    assert not any(x.kind == "recall" for x in ctl.decisions) and len(ctl.active) == 1

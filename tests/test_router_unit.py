@@ -115,6 +115,30 @@ def test_decode_load_reports_its_step_time_from_the_generation_rate():
         WorkerLoad(WorkerId("x"), Tier.DECODE, decode_step_s=-1.0)
 
 
+def test_decode_load_reports_the_kv_of_requests_waiting_for_its_memory():
+    """SGLang's num_total_tokens is the used tokens plus, on a decode worker, the
+    tokens of its prealloc and retracted queues (requests waiting for memory): their
+    difference, summed over DP ranks, is kv_waiting_tokens; the router's own in-flight
+    count (which includes resident requests) does not enter it."""
+    d = Worker("http://127.0.0.1:1", Tier.DECODE)
+    d.reported = Reported.from_loads_json(
+        {"loads": [{"num_used_tokens": 90, "num_total_tokens": 130, "max_total_num_tokens": 100},
+                   {"num_used_tokens": 50, "num_total_tokens": 50, "max_total_num_tokens": 100}]}, at=1.0)
+    d.begin(500)
+    load = d.load()
+    assert load.kv_waiting_tokens == 40 and load.kv_used_tokens == 140 and load.kv_total_tokens == 200
+    assert load.inflight_tokens == 500
+    d.reported = Reported.from_loads_json({"loads": [{"num_used_tokens": 10, "max_total_num_tokens": 100}]},
+                                          at=2.0)
+    assert d.load().kv_waiting_tokens == 0  # an answer without the field: nothing known to wait
+    p = Worker("http://127.0.0.1:2", Tier.PREFILL, bootstrap_port=3)
+    p.reported = Reported.from_loads_json(
+        {"loads": [{"num_used_tokens": 10, "num_total_tokens": 400, "max_total_num_tokens": 100}]}, at=1.0)
+    assert p.load().kv_waiting_tokens == 0  # a prefill worker's waiting prompts are its queue
+    with pytest.raises(ValueError, match="kv_waiting_tokens"):
+        WorkerLoad(WorkerId("x"), Tier.DECODE, kv_waiting_tokens=-1)
+
+
 def test_worker_backoff_doubles_and_resets():
     w = Worker("http://127.0.0.1:1", Tier.DECODE, probe_min_s=1, probe_max_s=4)
     assert w.mark_down("x", now=0) and w.next_probe == 1

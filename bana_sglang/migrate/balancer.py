@@ -44,12 +44,13 @@ Invariants:
 
 Memory recall (:meth:`Balancer.memory_recalls`): guest layers on a decode peer
 hold memory its own requests may come to need (their weights, and on a GPU host
-their KV area). Once a host's KV usage, counting the requests waiting for its
-memory, passes ``recall_kv_usage`` (default 1: requests wait for memory it does
-not have), the balancer names it, and the caller (the live controller, the
-simulator) recalls the layers it hosts at once instead of at the lease's end or
-after a calm period. It is the layer counterpart of a KV host reclaiming lent
-pages when its own pool runs low (``migrate.kvhost``).
+their KV area). Once a host's used KV plus the KV of the requests waiting for its
+memory (``WorkerLoad.kv_waiting_tokens``) passes ``recall_kv_usage`` of its
+pool (default 1: requests wait for memory it does not have), the balancer names
+it, and the caller (the live controller, the simulator) recalls the layers it
+hosts at once instead of at the lease's end or after a calm period. It is the
+layer counterpart of a KV host reclaiming lent pages when its own pool runs low
+(``migrate.kvhost``).
 """
 
 from __future__ import annotations
@@ -370,17 +371,23 @@ class BanaBalancer(Balancer):
         return Plan(tuple(actions), peak_before=peak, peak_after=after, reason=reason)
 
     def memory_recalls(self, loads, hosts):
-        """Decode hosts whose KV usage with their waiting requests passes
-        ``recall_kv_usage``, i.e. requests wait for memory the guest layers hold. A
-        prefill host is never named: its memory holds no waiting decode batch."""
+        """Decode hosts whose used KV plus the KV of the requests waiting for their
+        memory (``WorkerLoad.kv_waiting_tokens``) passes ``recall_kv_usage`` of their
+        pool, i.e. requests wait for memory the guest layers hold. ``inflight_tokens``
+        is not used: live it counts resident requests too. A prefill host is never
+        named: its memory holds no waiting decode batch."""
         limit, hosts = self.config.recall_kv_usage, set(hosts)
         if not limit or not hosts:
             return []
-        out = [w.worker_id for w in loads if w.worker_id in hosts and w.tier is not Tier.PREFILL
-               and w.inflight_tokens > 0 and w.kv_usage > limit]
-        for wid in out:
-            logger.info("balancer: %s needs its memory back (KV usage %.2f > %.2f with requests waiting)",
-                        wid, next(w.kv_usage for w in loads if w.worker_id == wid), limit)
+        out = []
+        for w in loads:
+            if w.worker_id not in hosts or w.tier is Tier.PREFILL or w.kv_waiting_tokens <= 0:
+                continue
+            need = (w.kv_used_tokens + w.kv_waiting_tokens) / max(1, w.kv_total_tokens)
+            if need > limit:
+                logger.info("balancer: %s needs its memory back (used + waiting KV %.2f of its pool > %.2f)",
+                            w.worker_id, need, limit)
+                out.append(w.worker_id)
         return out
 
     # -- one donor/peer pair -------------------------------------------------------

@@ -204,8 +204,8 @@ class Controller:
         for a in hosted:
             if a.dst in pressed:
                 w = by_id[a.dst]
-                self._recall(a, f"{a.dst} needs its memory: KV usage {w.kv_usage:.2f} with "
-                                f"{w.inflight_tokens} tokens waiting")
+                self._recall(a, f"{a.dst} needs its memory: {w.kv_used_tokens} KV tokens used of "
+                                f"{w.kv_total_tokens}, {w.kv_waiting_tokens} waiting")
 
     def _maybe_recall(self, plan: Plan, now: float) -> None:
         if not self.active:
@@ -338,8 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-headroom", type=float, default=d.tpot_headroom,
                    help="share of --tpot-slo-s a decode worker's step may reach with guest layers")
     p.add_argument("--recall-kv-usage", type=float, default=d.recall_kv_usage,
-                   help="recall the layers a decode worker hosts at once when its KV usage, counting the "
-                        "requests waiting for its memory, passes this; 0: only when calm")
+                   help="recall the layers a decode worker hosts at once when its used KV plus the KV of "
+                        "the requests waiting for its memory (SGLang's /v1/loads) passes this share of its "
+                        "pool; 0: only when calm")
     p.add_argument("--host", default="127.0.0.1", help="where /metrics and /decisions are served")
     p.add_argument("--port", type=int, default=0, help="0: an ephemeral port (logged)")
     p.add_argument("--log-level", default="INFO")

@@ -81,12 +81,19 @@ class WorkerLoad:
     # seconds per decode step of its running batch (the inter-token time it gives its
     # requests now); 0: unknown or nothing decoding
     decode_step_s: float = 0.0
+    # KV tokens of requests waiting on this worker for memory it has not allocated them
+    # (live: SGLang's decode prealloc and retracted queues, from /v1/loads; simulated:
+    # the requests queued for a decode worker's memory). Unlike ``inflight_tokens``
+    # (live: every routed, unfinished request's tokens) it never counts resident KV.
+    kv_waiting_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prefill_speed > 0:
             raise ValueError(f"WorkerLoad.prefill_speed must be positive, got {self.prefill_speed!r}")
         if not self.decode_step_s >= 0:
             raise ValueError(f"WorkerLoad.decode_step_s must be >= 0, got {self.decode_step_s!r}")
+        if self.kv_waiting_tokens < 0:
+            raise ValueError(f"WorkerLoad.kv_waiting_tokens must be >= 0, got {self.kv_waiting_tokens!r}")
 
     @property
     def prefill_backlog_tokens(self) -> float:

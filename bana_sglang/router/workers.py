@@ -44,6 +44,9 @@ class Reported:
     total_tokens: int = 0
     utilization: float = 0.0
     gen_throughput: float = 0.0  # tokens/s over the running requests, summed over DP ranks
+    # tokens of requests waiting for KV memory: SGLang's num_total_tokens counts the
+    # used tokens plus (on a decode worker) the prealloc and retracted queues' tokens
+    waiting_tokens: int = 0
     at: float = 0.0  # time.monotonic() of the answer; 0: never
 
     @property
@@ -67,6 +70,8 @@ class Reported:
             r.waiting += int(d.get("num_waiting_reqs", 0))
             r.waiting_uncached_tokens += int(d.get("num_waiting_uncached_tokens", 0))
             r.used_tokens += int(d.get("num_used_tokens", 0))
+            if "num_total_tokens" in d:
+                r.waiting_tokens += max(0, int(d["num_total_tokens"]) - int(d.get("num_used_tokens", 0)))
             r.total_tokens += int(d.get("max_total_num_tokens", 0) or d.get("num_total_tokens", 0))
             util.append(float(d.get("utilization", 0.0) or 0.0))
             r.gen_throughput += max(0.0, float(d.get("gen_throughput", 0.0) or 0.0))
@@ -161,6 +166,7 @@ class Worker:
             busy_fraction=min(1.0, max(0.0, r.utilization)),
             timestamp=r.at if now is None else now, prefill_speed=self.prefill_speed,
             decode_step_s=r.decode_step_s if self.tier is not Tier.PREFILL else 0.0,
+            kv_waiting_tokens=r.waiting_tokens if self.tier is not Tier.PREFILL else 0,
         )
 
     def snapshot(self) -> dict:

@@ -201,7 +201,8 @@ class Worker:
                 inflight_tokens=self.pending_tokens, kv_used_tokens=self.kv_reserved,
                 kv_total_tokens=self.kv_capacity, busy_fraction=self.busy_fraction,
                 timestamp=now, prefill_speed=1 / self.prefill_factor,
-                decode_step_s=self.step_time if self.batch and self.step_time else 0.0)
+                decode_step_s=self.step_time if self.batch and self.step_time else 0.0,
+                kv_waiting_tokens=self.pending_tokens)
         return s
 
     def dirty(self) -> None:
