@@ -400,3 +400,20 @@ def test_a_layer_lease_ends_early_when_its_decode_host_needs_the_memory(limit):
     sim._on_lease_end(lease, None)
     assert dst.kv_capacity == p.kv_capacity_tokens and src.leases == dst.leases == 0
     assert src.prefill_factor == pytest.approx(1.0)
+
+
+def test_a_layer_lease_that_ends_leaves_fresh_snapshots_of_both_workers():
+    """A prefill donor has no decode batch, so nothing else re-snapshots it: once its
+    lease ends, its load must say it runs at its own speed again (and the peer's its
+    whole KV), or the router and the balancer plan on the split."""
+    from bana_sglang.migrate.balancer import LayerMigration
+
+    sim = Simulation(system_config("bana", SimConfig(profile="h100_llama3_8b", num_workers=4)), [])
+    p, src, dst = sim.p, sim.by_id["p0"], sim.by_id["d0"]
+    act = LayerMigration(src.wid, dst.wid, (p.num_layers - 8, p.num_layers), 8 * p.layer_weight_bytes, 0.1)
+    sim._start_action(act)
+    sim._on_mig_done(act, None)
+    assert src.load(sim.now).prefill_speed > 1 and dst.load(sim.now).kv_total_tokens < p.kv_capacity_tokens
+    sim._on_lease_end(next(e[3] for e in sim.events if e[2] == sim_engine.LEASE_END), None)
+    assert src.load(sim.now).prefill_speed == pytest.approx(1.0)
+    assert dst.load(sim.now).kv_total_tokens == p.kv_capacity_tokens

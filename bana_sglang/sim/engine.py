@@ -572,6 +572,10 @@ class Simulation:
             dst.kv_capacity += lease.tokens
             src.leases -= 1
             dst.leases -= 1
+            # their snapshots report the speeds and capacity (a worker without a decode
+            # batch is not re-snapshotted by _reschedule)
+            src.dirty()
+            dst.dirty()
             if dst.tier is not Tier.PREFILL:
                 self._admit(dst)
         else:
