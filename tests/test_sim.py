@@ -417,3 +417,25 @@ def test_a_layer_lease_that_ends_leaves_fresh_snapshots_of_both_workers():
     sim._on_lease_end(next(e[3] for e in sim.events if e[2] == sim_engine.LEASE_END), None)
     assert src.load(sim.now).prefill_speed == pytest.approx(1.0)
     assert dst.load(sim.now).kv_total_tokens == p.kv_capacity_tokens
+
+
+def test_a_recalled_leases_late_end_event_leaves_a_newer_equal_lease_alone():
+    """The same layers move to the same peer again after an early recall: the first
+    lease's own LEASE_END, still queued, must not end the second (leases are told
+    apart by identity, not by equal fields)."""
+    from bana_sglang.migrate.balancer import LayerMigration
+
+    sim = Simulation(system_config("bana", SimConfig(profile="h100_llama3_8b", num_workers=4)), [])
+    p, src, dst = sim.p, sim.by_id["p0"], sim.by_id["d0"]
+    act = LayerMigration(src.wid, dst.wid, (p.num_layers - 8, p.num_layers), 8 * p.layer_weight_bytes, 0.1)
+    sim._start_action(act)
+    sim._on_mig_done(act, None)
+    first = sim._layer_leases[0]
+    sim._on_lease_end(first, None)  # recalled early
+    sim._start_action(act)
+    sim._on_mig_done(act, None)
+    (second,) = sim._layer_leases
+    assert second is not first
+    held = dst.kv_capacity
+    sim._on_lease_end(first, None)  # the first lease's LEASE_END arrives
+    assert sim._layer_leases == [second] and dst.kv_capacity == held and src.leases == dst.leases == 1

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
  LEASE_END) = range(8)
 
 
-@dataclass
+@dataclass(eq=False)  # one lease is one migration: compared (and removed) by identity
 class _Lease:
     action: Action
     src_prefill: float = 1.0  # multipliers applied at start, divided out at the end
@@ -56,7 +56,6 @@ class _Lease:
     phi: float = 0.0
     tokens: int = 0
     share: float = 0.0
-    ended: bool = False  # a layer lease recalled before its LEASE_END event
 
 
 class Simulation:
@@ -466,16 +465,15 @@ class Simulation:
             w.dirty()
         for lease in list(self._returns):
             self._try_return(lease)
-        loads = [w.load(now) for w in self.workers]
         if self._layer_leases:
+            loads = [w.load(now) for w in self.workers]
             pressed = set(self.balancer.memory_recalls(loads, {ls.action.dst for ls in self._layer_leases}))
             for lease in [ls for ls in self._layer_leases if ls.action.dst in pressed]:
                 logger.debug("t=%.1f recall %s: its host needs the memory", now, lease.action)
                 self.early_recalls += 1
                 self._on_lease_end(lease, None)
-            if pressed:
-                loads = [w.load(now) for w in self.workers]
-        plan = self.balancer.plan(loads, now, LazyRunning(self.by_id),
+        # (snapshots are cached: only the workers a recall touched are taken again)
+        plan = self.balancer.plan([w.load(now) for w in self.workers], now, LazyRunning(self.by_id),
                                   engaged=[w.wid for w in self.workers if w.leases])
         for act in plan.actions:
             logger.debug("t=%.1f %s", now, act)
@@ -563,9 +561,8 @@ class Simulation:
         act = lease.action
         src, dst = self.by_id[act.src], self.by_id[act.dst]
         if isinstance(act, LayerMigration):
-            if lease.ended:  # recalled early; this is its original LEASE_END
+            if lease not in self._layer_leases:  # recalled early; this is its original LEASE_END
                 return
-            lease.ended = True
             self._layer_leases.remove(lease)
             self._lease_effects(lease, -1)
             src.offload_phi -= lease.phi
