@@ -110,6 +110,18 @@ def test_contention_factors_come_from_the_shared_over_alone_ratios_and_go_into_t
     assert math.isclose(got.host_contention_prefill, 1.375) and fit["contention"]["decode_shared_s"] == 0.1
     again = load_profile(save_profile(got, tmp_path / "p.json"))
     assert math.isclose(again.host_contention_decode, 1.25)
+    # the busy join: its hold over the idle one's, never below 1, into the profile
+    busy = {**c, "join_idle_hold_s": 0.04, "join_busy_hold_s": 0.12}
+    assert math.isclose(contention_factors(busy)["host_contention_join"], 3.0)
+    assert contention_factors({**busy, "join_busy_hold_s": 0.03})["host_contention_join"] == 1.0
+    assert "host_contention_join" not in contention_factors(c)  # a fit from before the busy join
+    with pytest.raises(ValueError, match="busy-join"):
+        contention_factors({**c, "join_busy_hold_s": 0.12})
+    with pytest.raises(ValueError, match="busy-join"):
+        contention_factors({**busy, "join_idle_hold_s": 0.0})
+    got, fit = calibrate(base, prefill, decode, busy)
+    assert math.isclose(load_profile(save_profile(got, tmp_path / "j.json")).host_contention_join, 3.0)
+    assert math.isclose(fit["contention"]["host_contention_join"], 3.0)
     # only the gaps inside the window count
     recs = [SimpleNamespace(chunks=((0.0, 1), (1.0, 1), (1.2, 1), (1.5, 1), (3.0, 1)))]
     assert [round(g, 3) for g in decode_gaps_during(recs, 1.0, 2.0)] == [0.2, 0.3]
@@ -223,6 +235,38 @@ def test_a_request_joining_a_decode_batch_holds_the_requests_already_in_it(tmp_p
     assert abs(held[0].finish - plain[0].finish - (hold(100) + hold(1000))) < 0.005
     assert held[1].finish - plain[1].finish > hold(1000) - 0.005  # its own hold (request 0's came before it)
     assert held[1].finish - plain[1].finish <= hold(100) + hold(1000) + 1e-6
+
+
+def test_a_join_while_the_shared_host_prefills_holds_the_batch_host_contention_join_times_longer(tmp_path):
+    """Request 1 joins request 0's batch while request 2 (queued behind it)
+    prefills on the same host: its hold runs ``host_contention_join`` times longer.
+    Request 0's own join, with the prefill worker idle, keeps its hold, and on
+    separate hosts the factor changes nothing."""
+    from bana_sglang.sim.engine import Simulation
+
+    base = replace(load_profile("cpu_small"), host_contention_prefill=1.0, host_contention_decode=1.0,
+                   prefill_result_lag=False, decode_join_s=0.05, decode_join_s_per_token=1e-4)
+    reqs = [SimRequest(rid=0, arrival=0.0, input_len=100, output_len=300, hashes=(1,)),
+            SimRequest(rid=1, arrival=1.5, input_len=1000, output_len=5, hashes=(2,)),
+            SimRequest(rid=2, arrival=1.501, input_len=4000, output_len=5, hashes=(3,))]
+
+    def run(factor, shared=True):
+        path = save_profile(replace(base, host_contention_join=factor), tmp_path / "p.json")
+        sim = Simulation(SimConfig(profile=str(path), num_workers=2, store="global", page_tokens=100,
+                                   shared_host=shared), reqs)
+        sim.run()
+        return {r.rid: r for r in sim.records}
+
+    one, three = run(1.0), run(3.0)
+    assert one[0].first_token + 0.1 < reqs[1].arrival  # request 0 joined with the prefill worker idle
+    assert one[1].first_token < one[2].first_token  # request 2 was still prefilling at request 1's join
+    assert one[1].finish < one[0].finish < one[2].first_token  # request 0 decoded through request 1's join
+    hold_1000 = base.join_stall_seconds(1000)
+    assert math.isclose(three[0].finish - one[0].finish, 2 * hold_1000, rel_tol=1e-3)
+    assert math.isclose(three[1].finish - one[1].finish, 2 * hold_1000, rel_tol=1e-3)
+    assert all(math.isclose(three[i].first_token, one[i].first_token) for i in range(3))
+    apart_one, apart_three = run(1.0, shared=False), run(3.0, shared=False)
+    assert math.isclose(apart_three[0].finish, apart_one[0].finish)
 
 
 def test_the_decode_fit_separates_per_request_work_from_kv_reads():

@@ -19,7 +19,10 @@ and measures, through the router, one request at a time:
   decodes. The running requests' gaps across the join, less a step, give the
   batch's hold (``decode_join_s + decode_join_s_per_token * tokens``); the
   joining request's own gap, less a step, the hold and its KV transfer, gives
-  ``pd_handoff_s``.
+  ``pd_handoff_s``. A ``JOIN_BUSY_PROMPT``-token join with the prefill worker
+  idle and one during a long prefill give ``host_contention_join``: the KV
+  transfer and the admission compete with the prefill for the cores, so a
+  join then holds the batch several times longer (far more than a step slows).
 It writes a profile JSON (default ``profiles/cpu_small_calibrated.json``)
 whose fitted fields cite the run, and prints the fit's residuals.
 
@@ -57,6 +60,13 @@ CONTENTION_DECODE = DECODE_POINTS[-1]
 # prompts that join a running decode batch (CONTENTION_DECODE) one at a time: how long
 # the batch holds while each is admitted (Profile.decode_join_s / _per_token)
 JOIN_PROMPTS = (256, 1024, 2048)
+# a prompt of JOIN_BUSY_PROMPT tokens joins that batch with the prefill worker idle,
+# then while it prefills a JOIN_BUSY_PREFILL-token prompt sent JOIN_BUSY_DELAY_S later
+# (its results lag one batch, so the join falls in the long prompt's second chunk):
+# Profile.host_contention_join is the ratio of the batch's holds
+JOIN_BUSY_PROMPT = 1024
+JOIN_BUSY_PREFILL = 8192
+JOIN_BUSY_DELAY_S = 0.5
 MIN_DECODE_FIXED_S = 1e-4
 WARM_BURST = (1792, 1536, 1280, 1024, 768, 512, 256, 128)  # 7296 tokens
 
@@ -208,8 +218,15 @@ def contention_factors(c: dict) -> dict[str, float]:
     for k in ("prefill_alone_s", "prefill_shared_s", "decode_alone_s", "decode_shared_s"):
         if not c.get(k) or c[k] <= 0:
             raise ValueError(f"contention measurement {k!r} is missing or not positive: {c.get(k)!r}")
-    return {"host_contention_prefill": max(1.0, c["prefill_shared_s"] / c["prefill_alone_s"]),
-            "host_contention_decode": max(1.0, c["decode_shared_s"] / c["decode_alone_s"])}
+    out = {"host_contention_prefill": max(1.0, c["prefill_shared_s"] / c["prefill_alone_s"]),
+           "host_contention_decode": max(1.0, c["decode_shared_s"] / c["decode_alone_s"])}
+    if "join_idle_hold_s" in c or "join_busy_hold_s" in c:  # measure_busy_join (fits before it lack them)
+        idle, busy = c.get("join_idle_hold_s"), c.get("join_busy_hold_s")
+        if idle is None or busy is None or idle <= 0 or busy < 0:
+            raise ValueError(f"busy-join measurement needs a positive idle hold and a busy one: idle {idle!r}, "
+                             f"busy {busy!r}")
+        out["host_contention_join"] = max(1.0, busy / idle)
+    return out
 
 
 def decode_gaps_during(decoding: list, t0: float, t1: float) -> list[float]:
@@ -374,6 +391,51 @@ def measure_join(endpoint: str, repeats: int = 2) -> list[dict[str, float]]:
     return points
 
 
+def measure_busy_join(endpoint: str, repeats: int = 2) -> dict[str, float]:
+    """``repeats`` pairs of joins of a ``JOIN_BUSY_PROMPT``-token prompt into a
+    running batch of ``CONTENTION_DECODE``: one with the prefill worker idle, one
+    while it prefills a ``JOIN_BUSY_PREFILL``-token prompt. Returns the batch's mean
+    hold in each (``join_idle_hold_s``, ``join_busy_hold_s``, from
+    :func:`join_effect`) over the pairs whose busy join fell within that prefill."""
+    from bench.workloads import Request
+
+    cfg = live_client(endpoint)
+    seed = 7000
+    probe = replay(cfg, _batch(CONTENTION_DECODE, seed, 4, stride=10))
+    started = max(r.ttft for r in probe) + 0.5
+    idle, busy = [], []
+    for _ in range(repeats):
+        pair = []
+        for during in (False, True):
+            seed += 10
+            new = Request(rid=99, arrival_s=started, prompt=_fresh(seed + 5, JOIN_BUSY_PROMPT), max_tokens=8)
+            big = [Request(rid=98, arrival_s=started + JOIN_BUSY_DELAY_S, prompt=_fresh(seed + 6, JOIN_BUSY_PREFILL),
+                           max_tokens=2)] if during else []
+            # the batch must outlast the long prefill to be there at the join
+            recs = replay(cfg, _batch(CONTENTION_DECODE, seed, 320 if during else 160, stride=10) + [new] + big)
+            rec = next(r for r in recs if r.rid == 99)
+            try:
+                hold, _ = join_effect([r for r in recs if r.rid < 90], rec)
+            except ValueError as e:
+                logger.warning("busy-join trial dropped: %s", e)
+                break
+            if during:
+                b = next(r for r in recs if r.rid == 98)
+                if not (b.send_s < rec.chunks[0][0] and rec.chunks[1][0] < b.first_token_s):
+                    logger.warning("busy-join trial dropped: the join did not fall within the %d-token prefill",
+                                   JOIN_BUSY_PREFILL)
+                    break
+            pair.append(hold)
+        if len(pair) == 2:
+            idle.append(pair[0])
+            busy.append(pair[1])
+            logger.info("join of a %d-token prompt: the batch held %.3fs with the prefill idle, %.3fs during a "
+                        "%d-token prefill", JOIN_BUSY_PROMPT, pair[0], pair[1], JOIN_BUSY_PREFILL)
+    if not idle:
+        raise RuntimeError(f"no join fell within a {JOIN_BUSY_PREFILL}-token prefill in {repeats} trials")
+    return {"join_idle_hold_s": statistics.fmean(idle), "join_busy_hold_s": statistics.fmean(busy)}
+
+
 def fit_join(p: Profile, points: list[dict[str, float]]) -> Profile:
     """``decode_join_s``/``_per_token`` (least squares of the hold on the prompt tokens,
     never negative) and ``pd_handoff_s``: the median of what a joining request's own
@@ -444,6 +506,7 @@ def run_calibrate(args) -> int:
             prefill, decode = measure(cluster.plan.endpoint, args.repeats)
             contention = measure_contention(cluster.plan.endpoint, args.repeats)
             contention["join_points"] = measure_join(cluster.plan.endpoint, args.repeats)
+            contention.update(measure_busy_join(cluster.plan.endpoint, args.repeats))
             # SGLang runs its overlap event loop unless told not to (the launcher does not)
             contention["prefill_result_lag"] = not any(
                 "--disable-overlap-schedule" in w.argv for w in cluster.plan.workers)
@@ -482,6 +545,9 @@ def run_calibrate(args) -> int:
                               "results go out after the next batch computes",
         "host_contention_prefill": f"measured {day}: TTFT of a {CONTENTION_PROMPT}-token prompt while the batch "
                                    "decodes / alone (both workers on this machine's cores)",
+        "host_contention_join": f"measured {day}: how long a running batch of prompts {list(CONTENTION_DECODE)} "
+                                f"held across the join of a {JOIN_BUSY_PROMPT}-token prompt during a "
+                                f"{JOIN_BUSY_PREFILL}-token prefill / with the prefill worker idle, x{args.repeats}",
         "host_contention_decode": f"measured {day}: mean decode step of a batch of prompts {list(CONTENTION_DECODE)} "
                                   f"during a {CONTENTION_PROMPT}-token prefill / their TPOT alone",
     }
@@ -506,4 +572,7 @@ def run_calibrate(args) -> int:
         print(f"  PD hand-off {prof.pd_handoff_s:.3f}s; prefill results lag one batch: "
               f"{c.get('prefill_result_lag', False)}; a joining request holds the decode batch "
               f"{prof.decode_join_s:.3f}s + {prof.decode_join_s_per_token * 1e3:.3f}s per 1k prompt tokens")
+        if "join_busy_hold_s" in c:
+            print(f"  join of a {JOIN_BUSY_PROMPT}-token prompt: the batch held {c['join_idle_hold_s']:.3f}s with the "
+                  f"prefill idle, {c['join_busy_hold_s']:.3f}s during a prefill (x{prof.host_contention_join:.2f})")
     return 0

@@ -381,9 +381,17 @@ class Simulation:
         d.advance(self.now)
         hold = self.p.join_stall_seconds(job.req.input_len)
         if hold > 0:  # admitting it holds the whole batch (a CPU host's cores; 0 on GPUs)
-            d.stall(self.now, hold * d.cont_d)
+            d.stall(self.now, hold * self._join_contention(d))
         d.join(job, job.steps_left)
         self._reschedule(d)
+
+    def _join_contention(self, d: Worker) -> float:
+        """How many times longer a join holds ``d``'s batch than with the host's other
+        workers idle: ``host_contention_join`` per other worker computing (shared host)."""
+        if not self.cfg.shared_host:
+            return 1.0
+        others = sum(1 for x in self.workers if x is not d and x.busy_from is not None)
+        return 1.0 + (self.p.host_contention_join - 1.0) * others
 
     def _reschedule(self, w: Worker) -> None:
         if w.decode_paused or w.colo_stepping:

@@ -154,7 +154,8 @@ def run_fidelity(args) -> int:
             f"Profile `{prof.name}` (from `python -m bana_sglang.sim calibrate`): effective prefill rate "
             f"{prof.flops_per_s / 1e9:.1f} GFLOP/s, prefill fixed {prof.prefill_fixed_s:.3f} s, decode fixed "
             f"{prof.decode_fixed_s:.4f} s, host contention x{prof.host_contention_prefill:.2f} on prefill and "
-            f"x{prof.host_contention_decode:.2f} on decode while the other worker computes. The live 1P1D cluster "
+            f"x{prof.host_contention_decode:.2f} on decode and x{prof.host_contention_join:.2f} on a join's hold of "
+            "the decode batch while the other worker computes. The live 1P1D cluster "
             "and the simulated one (2 workers on one shared host, `bana_no_migration`) get the same requests: "
             "arrivals, prompt and output lengths, block hashes.", ""]
         write_results_section(args.results_key, args.results_title, "\n".join(intro + lines[2:] + [""]))

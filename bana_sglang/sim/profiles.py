@@ -89,6 +89,12 @@ class Profile:
     # where the KV lands in HBM without the decode loop)
     decode_join_s: float = 0.0
     decode_join_s_per_token: float = 0.0
+    # that hold runs this many times longer while another worker of the shared host
+    # computes (SimConfig.shared_host; measured by calibration: a join during a long
+    # prefill against one with the prefill idle). The KV transfer into the decode
+    # worker and its admission compete for the same cores as the prefill, so this is
+    # larger than host_contention_decode. Per other computing worker, as the others.
+    host_contention_join: float = 1.0
     # per running request and decode step, beyond the memory/compute law (a CPU
     # worker's per-request work: sampling, bookkeeping, its attention call); 0 on GPUs
     decode_per_request_s: float = 0.0
@@ -126,7 +132,7 @@ class Profile:
             raise ProfileError(self.name, "pd_handoff_s must be >= 0")
         if min(self.decode_join_s, self.decode_join_s_per_token) < 0:
             raise ProfileError(self.name, "decode_join_s and decode_join_s_per_token must be >= 0")
-        if min(self.host_contention_prefill, self.host_contention_decode) < 1:
+        if min(self.host_contention_prefill, self.host_contention_decode, self.host_contention_join) < 1:
             raise ProfileError(self.name, "host contention factors must be >= 1 (1: none)")
         if not 0 <= self.pd_transfer_overlap < 1 or not 0 <= self.local_cache_fraction < 1:
             raise ProfileError(self.name, "overlap/cache fractions must be in [0, 1)")
