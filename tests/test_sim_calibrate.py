@@ -68,6 +68,55 @@ def test_fidelity_over_repeated_runs_compares_with_their_mean_and_reports_their_
         fidelity_rows([], sim)
 
 
+def test_speed_pairing_scales_by_the_points_around_a_run_over_the_calibrations_reference(tmp_path):
+    """A run whose reference points ran 1.5x (prefill) and 2x (decode) the
+    calibration's simulates on a profile that slow; each run is compared with its
+    own simulation."""
+    from bana_sglang.sim.fidelity import calibration_reference, paired_rows, speed_scales
+
+    ref = {"prefill_alone_s": 2.0, "decode_alone_s": 0.1}
+    pts = [{"prefill_alone_s": 2.8, "decode_alone_s": 0.18}, {"prefill_alone_s": 3.2, "decode_alone_s": 0.22}]
+    sp, sd = speed_scales(ref, pts)
+    assert math.isclose(sp, 1.5) and math.isclose(sd, 2.0)
+    with pytest.raises(ValueError, match="decode_alone_s"):
+        speed_scales(ref, [{"prefill_alone_s": 2.0, "decode_alone_s": 0.0}])
+    with pytest.raises(ValueError, match="no speed point"):
+        speed_scales(ref, [])
+    # the reference is what calibrate wrote next to the profile; none for a hand-written one
+    prof = tmp_path / "cal.json"
+    assert calibration_reference(prof) is None
+    prof.with_suffix(".fit.json").write_text('{"contention": {"prefill_alone_s": 2.0, "decode_alone_s": 0.1, '
+                                             '"prefill_shared_s": 2.2}}')
+    assert calibration_reference(prof) == ref
+    prof.with_suffix(".fit.json").write_text('{"prefill": []}')
+    assert calibration_reference(prof) is None
+    runs = [{"mean TTFT s": 2.0, "mean TPOT s": 0.1}, {"mean TTFT s": 4.0, "mean TPOT s": 0.2}]
+    sims = [{"mean TTFT s": 2.2, "mean TPOT s": 0.1}, {"mean TTFT s": 3.8, "mean TPOT s": 0.22}]
+    rows = {r["metric"]: r for r in paired_rows(runs, sims)}
+    assert math.isclose(rows["mean TTFT s"]["error"], 0.0) and math.isclose(rows["mean TTFT s"]["sim"], 3.0)
+    assert [round(e, 3) for e in rows["mean TTFT s"]["run_errors"]] == [0.1, -0.05]
+    assert math.isclose(rows["mean TPOT s"]["error"], 0.02 / 0.3)
+    with pytest.raises(ValueError, match="one each"):
+        paired_rows(runs, sims[:1])
+
+
+def test_a_scaled_profile_is_that_many_times_slower_on_prefill_and_decode():
+    from bana_sglang.sim.profiles import ProfileError
+
+    p = load_profile("cpu_small_calibrated")
+    q = p.scaled(prefill=1.5, decode=2.0)
+    for n, c in ((512, 0), (2048, 1024)):
+        assert math.isclose(q.prefill_seconds(n, c), 1.5 * p.prefill_seconds(n, c), rel_tol=1e-9)
+    for b, kv in ((1, 128), (8, 4096)):
+        assert math.isclose(q.decode_step_seconds(b, kv), 2.0 * p.decode_step_seconds(b, kv), rel_tol=1e-9)
+    assert math.isclose(q.join_stall_seconds(1024), 2.0 * p.join_stall_seconds(1024), rel_tol=1e-9)
+    assert math.isclose(q.pd_handoff_s, 2.0 * p.pd_handoff_s)
+    assert q.net_seconds(1e6) == p.net_seconds(1e6) and q.host_contention_join == p.host_contention_join
+    assert p.scaled() == p
+    with pytest.raises(ProfileError, match="positive"):
+        p.scaled(decode=0)
+
+
 def test_store_faults_counts_mooncake_stalls_and_failures_in_the_cluster_logs(tmp_path):
     (tmp_path / "prefill-0.log").write_text(
         "E1201 06:17:52.089040 31367 transfer_task.cpp:891] Failed to complete transfers after 60000 milliseconds "
@@ -235,6 +284,35 @@ def test_a_request_joining_a_decode_batch_holds_the_requests_already_in_it(tmp_p
     assert abs(held[0].finish - plain[0].finish - (hold(100) + hold(1000))) < 0.005
     assert held[1].finish - plain[1].finish > hold(1000) - 0.005  # its own hold (request 0's came before it)
     assert held[1].finish - plain[1].finish <= hold(100) + hold(1000) + 1e-6
+
+
+def test_requests_whose_kv_lands_during_a_joins_hold_are_admitted_with_it_for_one_fixed_cost(tmp_path):
+    """Two prompts prefilled in one batch land at request 0's decode batch
+    together: like SGLang's decode scheduler (one prebuilt batch of every request
+    whose KV has arrived), they pay ``decode_join_s`` once and each its per-token
+    part. A prompt landing alone pays its own fixed part."""
+    from bana_sglang.sim.engine import Simulation
+
+    base = replace(load_profile("cpu_small"), decode_join_s=0.05, decode_join_s_per_token=1e-4)
+    # requests 1 and 2 queue during request 0's prefill: the next batch prefills both
+    together = [SimRequest(rid=0, arrival=0.0, input_len=2000, output_len=2000, hashes=(1,)),
+                SimRequest(rid=1, arrival=0.5, input_len=1000, output_len=5, hashes=(2,)),
+                SimRequest(rid=2, arrival=0.5, input_len=1000, output_len=5, hashes=(3,))]
+
+    def finish_of_0(reqs, **changes):
+        path = save_profile(replace(base, **changes), tmp_path / "p.json")
+        sim = Simulation(SimConfig(profile=str(path), num_workers=2, store="global", page_tokens=100), reqs)
+        sim.run()
+        return {r.rid: r for r in sim.records}[0].finish
+
+    # what the fixed part adds to request 0: its own join's, then one for requests 1
+    # and 2 together (0.15 s if each paid one)
+    per_token_only = finish_of_0(together, decode_join_s=0.0)
+    assert abs(finish_of_0(together) - per_token_only - 2 * 0.05) < 0.01
+    apart = [together[0], together[1], replace(together[2], arrival=30.0)]  # lands on its own
+    per_token_only = finish_of_0(apart, decode_join_s=0.0)
+    assert abs(finish_of_0(apart) - per_token_only - 3 * 0.05) < 0.01
+    assert base.join_stall_seconds(1000, admission=False) == pytest.approx(0.1)
 
 
 def test_a_join_while_the_shared_host_prefills_holds_the_batch_host_contention_join_times_longer(tmp_path):

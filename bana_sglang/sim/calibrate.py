@@ -307,6 +307,19 @@ def steady_and_handoff(r) -> tuple[float, float]:
     return steady, max(0.0, (second - r.first_token_s) - steady)
 
 
+def speed_point(cfg, seed: int) -> dict[str, float]:
+    """The host's speed on two reference points, each alone: ``decode_alone_s``,
+    the mean step of a batch of ``CONTENTION_DECODE`` (33 tokens each), and
+    ``prefill_alone_s``, the TTFT of a fresh ``CONTENTION_PROMPT``-token prompt
+    (``batch_started_s``: when the batch's last request had its first token)."""
+    from bench.workloads import Request
+
+    recs = replay(cfg, _batch(CONTENTION_DECODE, seed, 33, stride=10))
+    decode = statistics.fmean(steady_and_handoff(r)[0] for r in recs)
+    rec, = replay(cfg, [Request(rid=99, arrival_s=0.0, prompt=_fresh(seed + 5, CONTENTION_PROMPT), max_tokens=2)])
+    return {"decode_alone_s": decode, "prefill_alone_s": rec.ttft, "batch_started_s": max(r.ttft for r in recs)}
+
+
 def measure_contention(endpoint: str, repeats: int = 2) -> dict:
     """A ``CONTENTION_PROMPT``-token prefill and a decode batch of
     ``CONTENTION_DECODE`` (the largest decode point: a decode with a large,
@@ -320,12 +333,10 @@ def measure_contention(endpoint: str, repeats: int = 2) -> dict:
     seed = 5000
     for _ in range(repeats):
         seed += 10
-        recs = replay(cfg, _batch(CONTENTION_DECODE, seed, 33, stride=10))
-        out.setdefault("decode_alone_s", []).append(statistics.fmean(steady_and_handoff(r)[0] for r in recs))
-        started = max(r.ttft for r in recs) + 0.5  # every request of the batch decoding
-        rec, = replay(cfg, [Request(rid=99, arrival_s=0.0, prompt=_fresh(seed + 5, CONTENTION_PROMPT),
-                                     max_tokens=2)])
-        out.setdefault("prefill_alone_s", []).append(rec.ttft)
+        speed = speed_point(cfg, seed)
+        out.setdefault("decode_alone_s", []).append(speed["decode_alone_s"])
+        out.setdefault("prefill_alone_s", []).append(speed["prefill_alone_s"])
+        started = speed["batch_started_s"] + 0.5  # every request of the batch decoding
         big = Request(rid=99, arrival_s=started, prompt=_fresh(seed + 6, CONTENTION_PROMPT), max_tokens=2)
         recs = replay(cfg, _batch(CONTENTION_DECODE, seed + 7, 160, stride=10) + [big])
         b = next(r for r in recs if r.rid == 99)

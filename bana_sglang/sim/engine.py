@@ -379,8 +379,10 @@ class Simulation:
     def _on_transfer_done(self, d: Worker, job: Job) -> None:
         d.incoming -= 1
         d.advance(self.now)
-        hold = self.p.join_stall_seconds(job.req.input_len)
-        if hold > 0:  # admitting it holds the whole batch (a CPU host's cores; 0 on GPUs)
+        # admitting it holds the whole batch (a CPU host's cores; 0 on GPUs); one that
+        # lands while an earlier join's hold runs is admitted with it, in one batch
+        hold = self.p.join_stall_seconds(job.req.input_len, admission=d.stall_until <= self.now)
+        if hold > 0:
             d.stall(self.now, hold * self._join_contention(d))
         d.join(job, job.steps_left)
         self._reschedule(d)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -188,9 +188,29 @@ class Profile:
         return tokens * self.kv_bytes_per_token / (self.kv_read_bytes_per_s
                                                    or self.hbm_bytes_per_s * self.hbm_efficiency)
 
-    def join_stall_seconds(self, prompt_tokens: int) -> float:
-        """How long a decode batch holds while a request of ``prompt_tokens`` joins it."""
-        return self.decode_join_s + self.decode_join_s_per_token * prompt_tokens
+    def join_stall_seconds(self, prompt_tokens: int, admission: bool = True) -> float:
+        """How long a decode batch holds while a request of ``prompt_tokens`` joins it;
+        ``admission=False`` for one admitted with others (SGLang's decode scheduler
+        takes every request whose KV has arrived into one prebuilt batch, so the fixed
+        part ``decode_join_s`` is paid once per group)."""
+        return self.decode_join_s * admission + self.decode_join_s_per_token * prompt_tokens
+
+    def scaled(self, prefill: float = 1.0, decode: float = 1.0) -> "Profile":
+        """This profile on a host ``prefill``/``decode`` times slower (below 1: faster):
+        every prefill term (the FLOP rate, the fixed cost) by ``prefill``, and every
+        decode-side term (the weights' and KV reads, the per-step and per-request costs,
+        a join's hold, the PD hand-off) by ``decode``. Transfers and contention ratios
+        stay. The fidelity run uses it to follow a shared VM's drifting speed."""
+        if prefill <= 0 or decode <= 0:
+            raise ProfileError(self.name, f"speed scales must be positive, got prefill {prefill}, decode {decode}")
+        return replace(self, peak_flops=self.peak_flops / prefill, prefill_fixed_s=self.prefill_fixed_s * prefill,
+                       hbm_bytes_per_s=self.hbm_bytes_per_s / decode,
+                       kv_read_bytes_per_s=self.kv_read_bytes_per_s / decode,
+                       decode_fixed_s=self.decode_fixed_s * decode,
+                       decode_per_request_s=self.decode_per_request_s * decode,
+                       decode_join_s=self.decode_join_s * decode,
+                       decode_join_s_per_token=self.decode_join_s_per_token * decode,
+                       pd_handoff_s=self.pd_handoff_s * decode)
 
     def net_seconds(self, nbytes: float) -> float:
         return self.transfer_fixed_s + nbytes / (self.net_bytes_per_s * self.net_efficiency)
