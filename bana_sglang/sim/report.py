@@ -432,7 +432,9 @@ MODEL_NOTES = """
   hold of a decode batch while a request joins it (receiving and admitting its KV on
   the same cores: every request in the batch waits `decode_join_s +
   decode_join_s_per_token x prompt tokens`, `host_contention_join` times longer
-  per other worker computing on the host), the overlap loop's result lag (a prefill batch's first tokens go out after the
+  per other worker computing on the host; one landing during another's hold is
+  admitted with it, as SGLang admits every arrived request in one batch, and pays
+  only the per-token part), the overlap loop's result lag (a prefill batch's first tokens go out after the
   next batch computes), the cost of attention over a cached prefix relative to the
   prefill rate, and the decode step's per-request and KV-read terms are measured
   by `python -m bana_sglang.sim calibrate`; the GPU profiles leave them neutral
