@@ -341,8 +341,7 @@ class Simulation:
                 busy = sum(1 for x in self.workers if x.busy_from is not None)
                 for w in self.workers:
                     others = busy - (w.busy_from is not None)
-                    p_mult = 1.0 + (self.p.host_contention_prefill - 1.0) * others
-                    d_mult = 1.0 + (self.p.host_contention_decode - 1.0) * others
+                    p_mult, d_mult, _ = self.p.shared_host_factors(others)
                     if p_mult != w.cont_p:
                         if w.chunk_arg is not None:
                             left = max(0.0, w.chunk_left - (self.now - w.chunk_t)) * p_mult / w.cont_p
@@ -382,18 +381,13 @@ class Simulation:
         # admitting it holds the whole batch (a CPU host's cores; 0 on GPUs); one that
         # lands while an earlier join's hold runs is admitted with it, in one batch
         hold = self.p.join_stall_seconds(job.req.input_len, admission=d.stall_until <= self.now)
-        if hold > 0:
-            d.stall(self.now, hold * self._join_contention(d))
+        if hold > 0:  # longer while the host's other workers compute (shared host)
+            if self.cfg.shared_host:
+                hold *= self.p.shared_host_factors(
+                    sum(1 for x in self.workers if x is not d and x.busy_from is not None))[2]
+            d.stall(self.now, hold)
         d.join(job, job.steps_left)
         self._reschedule(d)
-
-    def _join_contention(self, d: Worker) -> float:
-        """How many times longer a join holds ``d``'s batch than with the host's other
-        workers idle: ``host_contention_join`` per other worker computing (shared host)."""
-        if not self.cfg.shared_host:
-            return 1.0
-        others = sum(1 for x in self.workers if x is not d and x.busy_from is not None)
-        return 1.0 + (self.p.host_contention_join - 1.0) * others
 
     def _reschedule(self, w: Worker) -> None:
         if w.decode_paused or w.colo_stepping:

@@ -195,7 +195,7 @@ def run_fidelity(args) -> int:
         sim, res = _simulate(prof, sim_reqs, block, Path(tmp))
         scales, paired = [], []
         if reference is not None:
-            for k, speed in enumerate(speeds):
+            for speed in speeds:
                 sp, sd = speed_scales(reference, speed)
                 scales.append((sp, sd))
                 paired.append(sim_metrics(_simulate(prof.scaled(prefill=sp, decode=sd), sim_reqs, block,

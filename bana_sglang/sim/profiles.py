@@ -195,6 +195,13 @@ class Profile:
         part ``decode_join_s`` is paid once per group)."""
         return self.decode_join_s * admission + self.decode_join_s_per_token * prompt_tokens
 
+    def shared_host_factors(self, others: int) -> tuple[float, float, float]:
+        """How many times slower a prefill chunk, a decode step and a join's hold run
+        while ``others`` other workers compute on the same host: each factor per other."""
+        return (1.0 + (self.host_contention_prefill - 1.0) * others,
+                1.0 + (self.host_contention_decode - 1.0) * others,
+                1.0 + (self.host_contention_join - 1.0) * others)
+
     def scaled(self, prefill: float = 1.0, decode: float = 1.0) -> "Profile":
         """This profile on a host ``prefill``/``decode`` times slower (below 1: faster):
         every prefill term (the FLOP rate, the fixed cost) by ``prefill``, and every
