@@ -2,7 +2,7 @@
 
     python -m bench.bench_decode_paths [--steps 40] [--layers 8] [--threads 1]
 
-``kernels.cpu_attention.decode_attention`` runs a decode batch either as one
+``bana_sglang.kernels.cpu_attention.decode_attention`` runs a decode batch either as one
 padded call (every request's keys gathered to the longest length, a mask for the
 shorter ones) or as one call per request. For each batch below (the small
 model's heads, a 64k-slot pool in scattered 16-token pages, the lengths growing
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from kernels import cpu_attention as ca
+from bana_sglang.kernels import cpu_attention as ca
 
 HQ, HKV, D = 8, 4, 64  # models.py SPECS['small']
 POOL = 65536

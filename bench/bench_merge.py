@@ -5,7 +5,7 @@ the torch reference, on CUDA, at decode-batch shapes (same run, same tensors).
 
 Each row: one decode step's merge of a batch of ``rows`` requests (``heads``
 query heads of ``head-dim``), float32 and bfloat16; median of 50 timed calls
-after 10 warm-ups, CUDA events. Loads ``kernels/merge.py`` by path (needs only
+after 10 warm-ups, CUDA events. Loads ``bana_sglang/kernels/merge.py`` by path (needs only
 torch and Triton), so it runs on a bare GPU machine.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-_spec = importlib.util.spec_from_file_location("bana_merge_bench", Path(__file__).resolve().parents[1] / "kernels"
+_spec = importlib.util.spec_from_file_location("bana_merge_bench", Path(__file__).resolve().parents[1] / "bana_sglang" / "kernels"
                                                / "merge.py")
 mg = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mg)

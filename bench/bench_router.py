@@ -40,7 +40,7 @@ from pathlib import Path
 import aiohttp
 
 from bana_sglang import compat
-from bana_sglang.procs import http_ok
+from bana_sglang.launch.procs import http_ok
 from bench.fake_pd import free_port
 
 RUNS = Path(__file__).resolve().parent / "runs"

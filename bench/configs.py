@@ -39,7 +39,7 @@ from pathlib import Path
 
 from bana_sglang import compat
 from bana_sglang.launch import ClusterPlan, LaunchConfig, Part, plan_cluster, plan_single_server
-from bana_sglang.procs import PortAllocator
+from bana_sglang.launch.procs import PortAllocator
 
 logger = logging.getLogger(__name__)
 

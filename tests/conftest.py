@@ -19,7 +19,7 @@ import pytest
 
 from bana_sglang import models
 from bana_sglang.launch import READY_MARK, Cluster, plan_single_server
-from bana_sglang.procs import PortAllocator
+from bana_sglang.launch.procs import PortAllocator
 
 # Every SGLang process of the suite (the plain reference server and the
 # clusters' workers) computes with one OpenMP thread: the same floats whatever

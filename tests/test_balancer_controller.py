@@ -16,9 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from bana_sglang.migrate.balancer import BalancerConfig, MigrationCostModel
-from bana_sglang.migrate.controller import Controller, model_shape, serve
-from bana_sglang.router.policy import Tier, WorkerLoad
+from bana_sglang.balancer.policy import BalancerConfig, MigrationCostModel
+from bana_sglang.balancer.controller import Controller, model_shape, serve
+from bana_sglang.types import Tier, WorkerLoad
 from bana_sglang.router.workers import load_to_json
 
 
@@ -208,7 +208,7 @@ def test_metrics_and_decisions_are_served(router, shape):
 
 
 def test_the_command_line_refuses_an_unknown_policy(tiny_model):
-    out = subprocess.run([sys.executable, "-m", "bana_sglang.migrate.controller", "--model-path", str(tiny_model),
+    out = subprocess.run([sys.executable, "-m", "bana_sglang.balancer.controller", "--model-path", str(tiny_model),
                           "--balancer", "greedy"], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2 and "greedy" in out.stderr
 

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bana_sglang.attention._kernels import cpu_attention as ca
-from bana_sglang.attention._kernels import merge as mg
+from bana_sglang.kernels import cpu_attention as ca
+from bana_sglang.kernels import merge as mg
 
 ATOL = 2e-5  # float32 SDPA vs float64 reference, unit-variance inputs
 

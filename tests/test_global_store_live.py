@@ -32,7 +32,7 @@ import pytest
 from conftest import free_port, free_port_block
 
 from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
-from bana_sglang.procs import tcp_open, wait_until
+from bana_sglang.launch.procs import tcp_open, wait_until
 from bana_sglang.radix_global import summary
 
 pytestmark = pytest.mark.slow

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from bana_sglang.attention._kernels import cpu_attention, merge
-from bana_sglang.migrate import kvwire as w
-from bana_sglang.migrate.kvhost import KVHost
-from bana_sglang.migrate.kvlend import KVLender, KVLost, carve_ranges
+from bana_sglang.kernels import cpu_attention, merge
+from bana_sglang.wire import kv_blocks as w
+from bana_sglang.migrate.kv.host import KVHost
+from bana_sglang.migrate.kv.lender import KVLender, KVLost, carve_ranges
 from bana_sglang.migrate.transfer import TransferEngine
 
 LAYERS, HQ, HKV, D, PAGE, SLOTS = 2, 4, 2, 8, 4, 128

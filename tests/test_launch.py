@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from bana_sglang import launch
-from bana_sglang.procs import ManagedProcess, ProcessStartError, port_free, wait_until
+from bana_sglang.launch.procs import ManagedProcess, ProcessStartError, port_free, wait_until
 
 
 def test_plan_2p1d_has_distinct_ports_and_pd_wiring(monkeypatch):
@@ -149,7 +149,7 @@ def test_start_failure_names_the_part_and_shows_its_output():
 def test_port_allocator_skips_busy_ports():
     import socket
 
-    from bana_sglang.procs import PortAllocator
+    from bana_sglang.launch.procs import PortAllocator
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

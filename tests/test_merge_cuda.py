@@ -3,7 +3,7 @@
 Checked against the float64 torch reference and against softmax attention
 over the concatenated KV, for random shapes (head dims that are not powers of
 two), float32/float16/bfloat16, empty partitions (lse -inf, NaN outputs) and
-extreme logits. ``kernels/merge.py`` is loaded by path, so this file runs
+extreme logits. ``bana_sglang/kernels/merge.py`` is loaded by path, so this file runs
 where only torch and Triton are installed.
 """
 
@@ -19,7 +19,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 _spec = importlib.util.spec_from_file_location("bana_merge_under_test",
-                                               Path(__file__).resolve().parents[1] / "kernels" / "merge.py")
+                                               Path(__file__).resolve().parents[1] / "bana_sglang" / "kernels" / "merge.py")
 mg = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mg)
 

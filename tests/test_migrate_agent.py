@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from bana_sglang.migrate import messages as m
+from bana_sglang.wire import agent as m
 from bana_sglang.migrate.agent import MigrationAgent, crc32
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
 

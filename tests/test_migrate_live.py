@@ -32,7 +32,7 @@ from conftest import launched_cluster
 from safetensors import safe_open
 
 from bana_sglang import models
-from bana_sglang.migrate import messages as m
+from bana_sglang.wire import agent as m
 from bana_sglang.migrate.client import AgentClient
 
 pytestmark = pytest.mark.slow
@@ -380,7 +380,7 @@ def test_the_live_balancer_moves_prefill_layers_under_a_burst_and_brings_them_ho
     layers to the idle decode worker, and recalls them once the cluster is calm;
     every request gives the plain worker's tokens."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bana_sglang.migrate.controller", "--router", cluster.url, "--model-path",
+        [sys.executable, "-m", "bana_sglang.balancer.controller", "--router", cluster.url, "--model-path",
          str(tiny_model), "--interval", "0.25", "--consecutive", "1", "--imbalance-threshold", "1.2",
          "--min-interval-s", "0", "--cooldown-s", "5", "--min-peak", "0.5", "--prefill-tokens-per-s", "200",
          "--recall-after-s", "2", "--port", "0"],

@@ -14,11 +14,11 @@ import pytest
 import torch
 from test_migrate_agent import pair, wait_state  # noqa: F401 (pair: a fixture)
 
-from bana_sglang.migrate import messages as m
-from bana_sglang.migrate import steps as s
+from bana_sglang.wire import agent as m
+from bana_sglang.wire import layer_steps as s
 from bana_sglang.migrate.agent import TransferEngine
-from bana_sglang.migrate.guest import _GuestPlan
-from bana_sglang.migrate.remote import SlotMirror, StepBuffer, unpack
+from bana_sglang.migrate.layers.guest import _GuestPlan
+from bana_sglang.migrate.layers.owner import SlotMirror, StepBuffer, unpack
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from bana_sglang.procs import ManagedProcess, tcp_open, wait_until
+from bana_sglang.launch.procs import ManagedProcess, tcp_open, wait_until
 from bana_sglang.radix_global.keys import KVLayout, PageHash, page_chain
 from bana_sglang.radix_global.service import IndexClient
 from bana_sglang.radix_global.storage_server import READY_LINE as STORAGE_READY

@@ -19,8 +19,8 @@ import msgspec
 import pytest
 import zmq
 
-from bana_sglang.procs import ManagedProcess, wait_until
-from bana_sglang.radix_global import messages as m
+from bana_sglang.launch.procs import ManagedProcess, wait_until
+from bana_sglang.wire import index as m
 from bana_sglang.radix_global.keys import KVLayout, page_chain
 from bana_sglang.radix_global.service import READY_LINE, IndexClient
 from conftest import free_port

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
-from bana_sglang.migrate.reqmove import MARK, MIN_LEFT, PREFIX, pick, why_not_movable
+from bana_sglang.migrate.requests.handler import MIN_LEFT, pick, why_not_movable
+from bana_sglang.wire.agent import MARK, PREFIX
 from bana_sglang.router.splice import Splicer, mark, migratable
 
 

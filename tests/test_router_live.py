@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from bana_sglang.procs import http_ok
+from bana_sglang.launch.procs import http_ok
 from conftest import free_port, launched_cluster
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bana_sglang.router.policy import (POLICIES, CacheAwareConfig, RequestId, RouteRequest,
-                                       RoutingError, Tier, WorkerId, WorkerLoad, get_policy)
+from bana_sglang.router.policy import POLICIES, CacheAwareConfig, RouteRequest, RoutingError, get_policy
+from bana_sglang.types import RequestId, Tier, WorkerId, WorkerLoad
 from bana_sglang.router.prefix_tree import PagePrefixTree
 
 

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bana_sglang.router.policy import Tier, WorkerId, WorkerLoad
+from bana_sglang.types import Tier, WorkerId, WorkerLoad
 from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
 from bana_sglang.router.config import RouterConfig
 from bana_sglang.router.server import Router
@@ -323,7 +323,7 @@ def test_api_key_body_size_and_json_errors():
 
 
 def _status(worker: str, placement: list[tuple[int, int, str]], states: tuple[str, ...] = ()):
-    from bana_sglang.migrate import messages as m
+    from bana_sglang.wire import agent as m
 
     return m.StatusResult(
         id="s", worker=worker, role="prefill", num_layers=4, guest_bytes=0,
@@ -336,7 +336,7 @@ def test_prefill_speeds_come_from_the_agents_placements_while_layers_are_away():
     """prefill-0's layers [2, 4) run on decode-0: the donor drains its queue twice as
     fast, decode-0 gives them the donor's busy share; the router's loads carry both,
     and once every placement is home again the loop sets 1.0 and goes idle."""
-    from bana_sglang.migrate.balancer import split_speeds
+    from bana_sglang.types import split_speeds
     from bana_sglang.router.admin import AdminAPI, layer_split_speeds
 
     away = {"http://p0": _status("prefill-0", [(0, 2, "prefill-0"), (2, 4, "decode-0")], ("remote",)),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bana_sglang import spec as cluster_spec
+from bana_sglang.launch import spec as cluster_spec
 from bana_sglang.launch import plan_spec
 
 ROOT = Path(__file__).resolve().parents[1]

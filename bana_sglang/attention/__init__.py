@@ -1,7 +1,7 @@
 """The CPU attention backend for SGLang (``--attention-backend bana_cpu``).
 
 - :mod:`.backend`: ``BanaCpuAttnBackend``, an SGLang ``AttentionBackend`` whose
-  extend cost follows the new tokens (math in :mod:`kernels.cpu_attention`).
+  extend cost follows the new tokens (math in :mod:`bana_sglang.kernels.cpu_attention`).
 - :mod:`.registry`: :func:`register_backend`, called by the plugin in every
   SGLang process on CPU, so the name passes argparse and the model runner finds it.
 

@@ -2,10 +2,10 @@
 
 A subclass of SGLang's ``TorchNativeAttnBackend`` that keeps its KV write and
 metadata (SWA location translation) and replaces the attention math with
-:mod:`kernels.cpu_attention`: an extend's new queries attend to the cached
+:mod:`bana_sglang.kernels.cpu_attention`: an extend's new queries attend to the cached
 prefix plus themselves with the causal offset, instead of padding the queries
 to the whole KV length; a decode batch runs as one padded SDPA call when that is
-cheaper, else one call per request (``kernels.cpu_attention.decode_pads``).
+cheaper, else one call per request (``bana_sglang.kernels.cpu_attention.decode_pads``).
 
 Why not SGLang's ``flex_attention`` backend, which also runs on CPU: measured
 in the same run (``bench/bench_attention.py --backends torch_native bana_cpu
@@ -37,8 +37,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from bana_sglang.attention._kernels import cpu_attention, merge
-from bana_sglang.migrate import kvlend
+from bana_sglang.kernels import cpu_attention, merge
+from bana_sglang.attention.remote import remote_kv
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -86,7 +86,7 @@ class BanaCpuAttnBackend(TorchNativeAttnBackend):
         pools = fb.req_pool_indices.tolist()
         seq_lens = tuple(int(n) for n in fb.seq_lens.tolist())
         if mode.is_decode():
-            lender = kvlend.ACTIVE
+            lender = remote_kv()
             remote = lender.plan(pools) if lender is not None else None
             if remote:
                 return self._remote_plan(fb, req_to_token, pools, seq_lens, remote)
@@ -164,19 +164,19 @@ class BanaCpuAttnBackend(TorchNativeAttnBackend):
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)  # [B, Hq, D]
         o3 = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
-        pending = kvlend.ACTIVE.attend_begin(layer.layer_id, q3, plan.remote, layer.scaling) \
+        pending = remote_kv().attend_begin(layer.layer_id, q3, plan.remote, layer.scaling) \
             if plan.remote else None  # the host computes its part while we compute ours
         res = cpu_attention.decode_attention(
             q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
             plan.kv_table, plan.seq_lens, scale=layer.scaling, out=o3, need_lse=pending is not None)
         if pending is not None:
-            host = kvlend.ACTIVE.attend_end(pending)
+            host = remote_kv().attend_end(pending)
             if host:  # one merge for every row with a host part
                 rows = torch.tensor(sorted(host))
                 o_h = torch.stack([host[b][0] for b in rows.tolist()])
                 lse_h = torch.stack([host[b][1] for b in rows.tolist()])
                 o3[rows] = merge.merge_two(o3[rows], res.lse[rows], o_h, lse_h).output
             # rows whose host failed keep the local part only: their request ends with an
-            # error before this step's token is committed (kvlend's result hook)
+            # error before this step's token is committed (the KV lender's result hook)
         return o

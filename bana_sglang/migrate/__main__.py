@@ -26,7 +26,7 @@ import time
 import httpx
 import msgspec
 
-from bana_sglang.migrate import messages as m
+from bana_sglang.wire import agent as m
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
 
 

@@ -40,12 +40,13 @@ import torch
 import zmq
 
 from bana_sglang.counters import CounterSet
-from bana_sglang.migrate import messages as m
+from bana_sglang.wire import agent as m
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
-from bana_sglang.migrate.kvagent import KVMixin
-from bana_sglang.migrate.reqmove import RequestMixin
-from bana_sglang.migrate.switch import SwitchMixin, WorkerHandles
-from bana_sglang.migrate.transfer import Fail, TransferEngine, crc32, describe
+from bana_sglang.migrate.kv.handler import KVMixin
+from bana_sglang.migrate.requests.handler import RequestMixin
+from bana_sglang.migrate.layers.handler import SwitchMixin, WorkerHandles
+from bana_sglang.migrate.transfer import Fail, TransferEngine, crc32
+from bana_sglang.wire.agent import describe
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import msgspec
 import zmq
 
 from bana_sglang import wire
-from bana_sglang.migrate import messages as m
+from bana_sglang.wire import agent as m
 
 logger = logging.getLogger(__name__)
 

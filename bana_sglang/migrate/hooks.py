@@ -45,7 +45,7 @@ def scheduler_hook(original, scheduler, *args, **kwargs):
 def _handles(runner, scheduler=None):
     """The switch's handles on the worker, or None (staging still works) if this
     model runner lacks what it needs."""
-    from bana_sglang.migrate.switch import WorkerHandles
+    from bana_sglang.migrate.layers.handler import WorkerHandles
 
     try:
         return WorkerHandles.from_runner(runner, scheduler)

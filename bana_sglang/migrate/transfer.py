@@ -8,7 +8,6 @@ import zlib
 
 import torch
 
-from bana_sglang.migrate import messages as m
 from bana_sglang.mooncake_env import apply_defaults
 
 
@@ -111,9 +110,3 @@ class Fail(Exception):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}")
         self.reason, self.detail = reason, detail
-
-
-def describe(reply: m.Reply) -> str:
-    if isinstance(reply, (m.Failed, m.Error)):
-        return f"{reply.reason}: {reply.detail}"
-    return type(reply).__name__

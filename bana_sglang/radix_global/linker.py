@@ -69,7 +69,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 
 from bana_sglang.counters import CounterSet
-from bana_sglang.radix_global.flags import LINKER_NAME, LinkerConfig
+from bana_sglang.radix_global.hooks import LINKER_NAME, LinkerConfig
 from bana_sglang.radix_global.keys import KVLayout, PageHash, model_identity, namespaced
 from bana_sglang.radix_global.service import IndexClient
 from bana_sglang.radix_global.store import PageStore, StoreConfig

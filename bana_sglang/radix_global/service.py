@@ -45,7 +45,7 @@ from typing import NamedTuple
 import msgspec
 import zmq
 
-from bana_sglang.radix_global import messages as m
+from bana_sglang.wire import index as m
 from bana_sglang.radix_global.errors import IndexUnavailable, StoreError
 from bana_sglang.radix_global.index import GlobalPrefixIndex
 from bana_sglang.radix_global.keys import OwnerId, PageHash

@@ -40,8 +40,8 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from bana_sglang.migrate import messages as m
-from bana_sglang.migrate.balancer import split_speeds
+from bana_sglang.wire import agent as m
+from bana_sglang.types import split_speeds
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
 from bana_sglang.router.errors import error_response
 

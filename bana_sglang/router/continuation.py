@@ -1,6 +1,6 @@
 """The router's half of live request migration: continue a handed-off stream.
 
-A decode worker that stopped a migratable request (:mod:`bana_sglang.migrate.reqmove`)
+A decode worker that stopped a migratable request (:mod:`bana_sglang.migrate.requests.handler`)
 leaves its stream with the handoff mark; :class:`~.splice.Splicer` sees it, and
 :meth:`ContinuationMixin._continue` asks that worker's agent for the request's
 tokens, waits briefly for the global index to list its pages, and opens the
@@ -16,9 +16,9 @@ import time
 
 from aiohttp import web
 
-from bana_sglang.migrate import messages as m
+from bana_sglang.wire import agent as m
 from bana_sglang.migrate.client import AgentUnavailable
-from bana_sglang.migrate.transfer import describe
+from bana_sglang.wire.agent import describe
 from bana_sglang.router.errors import sse_error
 from bana_sglang.router.policy import RouteRequest
 from bana_sglang.router.splice import Splicer

@@ -22,10 +22,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from bana_sglang.migrate.reqmove import PREFIX as MIGRATABLE
+from bana_sglang.wire.agent import PREFIX as MIGRATABLE
 from bana_sglang.router.errors import ClientError, UpstreamError, error_body, error_response, sse_error
 from bana_sglang.router.generate import fix_logprob_window, merge_input_logprobs
-from bana_sglang.router.policy import RouteRequest, RoutingError, Tier
+from bana_sglang.router.policy import RouteRequest, RoutingError
+from bana_sglang.types import Tier
 from bana_sglang.router.splice import Splicer, mark, migratable
 from bana_sglang.router.upstream import Upstream
 from bana_sglang.router.workers import Worker

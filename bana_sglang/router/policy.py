@@ -27,7 +27,6 @@ Invariants:
 from __future__ import annotations
 
 import abc
-import enum
 import logging
 import random
 from collections.abc import Callable, Sequence
@@ -35,20 +34,13 @@ from dataclasses import dataclass
 from typing import NewType, Protocol
 
 from bana_sglang.router.prefix_tree import PagePrefixTree
+from bana_sglang.types import RequestId, Tier, WorkerId, WorkerLoad
 
 logger = logging.getLogger(__name__)
 
-WorkerId = NewType("WorkerId", str)
-RequestId = NewType("RequestId", str)
 PageHash = NewType("PageHash", int)  # chained; the live router folds hex hashes to int
 
 DEFAULT_PAGE_SIZE = 512  # tokens per page hash (the Mooncake traces' block size)
-
-
-class Tier(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"  # one worker does both (the non-PD baseline)
 
 
 class RoutingError(RuntimeError):
@@ -58,63 +50,6 @@ class RoutingError(RuntimeError):
         self.reason, self.policy, self.request = reason, policy, request
         ctx = ", ".join(f"{k}={v}" for k, v in (("policy", policy), ("request", request)) if v)
         super().__init__(f"{reason}" + (f" ({ctx})" if ctx else ""))
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    """One worker's load at ``timestamp`` (seconds, the caller's clock)."""
-
-    worker_id: WorkerId
-    tier: Tier
-    queued_requests: int = 0
-    running_requests: int = 0
-    queued_prefill_tokens: int = 0  # uncached prompt tokens waiting for prefill
-    inflight_tokens: int = 0  # KV tokens committed but not yet resident (reservations)
-    kv_used_tokens: int = 0
-    kv_total_tokens: int = 1
-    busy_fraction: float = 0.0
-    timestamp: float = 0.0
-    # prefill rate relative to this worker alone: > 1 while a peer executes some of its
-    # layers (it computes only the rest), < 1 while it executes a donor's layers
-    # (``migrate.balancer.split_speeds``); 1 without a layer migration
-    prefill_speed: float = 1.0
-    # seconds per decode step of its running batch (the inter-token time it gives its
-    # requests now); 0: unknown or nothing decoding
-    decode_step_s: float = 0.0
-    # KV tokens of requests waiting on this worker for memory it has not allocated them
-    # (live: SGLang's decode prealloc and retracted queues, from /v1/loads; simulated:
-    # the requests queued for a decode worker's memory). Unlike ``inflight_tokens``
-    # (live: every routed, unfinished request's tokens) it never counts resident KV.
-    kv_waiting_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.prefill_speed > 0:
-            raise ValueError(f"WorkerLoad.prefill_speed must be positive, got {self.prefill_speed!r}")
-        if not self.decode_step_s >= 0:
-            raise ValueError(f"WorkerLoad.decode_step_s must be >= 0, got {self.decode_step_s!r}")
-        if self.kv_waiting_tokens < 0:
-            raise ValueError(f"WorkerLoad.kv_waiting_tokens must be >= 0, got {self.kv_waiting_tokens!r}")
-
-    @property
-    def prefill_backlog_tokens(self) -> float:
-        """The queue in nominal tokens (what it takes this worker, at its current speed,
-        to compute ``queued_prefill_tokens``): what load-aware policies compare."""
-        return self.queued_prefill_tokens / self.prefill_speed
-
-    @property
-    def kv_free_tokens(self) -> int:
-        return max(0, self.kv_total_tokens - self.kv_used_tokens - self.inflight_tokens)
-
-    @property
-    def kv_usage(self) -> float:
-        return (self.kv_used_tokens + self.inflight_tokens) / max(1, self.kv_total_tokens)
-
-    @property
-    def num_requests(self) -> int:
-        return self.queued_requests + self.running_requests
-
-    def serves(self, tier: Tier) -> bool:
-        return self.tier is tier or self.tier is Tier.COLOCATED
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,12 +48,8 @@ from aiohttp import web
 from bana_sglang.router.admin import AdminAPI
 from bana_sglang.router.config import RouterConfig
 from bana_sglang.router.metrics import RouterMetrics
-from bana_sglang.router.policy import (
-    RouteRequest,
-    RequestId,
-    Tier,
-    get_policy,
-)
+from bana_sglang.router.policy import RouteRequest, get_policy
+from bana_sglang.types import RequestId, Tier
 from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
 from bana_sglang.router.errors import error_response
 from bana_sglang.router.generate import split_generate

@@ -2,7 +2,7 @@
 
 A request the router marked migratable (:func:`mark`) can be ended by its
 decode worker at a batch boundary with the ``migrated`` finish reason
-(:mod:`bana_sglang.migrate.reqmove`). :class:`Splicer` sits on the relay of
+(:mod:`bana_sglang.migrate.requests.handler`). :class:`Splicer` sits on the relay of
 such a stream: it passes events through until that finish reason, holds it
 back, builds the continuation (prompt + answer so far, the tokens left) and
 then rewrites the continuation's events into the client's format, so the
@@ -21,7 +21,7 @@ import random
 
 import orjson
 
-from bana_sglang.migrate.reqmove import MARK, PREFIX
+from bana_sglang.wire.agent import MARK, PREFIX
 
 _DONE = b"data: [DONE]"
 # chat-only fields a /v1/completions continuation cannot take

@@ -28,7 +28,7 @@ import logging
 import time
 from urllib.parse import urlsplit
 
-from bana_sglang.router.policy import Tier, WorkerId, WorkerLoad
+from bana_sglang.types import Tier, WorkerId, WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -190,11 +190,6 @@ def load_to_json(w: WorkerLoad) -> dict:
     d = dataclasses.asdict(w)
     d["tier"] = w.tier.value
     return d
-
-
-def load_from_json(d: dict) -> WorkerLoad:
-    fields = {f.name for f in dataclasses.fields(WorkerLoad)}
-    return WorkerLoad(**{**{k: v for k, v in d.items() if k in fields}, "tier": Tier(d["tier"])})
 
 
 def parse_prefill_spec(spec: list[str] | tuple[str, ...]) -> tuple[str, int]:

@@ -2,7 +2,7 @@
 
 It answers the questions that need 16-64 GPUs with the *same* policy code as the
 live system: routing through ``bana_sglang.router.policy`` and balancing through
-``bana_sglang.migrate.balancer`` (resolved by name from their registries, never
+``bana_sglang.balancer.policy`` (resolved by name from their registries, never
 copied). Modules:
 
 - ``profiles``: cost model (prefill FLOPs, decode bytes, bandwidths) from a JSON

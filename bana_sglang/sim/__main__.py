@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from bana_sglang import _cli
-from bana_sglang.migrate.balancer import BALANCERS
+from bana_sglang.balancer.policy import BALANCERS
 from bana_sglang.router.policy import POLICIES
 from bana_sglang.sim.config import STORES, SYSTEMS, SimConfig, system_config
 from bana_sglang.sim.engine import simulate

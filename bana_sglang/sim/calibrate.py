@@ -51,7 +51,7 @@ CHUNKED_LENGTHS = (6144, 8192)  # longer than a chunk: the later chunks attend o
 # batch 1, 4 and 8, then a large KV. The lengths are mixed, as in the trace's bursts.
 # (Until 2026-12-01 the CPU kernel ran a batch like the trace's first burst
 # as one padded call, several times slower than these points' per-request path, which
-# made the live decode slower than the calibrated law; kernels.cpu_attention.decode_pads
+# made the live decode slower than the calibrated law; bana_sglang.kernels.cpu_attention.decode_pads
 # now chooses by measured cost, so both take the per-request path.)
 DECODE_POINTS = ((128,), (32, 64, 96, 320), (32, 32, 64, 64, 96, 96, 160, 480),
                  (256, 512, 1024, 2304), (128, 128, 256, 256, 384, 512, 1024, 1408))

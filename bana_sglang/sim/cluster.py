@@ -22,8 +22,8 @@ import logging
 from collections import deque
 from collections.abc import Iterator, Mapping
 
-from bana_sglang.migrate.balancer import RunningRequest
-from bana_sglang.router.policy import RequestId, Tier, WorkerId, WorkerLoad
+from bana_sglang.balancer.policy import RunningRequest
+from bana_sglang.types import RequestId, Tier, WorkerId, WorkerLoad
 from bana_sglang.router.prefix_tree import PagePrefixTree
 from bana_sglang.sim.profiles import Profile
 from bana_sglang.sim.workloads import SimRequest

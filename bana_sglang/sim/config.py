@@ -4,7 +4,7 @@ A ``SimConfig`` is frozen and validated; ``SYSTEMS`` maps a system name (the
 rows of the comparison table) to the settings that define it. Policies are
 named, never passed as objects, so every run resolves them through the same
 registries as the live system (``bana_sglang.router.policy.get_policy``,
-``bana_sglang.migrate.balancer.get_balancer``).
+``bana_sglang.balancer.policy.get_balancer``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from bana_sglang.migrate.balancer import BALANCERS, BalancerConfig
+from bana_sglang.balancer.policy import BALANCERS, BalancerConfig
 from bana_sglang.router.policy import POLICIES
 from bana_sglang.sim.workloads import PAGE
 

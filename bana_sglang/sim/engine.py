@@ -2,7 +2,7 @@
 
 One heap of timestamped events; arrivals are merged in from the sorted workload.
 Policies are resolved by name through the live system's registries
-(``bana_sglang.router.policy.get_policy``, ``bana_sglang.migrate.balancer.get_balancer``)
+(``bana_sglang.router.policy.get_policy``, ``bana_sglang.balancer.policy.get_balancer``)
 and called with the same snapshot types the live router and balancer use.
 
 Request path (PD): arrival -> ``pick_prefill`` on prefill snapshots -> prefix
@@ -28,10 +28,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bana_sglang.migrate.balancer import (MAX_HOST_SHARE, Action, KVBlockMigration,
-                                          LayerMigration, MigrationCostModel, ModelShape,
-                                          RequestMigration, get_balancer, split_speeds)
-from bana_sglang.router.policy import RouteRequest, Tier, WorkerId, get_policy
+from bana_sglang.balancer.policy import Action, KVBlockMigration, LayerMigration, MigrationCostModel, ModelShape, RequestMigration, get_balancer
+from bana_sglang.types import MAX_HOST_SHARE, split_speeds
+from bana_sglang.router.policy import RouteRequest, get_policy
+from bana_sglang.types import Tier, WorkerId
 from bana_sglang.router.prefix_tree import PagePrefixTree
 from bana_sglang.sim.cluster import CacheView, Job, LazyRunning, SimError, Worker
 from bana_sglang.sim.config import SimConfig

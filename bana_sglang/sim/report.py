@@ -260,7 +260,7 @@ def write_report(results: dict[tuple, SimResult], out: Path, img: Path, *, quick
              + ("**QUICK MODE: small trace slices, numbers are a smoke test only.**" if quick else ""))
     L.append("\nSimulator: `bana_sglang/sim/` (discrete events, analytic decode progress). "
              "It resolves routing and balancing through the live registries "
-             "(`bana_sglang.router.policy.get_policy`, `bana_sglang.migrate.balancer.get_balancer`), "
+             "(`bana_sglang.router.policy.get_policy`, `bana_sglang.balancer.policy.get_balancer`), "
              "so the policy code is the live code.\n")
     L.append("## Systems\n")
     L.append(_table([[f"`{s}`", DESCR[s]] for s in SYSTEMS], ["system", "what"]))

@@ -9,7 +9,7 @@ one request's pages) is its own tensor registered with the transfer engine:
 the lender reads it back from there on recall.
 
 Partial attention uses the same kernel as the ``bana_cpu`` backend
-(:func:`kernels.cpu_attention.attend` with ``need_lse``): every query sees
+(:func:`bana_sglang.kernels.cpu_attention.attend` with ``need_lse``): every query sees
 every hosted key (the hosted pages lie before the query's position).
 
 Invariants: a segment is unregistered exactly once (drop, close); an error
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from bana_sglang.attention._kernels import cpu_attention
-from bana_sglang.migrate import kvwire as w
-from bana_sglang.migrate.remote import StepBuffer, unpack
+from bana_sglang.kernels import cpu_attention
+from bana_sglang.wire import kv_blocks as w
+from bana_sglang.migrate.layers.owner import StepBuffer, unpack
 
 logger = logging.getLogger(__name__)
 

@@ -31,9 +31,15 @@ from typing import Annotated, Literal, Union
 import msgspec
 
 from bana_sglang import wire
-from bana_sglang.wire import Error, encode
+from bana_sglang.wire import Error
 
 PROTOCOL_VERSION = 1
+
+# Request migration, as the router sees it: the rids of requests the router can
+# continue elsewhere start with PREFIX; a moved request's stream ends with a
+# finish reason whose ``matched`` value is MARK followed by the migration id.
+PREFIX = "bana-m-"
+MARK = "bana-migrated:"
 
 MigrationId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 Endpoint = Annotated[str, msgspec.Meta(pattern=r"^tcp://[^:/\s]+:[0-9]{1,5}$")]
@@ -326,4 +332,10 @@ Reply = Union[Pong, Accepted, Progress, Done, Failed, Ok, StatusResult, GuestOpe
 CHANNEL = wire.Channel("the migration agent", PROTOCOL_VERSION, Request, Reply, REQUEST_TYPES)
 decode_request = CHANNEL.decode_request
 decode_reply = CHANNEL.decode_reply
-__all__ = ["Error", "decode_reply", "decode_request", "encode"]
+
+
+def describe(reply: Reply) -> str:
+    """A reply in a few words: the reason and detail of a failure, else its type."""
+    if isinstance(reply, (Failed, Error)):
+        return f"{reply.reason}: {reply.detail}"
+    return type(reply).__name__

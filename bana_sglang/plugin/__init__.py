@@ -23,8 +23,9 @@ def register() -> None:
     _registered = True
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from bana_sglang import compat, server_routes
-    from bana_sglang.radix_global.flags import decode_queue_hook, init_cache_linker_hook
+    from bana_sglang import compat
+    from bana_sglang.plugin import routes as server_routes
+    from bana_sglang.radix_global.hooks import decode_queue_hook, init_cache_linker_hook
 
     applied = compat.apply_in_process_fixes()
     server_routes.APPLIED_FIXES[:] = applied

@@ -4,7 +4,7 @@ a plan).
 
 - :func:`plan_cluster`: the single-machine cluster from a :class:`LaunchConfig`
   (ports chosen by scanning for free ones);
-- :func:`plan_spec`: one node's share of a cluster spec (``bana_sglang.spec``);
+- :func:`plan_spec`: one node's share of a cluster spec (``bana_sglang.launch.spec``);
 - :func:`plan_single_server`: a plain colocated SGLang server (the reference);
 - the part builders both share (master, store, worker, router).
 """
@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 from bana_sglang import compat, models
-from bana_sglang import spec as cluster_spec
-from bana_sglang.procs import PortAllocator, ephemeral_range
+from bana_sglang.launch import spec as cluster_spec
+from bana_sglang.launch.procs import PortAllocator, ephemeral_range
 from bana_sglang.router.policy import LIVE_POLICIES
 
 logger = logging.getLogger("bana_sglang.launch")
@@ -270,7 +270,7 @@ def worker_part(name: str, role: str, *, model_path: str, served: str, bind: str
                 agent_port: int | None = None) -> Part:
     """One SGLang PD worker with the extension (and the global store's linker when there is one,
     and the migration agent on ``agent_port``)."""
-    from bana_sglang.radix_global import flags
+    from bana_sglang.radix_global import hooks as flags
 
     argv = [
         sys.executable, "-m", "sglang.launch_server",
@@ -324,7 +324,7 @@ BALANCER_READY = "bana-balancer ready on"
 def balancer_part(*, bind: str, port: int, endpoint: str, model_path: str, policy: str, page_size: int,
                   api_key: str | None, user_args: tuple[str, ...] = ()) -> Part:
     """The live balancer: reads loads from the router, migrates through its admin API."""
-    argv = [sys.executable, "-m", "bana_sglang.migrate.controller", "--router", endpoint, "--balancer", policy,
+    argv = [sys.executable, "-m", "bana_sglang.balancer.controller", "--router", endpoint, "--balancer", policy,
             "--model-path", model_path, "--page-size", str(page_size), "--host", bind, "--port", str(port),
             *user_args]
     return Part(name="balancer", argv=tuple(argv), ready_line=BALANCER_READY,

@@ -3,7 +3,7 @@
 After a KV-block migration, worker H holds pages of D's running requests and
 computes, for each decode step and layer, the attention of those requests'
 queries over the pages it holds. D merges that partial result with its own
-(see :mod:`kernels.merge`). This channel is served by H's :class:`~.kvhost.KVHost`
+(see :mod:`bana_sglang.kernels.merge`). This channel is served by H's :class:`~.kvhost.KVHost`
 thread, not by H's scheduler, so H's batches never delay D's steps.
 
 No tensor travels here: each side packs its tensors into a buffer registered
@@ -35,7 +35,7 @@ from typing import Annotated, Union
 import msgspec
 
 from bana_sglang import wire
-from bana_sglang.migrate.steps import TensorSlot
+from bana_sglang.wire.layer_steps import TensorSlot
 from bana_sglang.wire import Error, encode
 
 PROTOCOL_VERSION = 1

@@ -36,13 +36,12 @@ import logging
 import os
 import time
 
-from bana_sglang.migrate import kvlend
-from bana_sglang.migrate import messages as m
+from bana_sglang.attention.remote import remote_kv
+from bana_sglang.wire.agent import MARK, PREFIX
+from bana_sglang.wire import agent as m
 
 logger = logging.getLogger("bana_sglang.migrate.agent")
 
-PREFIX = "bana-m-"  # rids of requests the router can continue elsewhere
-MARK = "bana-migrated:"  # the finish reason's ``matched`` value, then the migration id
 MIN_LEFT = 4  # a request with fewer tokens left than this is not worth moving
 HANDOFF_TTL_S = 300.0  # a handoff nobody took is forgotten after this
 # Pre-copy: the request decodes on for this long after its pages were handed to the
@@ -189,7 +188,7 @@ class RequestMixin:
         tree = getattr(self.worker.scheduler, "tree_cache", None)
         if tree is None or not hasattr(tree, "checkpoint") or getattr(tree, "disable", False):
             return 0
-        lender = kvlend.ACTIVE
+        lender = remote_kv()
         if lender is not None and r.kv.req_pool_idx in lender.segments:
             return 0  # remote positions have stale slots: they must not enter the tree
         page = max(1, int(getattr(self.worker.allocator, "page_size", 1) or 1))

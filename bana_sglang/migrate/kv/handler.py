@@ -18,10 +18,12 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from bana_sglang.migrate import kvlend
-from bana_sglang.migrate import messages as m
+from bana_sglang.attention.remote import remote_kv, set_remote_kv
+from bana_sglang.migrate.kv import lender as kvlend
+from bana_sglang.wire import agent as m
 from bana_sglang.migrate.client import AgentClient
-from bana_sglang.migrate.transfer import Fail, describe
+from bana_sglang.migrate.transfer import Fail
+from bana_sglang.wire.agent import describe
 
 if TYPE_CHECKING:
     from bana_sglang.migrate.agent import _Migration
@@ -82,7 +84,7 @@ class KVMixin:
                 w.kv_pool, w.req_to_token, w.allocator, w.scheduler.tree_cache, self._engine(),
                 num_layers=self.num_layers, scheduler=w.scheduler,
                 timeout_s=float(os.environ.get("BANA_KV_STEP_TIMEOUT_S", self.step_timeout_s)))
-            kvlend.ACTIVE = self._lender
+            set_remote_kv(self._lender)  # the bana_cpu backend's decode plan reads it
         mig = _Migration(req.migration, "source", req.peer, 0, 0, "accepted", kind="kv")
         mig.kv_pages, mig.kv_min_pages = req.pages, req.min_pages
         with self._lock:
@@ -192,7 +194,7 @@ class KVMixin:
     # ------------------------------------------------------------------ host
     def _open_kv_host(self, req: m.OpenKVHost) -> m.Reply:
         from bana_sglang.migrate.agent import _Migration
-        from bana_sglang.migrate.kvhost import KVHost
+        from bana_sglang.migrate.kv.host import KVHost
 
         if req.layers != self.num_layers:
             return m.Error(id=req.id, reason="invalid",
@@ -258,8 +260,8 @@ class KVMixin:
 
     def _kv_close(self) -> None:
         if self._lender is not None:
-            if kvlend.ACTIVE is self._lender:
-                kvlend.ACTIVE = None
+            if remote_kv() is self._lender:
+                set_remote_kv(None)
             self._lender.close()
         if self._kv_host is not None:
             self._kv_host.close()

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bana_sglang.migrate import messages as m
+from bana_sglang.wire import agent as m
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
-from bana_sglang.migrate.transfer import Fail, crc32, describe
+from bana_sglang.migrate.transfer import Fail, crc32
+from bana_sglang.wire.agent import describe
 
 if TYPE_CHECKING:
     from bana_sglang.migrate.agent import _Migration
@@ -71,7 +72,7 @@ class SwitchMixin:
     def _prepare_switch(self, mig: _Migration, client: AgentClient) -> None:
         """Worker thread, after staging: open the guest executor on the peer and
         build the remote span; the scheduler thread installs it (_apply_pending)."""
-        from bana_sglang.migrate.remote import OwnerContext, RemoteSpan
+        from bana_sglang.migrate.layers.owner import OwnerContext, RemoteSpan
 
         mig.state = "switching"
         w = self.worker
@@ -120,7 +121,7 @@ class SwitchMixin:
         self._req_settle()
 
     def _install(self, mig: _Migration) -> None:
-        from bana_sglang.migrate.remote import Skip
+        from bana_sglang.migrate.layers.owner import Skip
 
         if mig.cancel.is_set():
             mig.span.close()
@@ -280,7 +281,7 @@ class SwitchMixin:
                 mig.pending = "checkpoint"
 
     def _open_guest(self, req: m.OpenGuest) -> m.Reply:
-        from bana_sglang.migrate.guest import GuestSpan
+        from bana_sglang.migrate.layers.guest import GuestSpan
 
         mig = self.migrations.get(req.migration)
         if mig is None or mig.side != "guest":

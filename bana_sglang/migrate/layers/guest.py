@@ -21,10 +21,10 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from bana_sglang.migrate import steps as s
-from bana_sglang.migrate.remote import StepBuffer
+from bana_sglang.wire import layer_steps as s
+from bana_sglang.migrate.layers.owner import StepBuffer
 
-logger = logging.getLogger("bana_sglang.migrate.remote")
+logger = logging.getLogger("bana_sglang.migrate.layers.owner")
 
 
 class _GuestPlan:
@@ -75,7 +75,7 @@ class GuestAttention(torch.nn.Module):
         self.span, self.index = span, index
 
     def forward(self, q, k, v, forward_batch, save_kv_cache: bool = True, **kwargs):
-        from bana_sglang.attention._kernels import cpu_attention
+        from bana_sglang.kernels import cpu_attention
 
         gb: GuestBatch = forward_batch
         kbuf, vbuf = self.span.k[self.index], self.span.v[self.index]

@@ -1,8 +1,8 @@
-"""``python -m bana_sglang.migrate.controller``: the live balancer.
+"""``python -m bana_sglang.balancer.controller``: the live balancer.
 
 Every ``--interval`` seconds it reads every worker's load from the router
 (``/bana/router/workers``: the same ``WorkerLoad`` snapshots the routing
-policies use), runs the balancer policy (:mod:`bana_sglang.migrate.balancer`,
+policies use), runs the balancer policy (:mod:`bana_sglang.balancer.policy`,
 the very object the simulator runs), and carries out the plan through the
 router's admin API:
 
@@ -48,7 +48,7 @@ from pathlib import Path
 import httpx
 
 from bana_sglang import _cli
-from bana_sglang.migrate.balancer import (
+from bana_sglang.balancer.policy import (
     BALANCERS,
     BalancerConfig,
     KVBlockMigration,
@@ -59,8 +59,8 @@ from bana_sglang.migrate.balancer import (
     RunningRequest,
     get_balancer,
 )
-from bana_sglang.router.policy import WorkerLoad
-from bana_sglang.router.workers import load_from_json
+from bana_sglang.types import WorkerLoad
+from bana_sglang.types import load_from_json
 
 logger = logging.getLogger("bana_sglang.balancer")
 
@@ -307,7 +307,7 @@ def serve(ctl: Controller, host: str, port: int) -> ThreadingHTTPServer:
 
 def build_parser() -> argparse.ArgumentParser:
     d = BalancerConfig()
-    p = argparse.ArgumentParser(prog="python -m bana_sglang.migrate.controller", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bana_sglang.balancer.controller", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--router", default="http://127.0.0.1:30000", help="the router's URL")
     p.add_argument("--api-key", default=None, help="the router's API key (default: $BANA_API_KEY)")

@@ -8,7 +8,7 @@ D's allocator, so D can hold a larger batch. From then on, in every decode
 step and layer, D's ``bana_cpu`` attention (:mod:`bana_sglang.attention.backend`)
 sends the queries of those requests to H (:mod:`.kvwire` ``Attend``), computes
 its own part over the positions it kept, and merges the two with their
-log-sum-exps (:mod:`kernels.merge`): the same attention, exactly, as over the
+log-sum-exps (:mod:`bana_sglang.kernels.merge`): the same attention, exactly, as over the
 whole KV.
 
 What a request's row looks like: positions ``[start, stop)`` of its
@@ -59,13 +59,10 @@ import msgspec
 import torch
 import zmq
 
-from bana_sglang.migrate import kvwire as w
-from bana_sglang.migrate.remote import StepBuffer, unpack
+from bana_sglang.wire import kv_blocks as w
+from bana_sglang.migrate.layers.owner import StepBuffer, unpack
 
 logger = logging.getLogger(__name__)
-
-# The lender of this process, read by the bana_cpu backend's decode plan.
-ACTIVE: KVLender | None = None
 
 
 class KVLost(RuntimeError):

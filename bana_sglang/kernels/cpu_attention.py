@@ -25,7 +25,7 @@ Invariants:
 - The math is ``torch.nn.functional.scaled_dot_product_attention`` (the CPU
   flash kernel) in the dtype of ``q``; KV of another dtype is cast to it.
 - ``lse`` (natural log, float32, ``[q_len, Hq]``) is returned only on request;
-  together with :mod:`kernels.merge` it gives exact attention over KV split
+  together with :mod:`bana_sglang.kernels.merge` it gives exact attention over KV split
   across partitions (KV-block migration).
 - :func:`reference_attention` is the dense float64 reference the tests use.
 """
@@ -120,7 +120,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
     kv_len, hkv, dv = v.shape
     if hq % hkv:
         raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
-    if kv_len == 0:  # an empty partition: contributes nothing (see kernels.merge)
+    if kv_len == 0:  # an empty partition: contributes nothing (see bana_sglang.kernels.merge)
         lse = torch.full((q_len, hq), float("-inf")) if need_lse else None
         return AttentionResult(q.new_zeros((q_len, hq, dv)), lse)
     if k.dtype != q.dtype:

@@ -45,7 +45,7 @@ import msgspec
 import torch
 import zmq
 
-from bana_sglang.migrate import steps as s
+from bana_sglang.wire import layer_steps as s
 
 logger = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from bana_sglang.router.policy import RequestId, Tier, WorkerId, WorkerLoad
+from bana_sglang.types import MIN_DONOR_BUSY, RequestId, Tier, WorkerId, WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -236,31 +236,6 @@ def compute_utilisation(w: WorkerLoad, shape: ModelShape, cfg: BalancerConfig) -
 def utilisation(w: WorkerLoad, shape: ModelShape, cfg: BalancerConfig) -> float:
     compute = compute_utilisation(w, shape, cfg)
     return compute if w.tier is Tier.PREFILL else max(compute, w.kv_usage)
-
-
-MAX_HOST_SHARE = 0.8  # of a peer's time its guest layers may take (its own work keeps the rest)
-MIN_DONOR_BUSY = 0.2  # a donor's guest layers are counted at least this busy
-
-
-def split_speeds(num_layers: int, moved: int, donor_busy: float) -> tuple[float, float]:
-    """Prefill speeds ``(donor, peer)`` while ``moved`` of the donor's ``num_layers``
-    layers run on the peer (``WorkerLoad.prefill_speed``; 1 is the worker alone).
-
-    The donor computes ``1 - phi`` of every chunk (``phi = moved / num_layers``)
-    and the next chunk pipelines behind the peer's part, so it drains its queue
-    ``1 / (1 - phi)`` times faster. The peer gives the guest layers
-    ``share = phi / (1 - phi) * donor_busy`` of its time (the donor's own rate of
-    work on them, at least ``MIN_DONOR_BUSY``, at most ``MAX_HOST_SHARE``), so its
-    own work runs at ``1 - share``. The simulator applies these factors to its
-    workers and reports them in their loads; the live router derives them from the
-    agents' placements, so routing and balancing read the same numbers in both."""
-    if not 0 <= moved < num_layers:
-        raise BalancerError(f"split_speeds: moved={moved!r} must be in [0, {num_layers})")
-    phi = moved / num_layers
-    if phi == 0:
-        return 1.0, 1.0
-    share = min(MAX_HOST_SHARE, phi / (1 - phi) * max(MIN_DONOR_BUSY, donor_busy))
-    return 1 / (1 - phi), 1 - share
 
 
 class Balancer(abc.ABC):

@@ -24,7 +24,6 @@ import logging
 import os
 import shlex
 import signal
-import sys
 import threading
 import time
 import urllib.error
@@ -32,20 +31,16 @@ import urllib.request
 from pathlib import Path
 
 from bana_sglang import _cli, compat, models
-from bana_sglang import spec as cluster_spec
-from bana_sglang.plan import (  # re-exported: the planning API is reached through launch too
+from bana_sglang.launch import spec as cluster_spec
+from bana_sglang.launch.plan import (
     ROUTERS,
     ClusterPlan,
     LaunchConfig,
     Part,
-    dtype_args,
-    page_size_of,
     plan_cluster,
-    plan_single_server,
     plan_spec,
-    store_args,
 )
-from bana_sglang.procs import (
+from bana_sglang.launch.procs import (
     ManagedProcess,
     ProcessStartError,
     http_ok,
@@ -54,9 +49,6 @@ from bana_sglang.procs import (
     wait_until,
 )
 from bana_sglang.router.policy import LIVE_POLICIES
-
-__all__ = ["NODE_READY_MARK", "READY_MARK", "Cluster", "ClusterPlan", "LaunchConfig", "Part", "dtype_args",
-           "main", "page_size_of", "plan_cluster", "plan_single_server", "plan_spec", "store_args"]
 
 logger = logging.getLogger("bana_sglang.launch")
 
@@ -286,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra router flags as one string, e.g. \"--poll-interval 0.1\"")
     p.add_argument("--balancer", default="none", choices=("none", "bana"),
                    help="none: static PD; bana: the live balancer moves layers between workers from their "
-                        "load (python -m bana_sglang.migrate.controller; /metrics and /decisions)")
+                        "load (python -m bana_sglang.balancer.controller; /metrics and /decisions)")
     p.add_argument("--balancer-args", default="",
                    help="extra balancer flags as one string, e.g. \"--interval 0.5 --consecutive 2\"")
     p.add_argument("--cpu-threads", type=int, default=0, metavar="N",
@@ -431,7 +423,3 @@ def main(argv: list[str] | None = None) -> int:
     cluster.stop()
     logger.info("cluster stopped")
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

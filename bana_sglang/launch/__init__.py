@@ -1,0 +1,40 @@
+"""The launcher: one command for a whole PD cluster, or one node's share of it.
+
+- :mod:`.spec`: the cluster spec (which host runs which part, addresses, ports), validated.
+- :mod:`.plan`: pure planning: the command line, ports and environment of every part.
+- :mod:`.procs`: child-process supervision (start, log, health, stop, reap).
+- :mod:`.cli`: ``python -m bana_sglang.launch``: runs a plan and supervises it.
+
+The planning and process API is re-exported here.
+"""
+
+from bana_sglang.launch.cli import NODE_READY_MARK, READY_MARK, Cluster, main
+from bana_sglang.launch.plan import (
+    ROUTERS,
+    ClusterPlan,
+    LaunchConfig,
+    Part,
+    dtype_args,
+    page_size_of,
+    plan_cluster,
+    plan_single_server,
+    plan_spec,
+    store_args,
+)
+
+__all__ = [
+    "NODE_READY_MARK",
+    "READY_MARK",
+    "ROUTERS",
+    "Cluster",
+    "ClusterPlan",
+    "LaunchConfig",
+    "Part",
+    "dtype_args",
+    "main",
+    "page_size_of",
+    "plan_cluster",
+    "plan_single_server",
+    "plan_spec",
+    "store_args",
+]
