@@ -27,7 +27,7 @@ from bana_sglang.launch.procs import PortAllocator
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "data" / "traces"
+TRACES = ROOT / "bench" / "data" / "traces"
 
 # One allocator per test session: above the launcher's default ports (30000+)
 # and below the kernel's ephemeral range (32768+), where an outgoing
@@ -44,7 +44,13 @@ def free_port_block(n: int = 40) -> int:
     return _PORTS.take_block(n)
 
 
+LIVE = Path(__file__).resolve().parent / "live"
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # everything under tests/live/ starts real servers
+        if Path(str(item.fspath)).is_relative_to(LIVE):
+            item.add_marker(pytest.mark.slow)
     try:
         import torch
 

@@ -30,8 +30,9 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
-from bana_sglang import wire
-from bana_sglang.wire import Error
+from bana_sglang.wire.envelope import Channel, Error, encode
+from bana_sglang.wire.envelope import Reply as _Reply
+from bana_sglang.wire.envelope import Request as _Envelope
 
 PROTOCOL_VERSION = 1
 
@@ -54,7 +55,7 @@ TERMINAL = ("staged", "remote", "home", "restored", "failed", "cancelled", "veri
             "handed_off")
 
 
-class _Request(wire.Request, kw_only=True, frozen=True):
+class _Request(_Envelope, kw_only=True, frozen=True):
     v: int = PROTOCOL_VERSION
 
 
@@ -194,10 +195,6 @@ class OpenGuest(_Request, tag="open_guest"):
 
 Request = Union[Ping, Status, MigrateLayers, Watch, Cancel, HostLayers, DropGuest, Recall, OpenGuest, MigrateKV,
                 OpenKVHost, MigrateRequest, Handoff, Reclaim]
-REQUEST_TYPES = ("ping", "status", "migrate_layers", "watch", "cancel", "host_layers", "drop_guest", "recall",
-                 "open_guest", "migrate_kv", "open_kv_host", "migrate_request", "handoff", "reclaim")
-
-_Reply = wire.Reply
 
 
 class Pong(_Reply, tag="pong"):
@@ -329,7 +326,7 @@ class StatusResult(_Reply, tag="status_result"):
 Reply = Union[Pong, Accepted, Progress, Done, Failed, Ok, StatusResult, GuestOpened, KVHostOpened, HandoffInfo,
               Error]
 
-CHANNEL = wire.Channel("the migration agent", PROTOCOL_VERSION, Request, Reply, REQUEST_TYPES)
+CHANNEL = Channel("the migration agent", PROTOCOL_VERSION, Request, Reply)
 decode_request = CHANNEL.decode_request
 decode_reply = CHANNEL.decode_reply
 
@@ -339,3 +336,4 @@ def describe(reply: Reply) -> str:
     if isinstance(reply, (Failed, Error)):
         return f"{reply.reason}: {reply.detail}"
     return type(reply).__name__
+__all__ = ["Error", "decode_reply", "decode_request", "encode"]

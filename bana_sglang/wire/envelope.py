@@ -19,6 +19,7 @@ Channels add their own reasons (``invalid``, ``internal``, ...).
 from __future__ import annotations
 
 import time
+import typing
 from typing import Any
 
 import msgspec
@@ -58,13 +59,23 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-class Channel:
-    """Decoding and validation of one channel's requests and replies."""
+def tags(union: Any) -> tuple[str, ...]:
+    """The ``type`` tags of the structs in a ``Union`` of tagged structs, in order."""
+    return tuple(cls.__struct_config__.tag for cls in typing.get_args(union) or (union,))
 
-    def __init__(self, name: str, version: int, requests: Any, replies: Any, request_types: tuple[str, ...]):
+
+class Channel:
+    """Decoding and validation of one channel's requests and replies.
+
+    ``requests`` and ``replies`` are ``Union``s of tagged structs; the request
+    types a receiver knows are read from the first, so a struct added to the
+    Union is known everywhere at once."""
+
+    def __init__(self, name: str, version: int, requests: Any, replies: Any):
         self.name = name
         self.version = version
-        self.request_types = request_types
+        self.request_types = tags(requests)
+        self.request_classes: tuple[type, ...] = typing.get_args(requests) or (requests,)
         self._requests = msgspec.msgpack.Decoder(requests)
         self._replies = msgspec.msgpack.Decoder(replies)
 

@@ -26,8 +26,9 @@ from typing import Annotated, Union
 
 import msgspec
 
-from bana_sglang import wire
-from bana_sglang.wire import Error, encode
+from bana_sglang.wire.envelope import Channel, Error, encode
+from bana_sglang.wire.envelope import Reply as _Reply
+from bana_sglang.wire.envelope import Request as _Envelope
 
 PROTOCOL_VERSION = 1
 
@@ -38,7 +39,7 @@ PageHashField = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
 Size = Annotated[int, msgspec.Meta(ge=1)]
 
 
-class _Request(wire.Request, kw_only=True, frozen=True):
+class _Request(_Envelope, kw_only=True, frozen=True):
     v: int = PROTOCOL_VERSION
 
 
@@ -83,10 +84,7 @@ class Stats(_Request, tag="stats"):
 
 
 Request = Union[Lookup, PublishIntent, Commit, ReportLoss, Stats]
-REQUEST_TYPES = ("lookup", "publish_intent", "commit", "report_loss", "stats")
 
-
-_Reply = wire.Reply
 
 
 class LookupResult(_Reply, tag="lookup_result"):
@@ -136,7 +134,7 @@ class StatsResult(_Reply, tag="stats_result"):
 
 Reply = Union[LookupResult, IntentResult, Ok, StatsResult, Error]
 
-CHANNEL = wire.Channel("the index service", PROTOCOL_VERSION, Request, Reply, REQUEST_TYPES)
+CHANNEL = Channel("the index service", PROTOCOL_VERSION, Request, Reply)
 decode_request = CHANNEL.decode_request
 decode_reply = CHANNEL.decode_reply
 __all__ = ["Error", "decode_reply", "decode_request", "encode"]

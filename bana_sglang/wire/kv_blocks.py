@@ -34,9 +34,10 @@ from typing import Annotated, Union
 
 import msgspec
 
-from bana_sglang import wire
 from bana_sglang.wire.layer_steps import TensorSlot
-from bana_sglang.wire import Error, encode
+from bana_sglang.wire.envelope import Channel, Error, encode
+from bana_sglang.wire.envelope import Reply as _Reply
+from bana_sglang.wire.envelope import Request as _Envelope
 
 PROTOCOL_VERSION = 1
 INLINE_MAX = 256 * 1024  # Attend payloads up to this size travel inline (second frame)
@@ -45,7 +46,7 @@ NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Key = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
-class _Request(wire.Request, kw_only=True, frozen=True):
+class _Request(_Envelope, kw_only=True, frozen=True):
     v: int = PROTOCOL_VERSION
 
 
@@ -89,9 +90,6 @@ class DropKV(_Request, tag="drop_kv"):
 
 
 Request = Union[HostKV, Attend, DropKV]
-REQUEST_TYPES = ("host_kv", "attend", "drop_kv")
-
-_Reply = wire.Reply
 
 
 class KVHosted(_Reply, tag="kv_hosted"):
@@ -114,7 +112,7 @@ class Dropped(_Reply, tag="dropped"):
 
 Reply = Union[KVHosted, Attended, Dropped, Error]
 
-CHANNEL = wire.Channel("the KV-block host", PROTOCOL_VERSION, Request, Reply, REQUEST_TYPES)
+CHANNEL = Channel("the KV-block host", PROTOCOL_VERSION, Request, Reply)
 decode_request = CHANNEL.decode_request
 decode_reply = CHANNEL.decode_reply
 __all__ = ["CHANNEL", "Attend", "Attended", "DropKV", "Dropped", "Error", "HostKV", "KVHosted", "Segment",

@@ -20,8 +20,9 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
-from bana_sglang import wire
-from bana_sglang.wire import Error, encode
+from bana_sglang.wire.envelope import Channel, Error, encode
+from bana_sglang.wire.envelope import Reply as _Reply
+from bana_sglang.wire.envelope import Request as _Envelope
 
 PROTOCOL_VERSION = 1
 
@@ -37,7 +38,7 @@ class TensorSlot(msgspec.Struct, frozen=True, kw_only=True):
     offset: NonNeg
 
 
-class _Request(wire.Request, kw_only=True, frozen=True):
+class _Request(_Envelope, kw_only=True, frozen=True):
     v: int = PROTOCOL_VERSION
 
 
@@ -67,9 +68,6 @@ class Ping(_Request, tag="ping"):
 
 
 Request = Union[RunLayers, Ping]
-REQUEST_TYPES = ("run_layers", "ping")
-
-_Reply = wire.Reply
 
 
 class LayersDone(_Reply, tag="layers_done"):
@@ -93,7 +91,7 @@ class Pong(_Reply, tag="pong"):
 
 Reply = Union[LayersDone, Pong, Error]
 
-CHANNEL = wire.Channel("the guest-layer executor", PROTOCOL_VERSION, Request, Reply, REQUEST_TYPES)
+CHANNEL = Channel("the guest-layer executor", PROTOCOL_VERSION, Request, Reply)
 decode_request = CHANNEL.decode_request
 decode_reply = CHANNEL.decode_reply
 __all__ = ["CHANNEL", "Error", "LayersDone", "RunLayers", "TensorSlot", "decode_reply", "decode_request", "encode"]

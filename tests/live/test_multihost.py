@@ -127,7 +127,7 @@ def make_spec(addrs: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory) -> Iterator[MultiHost]:
-    netlab = pytest.importorskip("netlab")
+    netlab = pytest.importorskip("support.netlab")
     why = netlab.unavailable()
     if why:
         pytest.skip(why)

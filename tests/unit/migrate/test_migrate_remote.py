@@ -202,7 +202,7 @@ def test_a_read_from_a_frozen_peer_times_out_and_the_late_bytes_land_in_a_buffer
 
     _, te = engines
     peer = subprocess.Popen([sys.executable, "-c", _FROZEN_PEER], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
     try:
         session, addr = peer.stdout.readline().split()
         want = torch.arange(1 << 16, dtype=torch.int32)

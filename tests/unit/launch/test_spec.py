@@ -14,7 +14,7 @@ import yaml
 from bana_sglang.launch import spec as cluster_spec
 from bana_sglang.launch import plan_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "docs" / "specs").glob("*.yaml"))
 
 

@@ -19,7 +19,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 _spec = importlib.util.spec_from_file_location("bana_merge_under_test",
-                                               Path(__file__).resolve().parents[1] / "bana_sglang" / "kernels" / "merge.py")
+                                               Path(__file__).resolve().parents[3] / "bana_sglang" / "kernels" / "merge.py")
 mg = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mg)
 
