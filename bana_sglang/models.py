@@ -32,6 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bana_sglang import envs
+
 logger = logging.getLogger(__name__)
 
 MODEL_FORMAT = 1
@@ -95,7 +97,7 @@ class ModelBuildError(RuntimeError):
 
 def cache_root() -> Path:
     """Where built models live: ``$BANA_MODEL_CACHE`` or ``~/.cache/bana_sglang/models``."""
-    env = os.environ.get("BANA_MODEL_CACHE")
+    env = envs.BANA_MODEL_CACHE.get()
     return Path(env) if env else Path.home() / ".cache" / "bana_sglang" / "models"
 
 
@@ -160,7 +162,14 @@ def synthetic_corpus(seed: int, n_words: int) -> str:
 # --------------------------------------------------------------------------- build
 
 def _train_tokenizer(spec: ModelSpec, out: Path) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import httpx
 
-from bana_sglang import _cli
+from bana_sglang import _cli, envs
 from bana_sglang.balancer.policy import (
     BALANCERS,
     BalancerConfig,
@@ -59,8 +59,7 @@ from bana_sglang.balancer.policy import (
     RunningRequest,
     get_balancer,
 )
-from bana_sglang.types import WorkerLoad
-from bana_sglang.types import load_from_json
+from bana_sglang.types import WorkerLoad, load_from_json
 
 logger = logging.getLogger("bana_sglang.balancer")
 
@@ -358,7 +357,7 @@ def controller_from_args(args: argparse.Namespace) -> Controller:
     return Controller(router=args.router, balancer_name=args.balancer,
                       shape=model_shape(args.model_path, args.page_size, args.prefill_tokens_per_s),
                       cost=MigrationCostModel(args.bandwidth_mbps * 1e6), config=cfg, interval_s=args.interval,
-                      recall_after_s=args.recall_after_s, api_key=args.api_key or os.environ.get("BANA_API_KEY"))
+                      recall_after_s=args.recall_after_s, api_key=args.api_key or envs.BANA_API_KEY.get() or None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

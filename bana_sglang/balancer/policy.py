@@ -61,6 +61,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from bana_sglang.registry import Registry
 from bana_sglang.types import MIN_DONOR_BUSY, RequestId, Tier, WorkerId, WorkerLoad
 
 logger = logging.getLogger(__name__)
@@ -460,16 +461,10 @@ class BanaBalancer(Balancer):
                 act.dst: max(uc, cold.kv_usage + dc)}
 
 
-BALANCERS: dict[str, type[Balancer]] = {BanaBalancer.name: BanaBalancer,
-                                        NoneBalancer.name: NoneBalancer}
+BALANCERS: Registry[Balancer] = Registry("balancer", (BanaBalancer, NoneBalancer), error=BalancerError)
 DEFAULT_BALANCER = "bana"
 
 
 def get_balancer(name: str = DEFAULT_BALANCER, **kwargs) -> Balancer:
     """A fresh balancer by registry name; unknown names list the valid ones."""
-    try:
-        cls = BALANCERS[name]
-    except KeyError:
-        raise BalancerError(f"unknown balancer {name!r}; valid: {', '.join(sorted(BALANCERS))}") \
-            from None
-    return cls(**kwargs)
+    return BALANCERS.create(name, **kwargs)

@@ -1,7 +1,7 @@
 """The CPU compatibility layer for SGLang 0.5.23: everything in one place.
 
 Real SGLang 0.5.23 runs on a CPU-only machine after the fixes below (each was
-seen to be needed; see ``docs/CPU.md``). The layer is active only when no CUDA
+seen to be needed, and the reason is given with it). The layer is active only when no CUDA
 device is present (or ``BANA_DEVICE=cpu``); on a GPU machine every function
 here returns "nothing to do", so the CUDA path stays stock.
 
@@ -52,23 +52,19 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from bana_sglang import envs
+from bana_sglang.attention.registry import BACKEND_NAME
+
 logger = logging.getLogger(__name__)
 
 PYPATH_DIR = Path(__file__).resolve().parent / "pypath"
 DEFAULT_MAX_TOTAL_TOKENS = 32768
-DEFAULT_IDLE_POLL_MS = 5
+DEFAULT_IDLE_POLL_MS = envs.BANA_IDLE_POLL_MS.default
 
 
 def idle_poll_ms() -> int:
     """Idle wait of an SGLang scheduler on CPU (``BANA_IDLE_POLL_MS``; 0: stock spin)."""
-    raw = os.environ.get("BANA_IDLE_POLL_MS", "")
-    try:
-        ms = int(raw) if raw.strip() else DEFAULT_IDLE_POLL_MS
-    except ValueError:
-        raise ValueError(f"BANA_IDLE_POLL_MS must be an integer (milliseconds), got {raw!r}") from None
-    if ms < 0:
-        raise ValueError(f"BANA_IDLE_POLL_MS must be >= 0, got {ms}")
-    return ms
+    return envs.BANA_IDLE_POLL_MS.get()
 STOCK_CPU_ATTENTION = "torch_native"
 
 
@@ -78,14 +74,9 @@ def cpu_attention_backend() -> str:
     ``bana`` (default, also when unset or empty): the extension's ``bana_cpu``
     backend; ``stock``: SGLang's ``torch_native``. Read when the flags are built.
     """
-    choice = os.environ.get("BANA_CPU_ATTENTION", "").strip().lower() or "bana"
-    if choice == "stock":
+    if envs.BANA_CPU_ATTENTION.get() == "stock":
         return STOCK_CPU_ATTENTION
-    if choice == "bana":
-        from bana_sglang.attention.registry import BACKEND_NAME
-
-        return BACKEND_NAME
-    raise ValueError(f"BANA_CPU_ATTENTION must be 'bana' or 'stock', got {choice!r}")
+    return BACKEND_NAME
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,11 +93,9 @@ def cuda_available() -> bool:
 
 def cpu_mode() -> bool:
     """Whether the CPU layer applies: ``BANA_DEVICE`` (cpu|cuda) wins, else no CUDA."""
-    forced = os.environ.get("BANA_DEVICE", "").strip().lower()
-    if forced in ("cpu", "cuda"):
-        return forced == "cpu"
+    forced = envs.BANA_DEVICE.get()
     if forced:
-        raise ValueError(f"BANA_DEVICE must be 'cpu' or 'cuda', got {forced!r}")
+        return forced == "cpu"
     return not cuda_available()
 
 
@@ -219,7 +208,9 @@ def apply_in_process_fixes() -> list[str]:
     ms = idle_poll_ms()
     if ms > 0:
         try:
-            from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
+            from sglang.srt.managers.scheduler_components.idle_sleeper import (
+                IdleSleeper,
+            )
         except ImportError:
             logger.info("SGLang has no IdleSleeper here; idle schedulers keep spinning", exc_info=True)
         else:

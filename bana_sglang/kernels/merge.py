@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+
+from bana_sglang import envs
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def merge_two(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: 
 @functools.cache
 def _triton_kernel():
     """The compiled-on-first-use Triton kernel, or None (no Triton, or turned off)."""
-    if os.environ.get("BANA_MERGE_TRITON", "1") == "0":
+    if not envs.BANA_MERGE_TRITON.get():
         return None
     try:
         import triton

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shlex
 import signal
 import threading
@@ -30,7 +29,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bana_sglang import _cli, compat, models
+from bana_sglang import _cli, compat, envs, models
 from bana_sglang.launch import spec as cluster_spec
 from bana_sglang.launch.plan import (
     ROUTERS,
@@ -314,7 +313,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         router_args=tuple(shlex.split(args.router_args)),
         router=args.router,
         policy=args.policy,
-        api_key=args.api_key or os.environ.get("BANA_API_KEY") or None,
+        api_key=args.api_key or envs.BANA_API_KEY.get() or None,
         log_dir=args.log_dir,
         startup_timeout=args.startup_timeout,
         global_store=args.global_store,

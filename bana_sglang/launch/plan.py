@@ -314,7 +314,7 @@ def router_part(*, bind: str, port: int, endpoint: str, policy: str, model_path:
     argv += list(user_args)
     # /health is 503 until a prefill and a decode worker answer and the model is known.
     return Part(name="router", argv=tuple(argv), health_url=endpoint + "/health",
-                env=(("BANA_ROUTER_API_KEY", api_key),) if api_key else ())
+                env=(("BANA_API_KEY", api_key),) if api_key else ())
 
 
 BALANCER_CHOICES = ("none", "bana")

@@ -26,8 +26,9 @@ import time
 import httpx
 import msgspec
 
-from bana_sglang.wire import agent as m
+from bana_sglang import envs
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
+from bana_sglang.wire import agent as m
 
 
 class CommandError(RuntimeError):
@@ -100,7 +101,7 @@ class Backend:
     def __init__(self, args: argparse.Namespace):
         self.agent = AgentClient(args.agent, timeout_s=args.timeout) if args.agent else None
         self.router = (args.router or "http://127.0.0.1:30000").rstrip("/")
-        key = args.api_key or os.environ.get("BANA_API_KEY")
+        key = args.api_key or envs.BANA_API_KEY.get() or None
         self.http = httpx.Client(base_url=self.router, timeout=args.timeout,
                                  headers={"Authorization": f"Bearer {key}"} if key else {})
 

@@ -12,16 +12,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
 
 from aiohttp import web
 
-from bana_sglang import _cli
-from bana_sglang.router.policy import DEFAULT_POLICY, LIVE_POLICIES
+from bana_sglang import _cli, envs
 from bana_sglang.router.config import RouterConfig
+from bana_sglang.router.policy import DEFAULT_POLICY, LIVE_POLICIES
 from bana_sglang.router.server import Router
 from bana_sglang.router.workers import parse_prefill_spec
 
@@ -71,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per page of the routing prefix hashes (cache_aware's trees)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint "
-                        "(default: $BANA_ROUTER_API_KEY, else none)")
+                        "(default: $BANA_API_KEY, else none)")
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest request body (413 above)")
     p.add_argument("--max-tokens-limit", type=int, default=1 << 20,
                    help="largest max_tokens / max_new_tokens accepted (400 above)")
@@ -103,7 +102,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         host=args.host, port=args.port, policy=args.policy, seed=args.seed,
         model_names=tuple(args.served_model_name),
         tokenizer_path=default_tokenizer(args.model_path), page_tokens=args.page_tokens,
-        api_key=args.api_key or os.environ.get("BANA_ROUTER_API_KEY") or None, max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key or envs.BANA_API_KEY.get() or None, max_body_bytes=args.max_body_bytes,
         max_tokens_limit=args.max_tokens_limit, poll_interval_s=args.poll_interval,
         max_attempts=args.max_attempts, read_timeout_s=args.read_timeout,
         global_index=args.global_index, model_path=args.model_path,

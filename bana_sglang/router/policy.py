@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NewType, Protocol
 
+from bana_sglang.registry import Registry
 from bana_sglang.router.prefix_tree import PagePrefixTree
 from bana_sglang.types import RequestId, Tier, WorkerId, WorkerLoad
 
@@ -326,11 +327,11 @@ class RandomPolicy(RoutingPolicy):
         return self.rng.choice(_of_tier(loads, Tier.DECODE, self.name, req)).worker_id
 
 
-POLICIES: dict[str, type[RoutingPolicy]] = {
-    cls.name: cls for cls in (BanaPolicy, RoundRobinPolicy, PowerOfTwoPolicy, CacheAwarePolicy,
-                              GlobalCacheAwarePolicy, LocalCacheAwarePolicy, LoadOnlyPolicy,
-                              RandomPolicy)
-}
+POLICIES: Registry[RoutingPolicy] = Registry(
+    "routing policy",
+    (BanaPolicy, RoundRobinPolicy, PowerOfTwoPolicy, CacheAwarePolicy, GlobalCacheAwarePolicy,
+     LocalCacheAwarePolicy, LoadOnlyPolicy, RandomPolicy),
+    error=RoutingError, error_kwargs=lambda name: {"policy": name})
 DEFAULT_POLICY = "bana"
 #: Policies the live router can run (the *_cache_aware ones need the simulator's cache oracle).
 LIVE_POLICIES = ("bana", "round_robin", "power_of_two", "cache_aware", "load_only", "random")
@@ -338,9 +339,4 @@ LIVE_POLICIES = ("bana", "round_robin", "power_of_two", "cache_aware", "load_onl
 
 def get_policy(name: str = DEFAULT_POLICY, **kwargs) -> RoutingPolicy:
     """A fresh policy instance by registry name; unknown names list the valid ones."""
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise RoutingError(f"unknown routing policy {name!r}; valid: "
-                           f"{', '.join(sorted(POLICIES))}", policy=name) from None
-    return cls(**kwargs)
+    return POLICIES.create(name, **kwargs)
