@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -174,12 +173,8 @@ def markdown_table() -> str:
     """The settings as a Markdown table (README's "Settings")."""
     rows = ["| variable | type | default | set by | what it does |", "|---|---|---|---|---|"]
     for var in REGISTRY.values():
-        kind = "|".join(var.choices) if var.choices else var.kind.__name__
+        kind = " / ".join(var.choices) if var.choices else var.kind.__name__
         default = "" if var.default == "" else (int(var.default) if var.kind is bool else var.default)
         rows.append(f"| `{var.name}` | {kind} | {f'`{default}`' if default != '' else ''} | {var.set_by} | "
                     f"{var.doc} |")
     return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    sys.stdout.write(markdown_table() + "\n")
