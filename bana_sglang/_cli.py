@@ -29,14 +29,18 @@ def exit_on_sigterm() -> None:
     """Make SIGTERM raise ``SystemExit`` so that ``with Cluster(...)`` blocks unwind
     and stop every process they started (Python's default SIGTERM action exits
     without running them, leaving SGLang's grandchildren orphaned)."""
+
     def on_term(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
 
 
-def parse(parser: argparse.ArgumentParser, argv: list[str] | None,
-          to_config: Callable[[argparse.Namespace], T]) -> tuple[argparse.Namespace, T]:
+def parse(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    to_config: Callable[[argparse.Namespace], T],
+) -> tuple[argparse.Namespace, T]:
     """Parse ``argv``, set up logging from ``--log-level``, and build the config;
     a config that refuses the arguments (ValueError) becomes a usage error."""
     args = parser.parse_args(argv)

@@ -81,12 +81,26 @@ class ModelSpec:
 # model are nearly flat, and greedy decoding would hinge on float rounding.
 SPECS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(
-        name="tiny", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-        intermediate_size=192, vocab_target=1024, max_position=4096, init_std=0.15,
+        name="tiny",
+        hidden_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=192,
+        vocab_target=1024,
+        max_position=4096,
+        init_std=0.15,
     ),
     "small": ModelSpec(
-        name="small", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-        intermediate_size=1536, vocab_target=8192, max_position=16384, init_std=0.05,
+        name="small",
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1536,
+        vocab_target=8192,
+        max_position=16384,
+        init_std=0.05,
     ),
 }
 
@@ -110,21 +124,56 @@ def _spec(name: str) -> ModelSpec:
     try:
         return SPECS[name]
     except KeyError:
-        raise ModelBuildError(f"unknown model {name!r}; known: {', '.join(sorted(SPECS))}") from None
+        raise ModelBuildError(
+            f"unknown model {name!r}; known: {', '.join(sorted(SPECS))}"
+        ) from None
 
 
 # --------------------------------------------------------------------------- corpus
 
-_ONSETS = ["", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t",
-           "v", "w", "z", "br", "ch", "cl", "dr", "fl", "gr", "pl", "pr", "sh", "st", "th", "tr"]
+_ONSETS = [
+    "",
+    "b",
+    "c",
+    "d",
+    "f",
+    "g",
+    "h",
+    "j",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "w",
+    "z",
+    "br",
+    "ch",
+    "cl",
+    "dr",
+    "fl",
+    "gr",
+    "pl",
+    "pr",
+    "sh",
+    "st",
+    "th",
+    "tr",
+]
 _VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ee", "io", "ou", "oo"]
 _CODAS = ["", "", "n", "r", "s", "t", "l", "m", "nd", "ng", "st", "ck", "rt"]
-_COMMON = ("the of and to in is it you that he was for on are as with his they at be this "
-           "have from or one had by word but not what all were we when your can said there use "
-           "an each which she do how their if will up other about out many then them these so "
-           "some her would make like him into time has look two more write go see number no way "
-           "could people my than first water been call who oil its now find long down day did get "
-           "come made may part cache prefix token model layer decode prefill worker request").split()
+_COMMON = (
+    "the of and to in is it you that he was for on are as with his they at be this "
+    "have from or one had by word but not what all were we when your can said there use "
+    "an each which she do how their if will up other about out many then them these so "
+    "some her would make like him into time has look two more write go see number no way "
+    "could people my than first water been call who oil its now find long down day did get "
+    "come made may part cache prefix token model layer decode prefill worker request"
+).split()
 
 
 def synthetic_corpus(seed: int, n_words: int) -> str:
@@ -133,8 +182,10 @@ def synthetic_corpus(seed: int, n_words: int) -> str:
     rng = random.Random(seed)
     lexicon = list(_COMMON)
     for _ in range(6000):
-        word = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
-                       for _ in range(rng.choice([1, 1, 2, 2, 3])))
+        word = "".join(
+            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+            for _ in range(rng.choice([1, 1, 2, 2, 3]))
+        )
         lexicon.append(word)
     out: list[str] = []
     sentence_len = 0
@@ -160,6 +211,7 @@ def synthetic_corpus(seed: int, n_words: int) -> str:
 
 
 # --------------------------------------------------------------------------- build
+
 
 def _train_tokenizer(spec: ModelSpec, out: Path) -> int:
     from tokenizers import (
@@ -207,17 +259,19 @@ def _write_weights(spec: ModelSpec, vocab_size: int, out: Path) -> None:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (h, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (spec.intermediate_size, h),
-            p + "mlp.up_proj.weight": (spec.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, spec.intermediate_size),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (h, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, h),
+                p + "mlp.gate_proj.weight": (spec.intermediate_size, h),
+                p + "mlp.up_proj.weight": (spec.intermediate_size, h),
+                p + "mlp.down_proj.weight": (h, spec.intermediate_size),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     shapes["model.norm.weight"] = (h,)
     shapes["lm_head.weight"] = (vocab_size, h)
 
@@ -261,7 +315,9 @@ def _write_config(spec: ModelSpec, vocab_size: int, out: Path, bos_id: int, eos_
     }
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gen_cfg = {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2, sort_keys=True) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps(gen_cfg, indent=2, sort_keys=True) + "\n"
+    )
 
 
 def build(name: str = DEFAULT_MODEL, root: Path | None = None, force: bool = False) -> Path:
@@ -307,12 +363,18 @@ def resolve(model: str | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bana_sglang.models", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bana_sglang.models", description=__doc__.split("\n\n")[0]
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build a model (reuses a finished build) and print its folder")
     b.add_argument("name", choices=sorted(SPECS))
-    b.add_argument("--root", type=Path, default=None,
-                   help="cache folder (default: $BANA_MODEL_CACHE or ~/.cache/bana_sglang/models)")
+    b.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="cache folder (default: $BANA_MODEL_CACHE or ~/.cache/bana_sglang/models)",
+    )
     b.add_argument("--force", action="store_true", help="rebuild even if present")
     p = sub.add_parser("path", help="print where a model is (or would be) built")
     p.add_argument("name", choices=sorted(SPECS))
@@ -325,8 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         print(model_dir(args.name))
     else:
         for spec in SPECS.values():
-            print(f"{spec.name:6s} hidden={spec.hidden_size} layers={spec.num_layers} "
-                  f"heads={spec.num_heads}/{spec.num_kv_heads} ctx={spec.max_position}  {model_dir(spec.name)}")
+            print(
+                f"{spec.name:6s} hidden={spec.hidden_size} layers={spec.num_layers} "
+                f"heads={spec.num_heads}/{spec.num_kv_heads} ctx={spec.max_position}  {model_dir(spec.name)}"
+            )
     return 0
 
 

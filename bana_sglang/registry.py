@@ -18,8 +18,14 @@ class Registry(Mapping[str, type[T]], Generic[T]):
     ("routing policy"); ``error`` is the exception type raised for an unknown name
     (called with the message, plus ``error_kwargs(name)`` as keyword arguments)."""
 
-    def __init__(self, what: str, classes: Iterable[type[T]], *, error: type[Exception] = KeyError,
-                 error_kwargs: Any = None):
+    def __init__(
+        self,
+        what: str,
+        classes: Iterable[type[T]],
+        *,
+        error: type[Exception] = KeyError,
+        error_kwargs: Any = None,
+    ):
         self.what = what
         self._classes: dict[str, type[T]] = {}
         for cls in classes:
@@ -44,6 +50,8 @@ class Registry(Mapping[str, type[T]], Generic[T]):
         try:
             cls = self._classes[name]
         except KeyError:
-            raise self._error(f"unknown {self.what} {name!r}; valid: {', '.join(sorted(self._classes))}",
-                              **self._error_kwargs(name)) from None
+            raise self._error(
+                f"unknown {self.what} {name!r}; valid: {', '.join(sorted(self._classes))}",
+                **self._error_kwargs(name),
+            ) from None
         return cls(**kwargs)

@@ -21,6 +21,7 @@ from typing import NewType
 WorkerId = NewType("WorkerId", str)
 RequestId = NewType("RequestId", str)
 
+
 class Tier(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -56,11 +57,15 @@ class WorkerLoad:
 
     def __post_init__(self) -> None:
         if not self.prefill_speed > 0:
-            raise ValueError(f"WorkerLoad.prefill_speed must be positive, got {self.prefill_speed!r}")
+            raise ValueError(
+                f"WorkerLoad.prefill_speed must be positive, got {self.prefill_speed!r}"
+            )
         if not self.decode_step_s >= 0:
             raise ValueError(f"WorkerLoad.decode_step_s must be >= 0, got {self.decode_step_s!r}")
         if self.kv_waiting_tokens < 0:
-            raise ValueError(f"WorkerLoad.kv_waiting_tokens must be >= 0, got {self.kv_waiting_tokens!r}")
+            raise ValueError(
+                f"WorkerLoad.kv_waiting_tokens must be >= 0, got {self.kv_waiting_tokens!r}"
+            )
 
     @property
     def prefill_backlog_tokens(self) -> float:
@@ -88,7 +93,6 @@ def load_from_json(d: dict) -> WorkerLoad:
     """A ``WorkerLoad`` from its JSON form (the router's ``/bana/router/workers``); unknown keys are ignored."""
     fields = {f.name for f in dataclasses.fields(WorkerLoad)}
     return WorkerLoad(**{**{k: v for k, v in d.items() if k in fields}, "tier": Tier(d["tier"])})
-
 
 
 MAX_HOST_SHARE = 0.8  # of a peer's time its guest layers may take (its own work keeps the rest)

@@ -52,10 +52,14 @@ def _free_port() -> int:
             return port
 
 
-def _generate(url: str, input_ids: list[int] | list[list[int]], new_tokens: int) -> tuple[float, list[dict]]:
+def _generate(
+    url: str, input_ids: list[int] | list[list[int]], new_tokens: int
+) -> tuple[float, list[dict]]:
     """(seconds, answers) of one /generate call, greedy, EOS ignored."""
-    body = {"input_ids": input_ids,
-            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
+    }
     t0 = time.perf_counter()
     r = httpx.post(url + "/generate", json=body, timeout=1200)
     dt = time.perf_counter() - t0
@@ -104,15 +108,19 @@ class Bench:
             return dt
 
         # Each rep: a cold prompt, then that same prompt cached, then cached + 100 new.
-        samples: dict[str, dict[str, list[float]]] = {k: {b: [] for b in self.urls}
-                                                      for k in ("cold", "cached", "plus100")}
+        samples: dict[str, dict[str, list[float]]] = {
+            k: {b: [] for b in self.urls} for k in ("cold", "cached", "plus100")
+        }
         for _ in range(self.reps):
             for b in self.urls:
                 samples["cold"][b].append(cold(b))
                 samples["cached"][b].append(cached(b))
                 samples["plus100"][b].append(plus100(b))
-        for key, label in (("cold", f"cold prefill {n}"), ("cached", f"fully cached {n}"),
-                           ("plus100", f"cached {n} + 100 new")):
+        for key, label in (
+            ("cold", f"cold prefill {n}"),
+            ("cached", f"fully cached {n}"),
+            ("plus100", f"cached {n} + 100 new"),
+        ):
             vals = {b: statistics.median(s) for b, s in samples[key].items()}
             self.rows.append((label, vals, "s"))
             logger.info("%s: %s", label, vals)
@@ -132,27 +140,42 @@ class Bench:
 
     def table(self) -> str:
         names = list(self.urls)
-        head = f"{'measurement':32s} " + " ".join(f"{n:>14s}" for n in names) + f" {'ours/stock':>11s}"
+        head = (
+            f"{'measurement':32s} " + " ".join(f"{n:>14s}" for n in names) + f" {'ours/stock':>11s}"
+        )
         lines = [head, "-" * len(head)]
         for label, vals, unit in self.rows:
-            cells = " ".join(f"{vals[n]:>11.3f} {unit:<2s}" if unit == "s" else f"{vals[n]:>8.1f} {unit}"
-                             for n in names)
+            cells = " ".join(
+                f"{vals[n]:>11.3f} {unit:<2s}" if unit == "s" else f"{vals[n]:>8.1f} {unit}"
+                for n in names
+            )
             ratio = vals[OURS] / vals[STOCK] if STOCK in vals and OURS in vals else float("nan")
             lines.append(f"{label:32s} {cells} {ratio:>11.3f}")
         return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--model", default="small", help="embedded model name or folder (default: small)")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096], help="prompt lengths")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    ap.add_argument(
+        "--model", default="small", help="embedded model name or folder (default: small)"
+    )
+    ap.add_argument(
+        "--sizes", type=int, nargs="+", default=[1024, 2048, 4096], help="prompt lengths"
+    )
     ap.add_argument("--reps", type=int, default=3, help="repetitions per measurement (median)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--decode-ctx", type=int, default=512, help="prompt length for decode runs")
     ap.add_argument("--decode-steps", type=int, default=32)
-    ap.add_argument("--backends", nargs="+", default=[STOCK, OURS],
-                    help="attention backends to compare (e.g. add flex_attention)")
+    ap.add_argument(
+        "--backends",
+        nargs="+",
+        default=[STOCK, OURS],
+        help="attention backends to compare (e.g. add flex_attention)",
+    )
     ap.add_argument("--log-dir", type=Path, default=None, help="server logs (default: discarded)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -161,14 +184,29 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     ctx = max(args.sizes) + 200
-    plans = [plan_single_server(str(model), port=_free_port(), name=b,
-                                sglang_args=("--attention-backend", b, "--context-length", str(ctx),
-                                             "--chunked-prefill-size", str(ctx)))
-             for b in args.backends]
+    plans = [
+        plan_single_server(
+            str(model),
+            port=_free_port(),
+            name=b,
+            sglang_args=(
+                "--attention-backend",
+                b,
+                "--context-length",
+                str(ctx),
+                "--chunked-prefill-size",
+                str(ctx),
+            ),
+        )
+        for b in args.backends
+    ]
     # One Cluster with every server as a worker: they start together, from this thread
     # (children get PR_SET_PDEATHSIG, which fires when the spawning thread exits).
-    cluster = Cluster(dataclasses.replace(plans[0], workers=tuple(w for p in plans for w in p.workers)),
-                      log_dir=args.log_dir, startup_timeout=900)
+    cluster = Cluster(
+        dataclasses.replace(plans[0], workers=tuple(w for p in plans for w in p.workers)),
+        log_dir=args.log_dir,
+        startup_timeout=900,
+    )
     t0 = time.perf_counter()
     with cluster:
         logger.info("servers up in %.0f s", time.perf_counter() - t0)
@@ -179,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             bench.prefill(n)
         for bs in args.decode_batches:
             bench.decode(bs, args.decode_ctx, args.decode_steps)
-    print(f"model={Path(model).name} reps={args.reps} (median); wall {time.perf_counter() - t0:.0f} s")
+    print(
+        f"model={Path(model).name} reps={args.reps} (median); wall {time.perf_counter() - t0:.0f} s"
+    )
     print(bench.table())
     return 0
 

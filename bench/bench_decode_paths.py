@@ -44,8 +44,8 @@ def _table(lens: list[int], extra: int, pages: torch.Tensor) -> torch.Tensor:
     off = 0
     for b, n in enumerate(lens):
         npg = (n + extra + PAGE - 1) // PAGE
-        slots = (pages[off:off + npg].unsqueeze(1) * PAGE + torch.arange(PAGE)).flatten()
-        table[b, :n + extra] = slots[:n + extra]
+        slots = (pages[off : off + npg].unsqueeze(1) * PAGE + torch.arange(PAGE)).flatten()
+        table[b, : n + extra] = slots[: n + extra]
         off += npg
     return table
 
@@ -61,12 +61,12 @@ def _step_ms(lens, mode, k, v, pages, steps, layers) -> float:
         ca.PAD_KEY_US = float("inf")
     try:
         cur = [n + 1 for n in lens]
-        ca.decode_attention(q, k, v, table, cur, scale=D ** -0.5)  # first call: allocations
+        ca.decode_attention(q, k, v, table, cur, scale=D**-0.5)  # first call: allocations
         t0 = time.perf_counter()
         for i in range(steps):
             cur = [n + i for n in lens]
             for _ in range(layers):
-                ca.decode_attention(q, k, v, table, cur, scale=D ** -0.5)
+                ca.decode_attention(q, k, v, table, cur, scale=D**-0.5)
         return (time.perf_counter() - t0) / steps * 1e3
     finally:
         ca.PAD_KEY_US, ca.LOOP_KEY_US, ca.LOOP_REQUEST_US = costs
@@ -74,23 +74,34 @@ def _step_ms(lens, mode, k, v, pages, steps, layers) -> float:
 
 def _fit(rows, layers, steps):
     """Least squares: padded = a * B * max_len; loop = b * sum + c * B (per layer, us)."""
+
     def mid(lens):
         return [n + steps // 2 for n in lens]
+
     pad_x = [len(r["lens"]) * max(mid(r["lens"])) for r in rows]
     pad_y = [r["pad"] * 1e3 / layers for r in rows]
     a = sum(x * y for x, y in zip(pad_x, pad_y)) / sum(x * x for x in pad_x)
-    X = torch.tensor([[float(sum(mid(r["lens"]))), float(len(r["lens"]))] for r in rows], dtype=torch.float64)
+    X = torch.tensor(
+        [[float(sum(mid(r["lens"]))), float(len(r["lens"]))] for r in rows], dtype=torch.float64
+    )
     y = torch.tensor([r["loop"] * 1e3 / layers for r in rows], dtype=torch.float64)
     b, c = torch.linalg.lstsq(X, y.unsqueeze(1)).solution.flatten().tolist()
     return a, b, c
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--steps", type=int, default=40, help="decode steps per batch (lengths grow by one)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    ap.add_argument(
+        "--steps", type=int, default=40, help="decode steps per batch (lengths grow by one)"
+    )
     ap.add_argument("--layers", type=int, default=8, help="attention calls per step")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the launcher gives each worker 1)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (the launcher gives each worker 1)"
+    )
     args = ap.parse_args(argv)
     if min(args.steps, args.layers, args.threads) < 1:
         ap.error("--steps, --layers and --threads must be >= 1")
@@ -99,18 +110,31 @@ def main(argv=None) -> int:
     k, v = torch.randn(POOL, HKV, D), torch.randn(POOL, HKV, D)
     pages = torch.randperm(POOL // PAGE)
     rows = []
-    print(f"{'batch':28} {'padded ms':>10} {'loop ms':>8} {'choice':>7} {'choice ms':>10} {'choice / best':>14}")
+    print(
+        f"{'batch':28} {'padded ms':>10} {'loop ms':>8} {'choice':>7} {'choice ms':>10} {'choice / best':>14}"
+    )
     for name, lens in CASES.items():
-        r = {"lens": lens, **{m: _step_ms(lens, m, k, v, pages, args.steps, args.layers)
-                              for m in ("pad", "loop", "auto")}}
+        r = {
+            "lens": lens,
+            **{
+                m: _step_ms(lens, m, k, v, pages, args.steps, args.layers)
+                for m in ("pad", "loop", "auto")
+            },
+        }
         rows.append(r)
         chose = "padded" if ca.decode_pads([n + args.steps // 2 for n in lens]) else "loop"
-        print(f"{name:28} {r['pad']:10.1f} {r['loop']:8.1f} {chose:>7} {r['auto']:10.1f} "
-              f"{r['auto'] / min(r['pad'], r['loop']):14.2f}")
+        print(
+            f"{name:28} {r['pad']:10.1f} {r['loop']:8.1f} {chose:>7} {r['auto']:10.1f} "
+            f"{r['auto'] / min(r['pad'], r['loop']):14.2f}"
+        )
     a, b, c = _fit(rows, args.layers, args.steps)
-    print(f"\nfitted (us per layer): padded {a:.3f} per padded key; loop {b:.3f} per key + {c:.1f} per request")
-    print(f"kernel's:              padded {ca.PAD_KEY_US:.3f} per padded key; loop {ca.LOOP_KEY_US:.3f} per key + "
-          f"{ca.LOOP_REQUEST_US:.1f} per request")
+    print(
+        f"\nfitted (us per layer): padded {a:.3f} per padded key; loop {b:.3f} per key + {c:.1f} per request"
+    )
+    print(
+        f"kernel's:              padded {ca.PAD_KEY_US:.3f} per padded key; loop {ca.LOOP_KEY_US:.3f} per key + "
+        f"{ca.LOOP_REQUEST_US:.1f} per request"
+    )
     worst = max(r["auto"] / min(r["pad"], r["loop"]) for r in rows)
     print(f"worst choice / best over the batches: {worst:.2f}")
     return 0

@@ -1,7 +1,7 @@
 """The global KV cache store against stock private prefix caches, on the Mooncake trace.
 
 ``python -m bench.bench_global_store`` replays one slice of
-``shared/data/traces/mooncake_conversation_trace.jsonl`` (lengths scaled to the
+``bench/data/traces/mooncake_conversation_trace.jsonl`` (or ``--trace PATH``) (lengths scaled to the
 model: a trace block of 512 tokens becomes ``512 * length_scale`` tokens, equal
 ``hash_ids`` give equal token blocks) on 2 prefill + 1 decode workers with
 requests spread round-robin by our router, twice, one arm after the other:
@@ -58,15 +58,17 @@ def infinite_cache_hits(wl: workloads.Workload, page: int) -> tuple[int, int]:
         p = list(r.prompt)
         total += len(p)
         n = 0
-        while (n + 1) * page <= len(p) - 1 and tuple(p[:(n + 1) * page]) in seen:
+        while (n + 1) * page <= len(p) - 1 and tuple(p[: (n + 1) * page]) in seen:
             n += 1
         hit += n * page
         for k in range(1, len(p) // page + 1):
-            seen.add(tuple(p[:k * page]))
+            seen.add(tuple(p[: k * page]))
     return hit, total
 
 
-def conversation_slice(n: int, scan_rows: int, per_conversation: int, out: Path) -> Path:
+def conversation_slice(
+    n: int, scan_rows: int, per_conversation: int, out: Path, trace: Path = workloads.MOONCAKE_TRACE
+) -> Path:
     """A slice of the trace dense in conversations: rows whose conversation (trace
     block 1, the first block after the shared system block 0) occurs at least
     twice within the first ``scan_rows`` rows, whole conversations (up to
@@ -74,7 +76,7 @@ def conversation_slice(n: int, scan_rows: int, per_conversation: int, out: Path)
     rows; written in trace order with the original timestamps. A plain
     ``n``-row slice holds almost no reuse (4% for the first 60 rows: turns of
     one conversation lie ~600 rows apart in the trace)."""
-    rows = [json.loads(line) for _, line in zip(range(scan_rows), workloads.MOONCAKE_TRACE.open())]
+    rows = [json.loads(line) for _, line in zip(range(scan_rows), trace.open())]
     groups: dict[int, list[int]] = {}
     for i, r in enumerate(rows):
         if len(r["hash_ids"]) >= 2:
@@ -110,15 +112,23 @@ class ArmResult:
     page_nbytes: int | None = None
 
 
-def run_arm(name: str, wl: workloads.Workload, res: configs.Resources, space: workloads.TokenSpace,
-            out: Path, raw_mb: int) -> ArmResult:
+def run_arm(
+    name: str,
+    wl: workloads.Workload,
+    res: configs.Resources,
+    space: workloads.TokenSpace,
+    out: Path,
+    raw_mb: int,
+) -> ArmResult:
     cfg = configs.get(name)
     plan = cfg.plan(res)
     urls = configs.worker_urls(plan)
     t0 = time.monotonic()
     with Cluster(plan, log_dir=out / "logs" / name, startup_timeout=900):
         logger.info("%s up in %.0fs", name, time.monotonic() - t0)
-        ccfg = ClientConfig(endpoint=plan.endpoint, model=plan.served_model_name, space=space, timeout_s=600)
+        ccfg = ClientConfig(
+            endpoint=plan.endpoint, model=plan.served_model_name, space=space, timeout_s=600
+        )
         warmup(ccfg, space, 2)
         sampler = LoadSampler(urls, 0.5)
         logger.info("%s: replaying %s", name, wl.describe())
@@ -132,8 +142,9 @@ def run_arm(name: str, wl: workloads.Workload, res: configs.Resources, space: wo
         if plan.store and plan.master is not None:
             rpc = next(a for a in plan.master.argv if a.startswith("-rpc_port=")).split("=")[1]
             result.page_nbytes = _page_nbytes(plan.model_path)
-            result.raw_put_mbps, result.raw_get_mbps = raw_bandwidth(f"{res.host}:{rpc}", result.page_nbytes,
-                                                                     raw_mb)
+            result.raw_put_mbps, result.raw_get_mbps = raw_bandwidth(
+                f"{res.host}:{rpc}", result.page_nbytes, raw_mb
+            )
     return result
 
 
@@ -151,19 +162,29 @@ def _sum(store: dict[str, dict[str, float] | None], key: str) -> float:
 def report(arms: Sequence[ArmResult], inf_hit: float, wl: workloads.Workload, command: str) -> str:
     by = {a.name: a for a in arms}
     on, off = by.get("store-round-robin"), by.get("nostore-round-robin")
-    lines = [f"Command: `{command}`", "", f"Workload: {wl.describe()}", "", f"Machine: {machine_description()}", "",
-             "| arm | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | throughput (req/s) | out tok/s | errors |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Command: `{command}`",
+        "",
+        f"Workload: {wl.describe()}",
+        "",
+        f"Machine: {machine_description()}",
+        "",
+        "| arm | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | throughput (req/s) | out tok/s | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for a in arms:
         s = a.summary
         hr = f"{s.prefix_hit_rate:.1%}" if s.prefix_hit_rate is not None else "n/a"
-        lines.append(f"| {a.name} | {hr} | {s.ttft.p50:.3f} | {s.ttft.p99:.3f} | {s.req_per_s:.3f} | "
-                     f"{s.out_tok_per_s:.1f} | {s.errors} |")
+        lines.append(
+            f"| {a.name} | {hr} | {s.ttft.p50:.3f} | {s.ttft.p99:.3f} | {s.req_per_s:.3f} | "
+            f"{s.out_tok_per_s:.1f} | {s.errors} |"
+        )
     lines += ["", f"Infinite-cache hit rate of the same slice: {inf_hit:.1%}", ""]
     if on and off and on.summary.prefix_hit_rate is not None and off.summary.prefix_hit_rate:
         g, loc = on.summary.prefix_hit_rate, off.summary.prefix_hit_rate
         lines += [
-            "| ratio | value | target |", "|---|---|---|",
+            "| ratio | value | target |",
+            "|---|---|---|",
             f"| global hit / infinite-cache hit | {g / inf_hit:.2f} | >= 0.90 |" if inf_hit else "",
             f"| global hit / stock local hit | {g / loc:.2f} | >= 1.5 |",
             f"| TTFT p50, store / stock | {on.summary.ttft.p50 / off.summary.ttft.p50:.2f} | < 1 |",
@@ -171,19 +192,34 @@ def report(arms: Sequence[ArmResult], inf_hit: float, wl: workloads.Workload, co
             f"| throughput, store / stock | {on.summary.req_per_s / off.summary.req_per_s:.2f} | |",
         ]
     if on:
-        loaded, load_s, wait_s = (_sum(on.store, k) for k in ("loaded_bytes", "load_seconds", "load_wait_seconds"))
-        lines += ["", "Store counters of the store arm (per worker, from `/metrics`):", "", "```",
-                  store_summary.table(list(on.store.items())), "```", ""]
+        loaded, load_s, wait_s = (
+            _sum(on.store, k) for k in ("loaded_bytes", "load_seconds", "load_wait_seconds")
+        )
+        lines += [
+            "",
+            "Store counters of the store arm (per worker, from `/metrics`):",
+            "",
+            "```",
+            store_summary.table(list(on.store.items())),
+            "```",
+            "",
+        ]
         if load_s:
             bw = loaded / load_s / 1e6
-            lines.append(f"- layer-wise load bandwidth reached: {bw:.1f} MB/s "
-                         f"({loaded / 1e6:.1f} MB in {load_s:.2f} s of load-thread time)")
+            lines.append(
+                f"- layer-wise load bandwidth reached: {bw:.1f} MB/s "
+                f"({loaded / 1e6:.1f} MB in {load_s:.2f} s of load-thread time)"
+            )
             if on.raw_get_mbps:
-                lines.append(f"- raw Mooncake get bandwidth, same store, {on.page_nbytes} B pages, batches of 16, "
-                             f"zero copy: {on.raw_get_mbps:.1f} MB/s (put {on.raw_put_mbps:.1f} MB/s); "
-                             f"ratio {bw / on.raw_get_mbps:.2f}")
-            lines.append(f"- load time hidden under compute: {1 - wait_s / load_s:.1%} "
-                         f"(forward waited {wait_s:.3f} s for layers to land)")
+                lines.append(
+                    f"- raw Mooncake get bandwidth, same store, {on.page_nbytes} B pages, batches of 16, "
+                    f"zero copy: {on.raw_get_mbps:.1f} MB/s (put {on.raw_put_mbps:.1f} MB/s); "
+                    f"ratio {bw / on.raw_get_mbps:.2f}"
+                )
+            lines.append(
+                f"- load time hidden under compute: {1 - wait_s / load_s:.1%} "
+                f"(forward waited {wait_s:.3f} s for layers to land)"
+            )
     return "\n".join(x for x in lines if x is not None)
 
 
@@ -198,7 +234,7 @@ def plot(arms: Sequence[ArmResult], inf_hit: float, out: Path) -> Path | None:
     names = [a.name for a in arms] + ["infinite cache"]
     vals = [a.summary.prefix_hit_rate or 0.0 for a in arms] + [inf_hit]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
-    ax1.bar(names, vals, color=["tab:green", "tab:gray", "tab:blue"][:len(names)])
+    ax1.bar(names, vals, color=["tab:green", "tab:gray", "tab:blue"][: len(names)])
     ax1.set_ylabel("prefix hit rate")
     ax1.set_ylim(0, 1)
     ax1.tick_params(axis="x", labelsize=7)
@@ -218,23 +254,43 @@ def plot(arms: Sequence[ArmResult], inf_hit: float, out: Path) -> Path | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.bench_global_store", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.bench_global_store",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="small", help="embedded model name or folder")
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--trace-offset", type=int, default=0, help="with --slice plain: the first row")
-    p.add_argument("--slice", choices=("conversations", "plain"), default="conversations",
-                   help="conversations: whole multi-turn conversations from the first --scan-rows rows "
-                        "(see conversation_slice); plain: --num-requests rows from --trace-offset")
+    p.add_argument(
+        "--slice",
+        choices=("conversations", "plain"),
+        default="conversations",
+        help="conversations: whole multi-turn conversations from the first --scan-rows rows "
+        "(see conversation_slice); plain: --num-requests rows from --trace-offset",
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=workloads.MOONCAKE_TRACE,
+        metavar="PATH",
+        help="the Mooncake conversation trace (default: the shipped copy)",
+    )
     p.add_argument("--scan-rows", type=int, default=3000)
     p.add_argument("--turns", type=int, default=4, help="at most this many turns per conversation")
-    p.add_argument("--rate", type=float, default=1.0, help="mean request rate of the replay (req/s)")
+    p.add_argument(
+        "--rate", type=float, default=1.0, help="mean request rate of the replay (req/s)"
+    )
     p.add_argument("--length-scale", type=float, default=1 / 16)
-    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated, from: " + ", ".join(ARMS))
+    p.add_argument(
+        "--arms", default=",".join(ARMS), help="comma-separated, from: " + ", ".join(ARMS)
+    )
     p.add_argument("--kv-tokens-total", type=int, default=3 * 16384)
     p.add_argument("--raw-mb", type=int, default=32, help="bytes moved by the raw bandwidth probe")
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--write-results", action="store_true", help="replace the section in docs/RESULTS.md")
+    p.add_argument(
+        "--write-results", action="store_true", help="replace the section in docs/RESULTS.md"
+    )
     p.add_argument("--log-level", default="INFO")
     args, _ = _cli.parse(p, list(argv) if argv is not None else None, lambda a: None)
     _cli.exit_on_sigterm()  # a SIGTERM still stops the arm's cluster
@@ -242,18 +298,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     for a in arms:
         if a not in ARMS:
             p.error(f"unknown arm {a!r}; choose from {', '.join(ARMS)}")
-    out = args.out or ROOT / "bench" / "runs" / time.strftime("global-store-%Y%m%d-%H%M%S", time.gmtime())
+    out = args.out or ROOT / "bench" / "runs" / time.strftime(
+        "global-store-%Y%m%d-%H%M%S", time.gmtime()
+    )
     out.mkdir(parents=True, exist_ok=True)
     model_path = str(configs.model_dir(args.model))
     space = workloads.TokenSpace.from_model(model_path)
-    spec = workloads.WorkloadSpec(name="mooncake", num_requests=args.num_requests, request_rate=args.rate,
-                                  trace_offset=args.trace_offset if args.slice == "plain" else 0,
-                                  length_scale=args.length_scale)
+    spec = workloads.WorkloadSpec(
+        name="mooncake",
+        num_requests=args.num_requests,
+        request_rate=args.rate,
+        trace_offset=args.trace_offset if args.slice == "plain" else 0,
+        length_scale=args.length_scale,
+        trace=str(args.trace),
+    )
     if args.slice == "plain":
         wl = workloads.build(spec, space)
     else:
-        wl = workloads.mooncake_trace(spec, space, conversation_slice(args.num_requests, args.scan_rows,
-                                                                      args.turns, out))
+        wl = workloads.mooncake_trace(
+            spec,
+            space,
+            conversation_slice(args.num_requests, args.scan_rows, args.turns, out, args.trace),
+        )
     hit, total = infinite_cache_hits(wl, 16)
     inf = hit / total if total else 0.0
     logger.info("infinite-cache hit rate of the slice: %.1f%%", 100 * inf)
@@ -264,16 +330,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append(run_arm(name, wl, res, space, out, args.raw_mb))
         except Exception:  # one broken arm must not lose the other's numbers
             logger.exception("arm %s failed", name)
-    command = "python -m bench.bench_global_store " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.bench_global_store " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     text = report(results, inf, wl, command.strip())
     pic = plot(results, inf, out)
     if pic:
         text += f"\n\n![hit rates and TTFT]({pic.relative_to(ROOT)})"
     (out / "report.md").write_text(text + "\n")
-    (out / "summary.json").write_text(json.dumps(
-        dict(infinite_cache_hit_rate=inf, arms=[dict(name=a.name, summary=a.summary.to_json(), store=a.store,
-                                                     raw_put_mbps=a.raw_put_mbps, raw_get_mbps=a.raw_get_mbps)
-                                                for a in results]), indent=1, default=str))
+    (out / "summary.json").write_text(
+        json.dumps(
+            dict(
+                infinite_cache_hit_rate=inf,
+                arms=[
+                    dict(
+                        name=a.name,
+                        summary=a.summary.to_json(),
+                        store=a.store,
+                        raw_put_mbps=a.raw_put_mbps,
+                        raw_get_mbps=a.raw_get_mbps,
+                    )
+                    for a in results
+                ],
+            ),
+            indent=1,
+            default=str,
+        )
+    )
     print(text)
     if args.write_results:
         write_results_section("Global KV store", "Global KV store (issue 5)", text)

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-_spec = importlib.util.spec_from_file_location("bana_merge_bench", Path(__file__).resolve().parents[1] / "bana_sglang" / "kernels"
-                                               / "merge.py")
+_spec = importlib.util.spec_from_file_location(
+    "bana_merge_bench", Path(__file__).resolve().parents[1] / "bana_sglang" / "kernels" / "merge.py"
+)
 mg = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mg)
 
@@ -39,8 +40,12 @@ def timed(fn, reps: int = 50, warmup: int = 10) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="1,64,512,4096", help="requests per decode step (comma-separated)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--rows", default="1,64,512,4096", help="requests per decode step (comma-separated)"
+    )
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
     args = p.parse_args()
@@ -51,14 +56,19 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for rows in (int(x) for x in args.rows.split(",")):
         for dtype in (torch.float32, torch.bfloat16):
-            o_a, o_b = (torch.randn(rows, args.heads, args.head_dim, device="cuda").to(dtype) for _ in range(2))
+            o_a, o_b = (
+                torch.randn(rows, args.heads, args.head_dim, device="cuda").to(dtype)
+                for _ in range(2)
+            )
             l_a, l_b = (5 * torch.randn(rows, args.heads, device="cuda") for _ in range(2))
-            ref = lambda: mg.merge_attention_states([o_a, o_b], [l_a, l_b])  # noqa: E731
-            tri = lambda: mg.merge_two_triton(o_a, l_a, o_b, l_b)  # noqa: E731
+            ref = lambda: mg.merge_attention_states([o_a, o_b], [l_a, l_b])  # noqa: E731, B023 (called in this iteration)
+            tri = lambda: mg.merge_two_triton(o_a, l_a, o_b, l_b)  # noqa: E731, B023
             diff = (ref().output.float() - tri().output.float()).abs().max().item()
             t_ref, t_tri = timed(ref), timed(tri)
-            print(f"| {rows} | {str(dtype).split('.')[-1]} | {t_ref:.1f} | {t_tri:.1f} | {t_ref / t_tri:.1f}x | "
-                  f"{diff:.2e} |")
+            print(
+                f"| {rows} | {str(dtype).split('.')[-1]} | {t_ref:.1f} | {t_tri:.1f} | {t_ref / t_tri:.1f}x | "
+                f"{diff:.2e} |"
+            )
     return 0
 
 

@@ -136,7 +136,9 @@ def _body(cfg: ClientConfig, req: Request) -> dict:
     return body
 
 
-async def _one(session: aiohttp.ClientSession, cfg: ClientConfig, req: Request, t0: float) -> RequestRecord:
+async def _one(
+    session: aiohttp.ClientSession, cfg: ClientConfig, req: Request, t0: float
+) -> RequestRecord:
     now = lambda: time.monotonic() - t0  # noqa: E731
     send = now()
     chunks: list[list[float | int]] = []
@@ -145,8 +147,11 @@ async def _one(session: aiohttp.ClientSession, cfg: ClientConfig, req: Request, 
     error = ""
     finished = False
     try:
-        async with session.post(cfg.endpoint.rstrip("/") + "/v1/completions", json=_body(cfg, req),
-                                timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as resp:
+        async with session.post(
+            cfg.endpoint.rstrip("/") + "/v1/completions",
+            json=_body(cfg, req),
+            timeout=aiohttp.ClientTimeout(total=cfg.timeout_s),
+        ) as resp:
             status = resp.status
             if resp.status != 200:
                 error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
@@ -176,7 +181,7 @@ async def _one(session: aiohttp.ClientSession, cfg: ClientConfig, req: Request, 
                                 chunks.append([now(), n])
                 if not finished and not error:
                     error = "stream ended without [DONE]"
-    except asyncio.TimeoutError:
+    except TimeoutError:
         error = f"timeout after {cfg.timeout_s:.0f}s"
     except (aiohttp.ClientError, json.JSONDecodeError, OSError) as e:
         error = f"{type(e).__name__}: {e}"[:300]
@@ -196,21 +201,35 @@ async def _one(session: aiohttp.ClientSession, cfg: ClientConfig, req: Request, 
     if not error and out_tokens != req.max_tokens:
         error = f"got {out_tokens} output tokens, expected {req.max_tokens}"
     return RequestRecord(
-        rid=req.rid, group=req.group, prompt_len=req.prompt_len, max_tokens=req.max_tokens,
-        scheduled_s=req.arrival_s, send_s=send, first_token_s=float(chunks[0][0]) if chunks else None,
-        end_s=end, chunks=tuple((float(t), int(n)) for t, n in chunks), output_tokens=out_tokens,
+        rid=req.rid,
+        group=req.group,
+        prompt_len=req.prompt_len,
+        max_tokens=req.max_tokens,
+        scheduled_s=req.arrival_s,
+        send_s=send,
+        first_token_s=float(chunks[0][0]) if chunks else None,
+        end_s=end,
+        chunks=tuple((float(t), int(n)) for t, n in chunks),
+        output_tokens=out_tokens,
         cached_tokens=int(cached) if cached is not None else None,
-        server_prompt_tokens=int(usage["prompt_tokens"]) if usage.get("prompt_tokens") is not None else None,
-        ok=not error, error=error, status=status,
+        server_prompt_tokens=int(usage["prompt_tokens"])
+        if usage.get("prompt_tokens") is not None
+        else None,
+        ok=not error,
+        error=error,
+        status=status,
     )
 
 
-async def replay_async(cfg: ClientConfig, workload: Workload | Sequence[Request],
-                       sampler: LoadSampler | None = None) -> list[RequestRecord]:
+async def replay_async(
+    cfg: ClientConfig, workload: Workload | Sequence[Request], sampler: LoadSampler | None = None
+) -> list[RequestRecord]:
     """Send every request at its arrival time; return records in request order."""
     reqs = list(workload.requests if isinstance(workload, Workload) else workload)
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
-    bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(reqs), desc="requests", unit="req", disable=not cfg.progress, dynamic_ncols=True
+    )
     errors = 0
     async with aiohttp.ClientSession(connector=conn) as session:
         t0 = time.monotonic()
@@ -239,12 +258,15 @@ async def replay_async(cfg: ClientConfig, workload: Workload | Sequence[Request]
     return sorted(records, key=lambda r: r.rid)
 
 
-def replay(cfg: ClientConfig, workload: Workload | Sequence[Request],
-           sampler: LoadSampler | None = None) -> list[RequestRecord]:
+def replay(
+    cfg: ClientConfig, workload: Workload | Sequence[Request], sampler: LoadSampler | None = None
+) -> list[RequestRecord]:
     return asyncio.run(replay_async(cfg, workload, sampler))
 
 
-def replay_checked(cfg: ClientConfig, workload: Workload | Sequence[Request]) -> list[RequestRecord]:
+def replay_checked(
+    cfg: ClientConfig, workload: Workload | Sequence[Request]
+) -> list[RequestRecord]:
     """:func:`replay`, raising if any request failed (measurements that need every request)."""
     recs = replay(cfg, workload)
     bad = [r for r in recs if r.error]
@@ -257,10 +279,15 @@ def replay_checked(cfg: ClientConfig, workload: Workload | Sequence[Request]) ->
 
 _METRIC_LINE = re.compile(r"^(sglang:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfa]+)$")
 LOAD_METRICS = (
-    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
-    "sglang:scheduler_idle_seconds_total", "sglang:cache_hit_rate",
-    "sglang:num_prefill_inflight_queue_reqs", "sglang:num_prefill_bootstrap_queue_reqs",
-    "sglang:num_decode_prealloc_queue_reqs", "sglang:num_decode_transfer_queue_reqs",
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:token_usage",
+    "sglang:scheduler_idle_seconds_total",
+    "sglang:cache_hit_rate",
+    "sglang:num_prefill_inflight_queue_reqs",
+    "sglang:num_prefill_bootstrap_queue_reqs",
+    "sglang:num_decode_prealloc_queue_reqs",
+    "sglang:num_decode_transfer_queue_reqs",
 )
 
 
@@ -304,10 +331,12 @@ class LoadSampler:
 
     async def _poll(self, session: aiohttp.ClientSession, name: str, url: str, t0: float) -> None:
         try:
-            async with session.get(url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with session.get(
+                url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=5)
+            ) as r:
                 text = await r.text()
             self.samples.append(LoadSample(time.monotonic() - t0, name, parse_metrics(text)))
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             if name not in self._warned:
                 self._warned.add(name)
                 logger.warning("metrics of %s (%s) unavailable: %s", name, url, e)
@@ -317,9 +346,11 @@ class LoadSampler:
             await asyncio.gather(*(self._poll(session, n, u, t0) for n, u in self.workers.items()))
             try:
                 await asyncio.wait_for(self._stop.wait(), self.interval)
-                await asyncio.gather(*(self._poll(session, n, u, t0) for n, u in self.workers.items()))
+                await asyncio.gather(
+                    *(self._poll(session, n, u, t0) for n, u in self.workers.items())
+                )
                 return  # one last sample after the run, for counters
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
 
 
@@ -328,9 +359,11 @@ async def _post_all(urls: Sequence[str], path: str) -> dict[str, int | str]:
     async with aiohttp.ClientSession() as s:
         for u in urls:
             try:
-                async with s.post(u.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=30)) as r:
+                async with s.post(
+                    u.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=30)
+                ) as r:
                     out[u] = r.status
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 out[u] = str(e)
     return out
 

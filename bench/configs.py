@@ -67,7 +67,9 @@ class Resources:
         if self.omp_threads < 1:
             raise ConfigError("omp_threads must be >= 1")
         if self.kv_per_worker < 256:
-            raise ConfigError(f"kv_tokens_total {self.kv_tokens_total} is too small for {self.num_workers} workers")
+            raise ConfigError(
+                f"kv_tokens_total {self.kv_tokens_total} is too small for {self.num_workers} workers"
+            )
 
     @property
     def num_workers(self) -> int:
@@ -79,18 +81,27 @@ class Resources:
 
     def worker_args(self) -> tuple[str, ...]:
         # --decode-log-interval: SGLang refreshes the decode load gauges only when it logs
-        return ("--enable-metrics", "--enable-cache-report", "--decode-log-interval", "4",
-                "--max-total-tokens", str(self.kv_per_worker), *self.extra_sglang_args)
+        return (
+            "--enable-metrics",
+            "--enable-cache-report",
+            "--decode-log-interval",
+            "4",
+            "--max-total-tokens",
+            str(self.kv_per_worker),
+            *self.extra_sglang_args,
+        )
 
     def env(self) -> dict[str, str]:
         n = str(self.omp_threads)
         return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
     def describe(self) -> str:
-        return (f"{self.num_workers} SGLang worker processes per configuration ({self.num_prefill}P{self.num_decode}D "
-                f"for PD, {self.num_workers} colocated servers otherwise), OMP_NUM_THREADS={self.omp_threads} "
-                f"each, KV budget {self.kv_tokens_total} tokens in total ({self.kv_per_worker} per worker, "
-                f"--max-total-tokens), one router each; PD adds a mooncake_master")
+        return (
+            f"{self.num_workers} SGLang worker processes per configuration ({self.num_prefill}P{self.num_decode}D "
+            f"for PD, {self.num_workers} colocated servers otherwise), OMP_NUM_THREADS={self.omp_threads} "
+            f"each, KV budget {self.kv_tokens_total} tokens in total ({self.kv_per_worker} per worker, "
+            f"--max-total-tokens), one router each; PD adds a mooncake_master"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,20 +137,32 @@ def worker_urls(plan: ClusterPlan) -> dict[str, str]:
     return {p.name: p.health_url.rsplit("/health", 1)[0] for p in plan.workers if p.health_url}
 
 
-def _pd(router: str, policy: str, global_store: bool = False) -> Callable[[Resources, PortAllocator], ClusterPlan]:
+def _pd(
+    router: str, policy: str, global_store: bool = False
+) -> Callable[[Resources, PortAllocator], ClusterPlan]:
     """PD workers behind ``router``. Without the global store the workers are stock
     SGLang (private prefix caches) with the store's page size, so that both arms
     of a store comparison cache in the same units."""
+
     def planner(res: Resources, ports: PortAllocator) -> ClusterPlan:
         port = ports.take()
         args = res.worker_args()
         if not global_store and "--page-size" not in args:
             args = (*args, "--page-size", str(LaunchConfig.store_page_size))
-        return plan_cluster(LaunchConfig(
-            model_path=res.model_path, num_prefill=res.num_prefill, num_decode=res.num_decode, host=res.host,
-            port=port, worker_base_port=port + 10, sglang_args=args, router=router, policy=policy,
-            global_store=global_store,
-        ))
+        return plan_cluster(
+            LaunchConfig(
+                model_path=res.model_path,
+                num_prefill=res.num_prefill,
+                num_decode=res.num_decode,
+                host=res.host,
+                port=port,
+                worker_base_port=port + 10,
+                sglang_args=args,
+                router=router,
+                policy=policy,
+                global_store=global_store,
+            )
+        )
 
     return planner
 
@@ -149,58 +172,139 @@ def _colocated(policy: str) -> Callable[[Resources, PortAllocator], ClusterPlan]
         port = ports.take()
         workers: list[Part] = []
         for i in range(res.num_workers):
-            single = plan_single_server(res.model_path, host=res.host, port=ports.take(),
-                                        sglang_args=res.worker_args(), name=f"colocated-{i}")
+            single = plan_single_server(
+                res.model_path,
+                host=res.host,
+                port=ports.take(),
+                sglang_args=res.worker_args(),
+                name=f"colocated-{i}",
+            )
             workers.extend(single.workers)
         urls = [p.health_url.rsplit("/health", 1)[0] for p in workers if p.health_url]
-        argv = (sys.executable, "-m", "sglang_router.launch_router", "--host", res.host, "--port", str(port),
-                "--worker-urls", *urls, "--policy", policy, "--prometheus-host", res.host,
-                "--prometheus-port", str(ports.take()), "--log-level", "warn")
+        argv = (
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            res.host,
+            "--port",
+            str(port),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            policy,
+            "--prometheus-host",
+            res.host,
+            "--prometheus-port",
+            str(ports.take()),
+            "--log-level",
+            "warn",
+        )
         endpoint = f"http://{res.host}:{port}"
-        return ClusterPlan(endpoint=endpoint, model_path=single.model_path, served_model_name=single.served_model_name,
-                           master=None, workers=tuple(workers),
-                           router=Part(name="router", argv=argv, health_url=endpoint + "/health"),
-                           env=compat.child_env(host=res.host))
+        return ClusterPlan(
+            endpoint=endpoint,
+            model_path=single.model_path,
+            served_model_name=single.served_model_name,
+            master=None,
+            workers=tuple(workers),
+            router=Part(name="router", argv=argv, health_url=endpoint + "/health"),
+            env=compat.child_env(host=res.host),
+        )
 
     return planner
 
 
-register(ServingConfig("ours", "bana_sglang.launch defaults (PD + global KV store + bana_sglang.router, "
-                       "policy bana)", _pd("bana", "bana", global_store=True), baseline=False))
-register(ServingConfig("pd-cache-aware", "stock SGLang PD + sglang_router cache_aware",
-                       _pd("sglang", "cache_aware")))
-register(ServingConfig("pd-round-robin", "stock SGLang PD + sglang_router round_robin",
-                       _pd("sglang", "round_robin")))
+register(
+    ServingConfig(
+        "ours",
+        "bana_sglang.launch defaults (PD + global KV store + bana_sglang.router, policy bana)",
+        _pd("bana", "bana", global_store=True),
+        baseline=False,
+    )
+)
+register(
+    ServingConfig(
+        "pd-cache-aware",
+        "stock SGLang PD + sglang_router cache_aware",
+        _pd("sglang", "cache_aware"),
+    )
+)
+register(
+    ServingConfig(
+        "pd-round-robin",
+        "stock SGLang PD + sglang_router round_robin",
+        _pd("sglang", "round_robin"),
+    )
+)
 # Our router with the baseline policies: in PD mode the stock router's cache_aware
 # has no effect (it follows the bootstrap room), so this is the meaningful
 # prefix-affinity baseline.
-register(ServingConfig("bana-cache-aware", "stock SGLang PD + bana_sglang.router cache_aware "
-                                           "(per-worker approximate prefix trees, SGLang's thresholds)",
-                       _pd("bana", "cache_aware")))
-register(ServingConfig("bana-round-robin", "stock SGLang PD + bana_sglang.router round_robin",
-                       _pd("bana", "round_robin")))
+register(
+    ServingConfig(
+        "bana-cache-aware",
+        "stock SGLang PD + bana_sglang.router cache_aware "
+        "(per-worker approximate prefix trees, SGLang's thresholds)",
+        _pd("bana", "cache_aware"),
+    )
+)
+register(
+    ServingConfig(
+        "bana-round-robin",
+        "stock SGLang PD + bana_sglang.router round_robin",
+        _pd("bana", "round_robin"),
+    )
+)
 # The global store's comparison (bench/bench_global_store.py): the same router
 # and spreading policy, store on and off.
-register(ServingConfig("store-round-robin", "PD + global KV store + bana_sglang.router round_robin",
-                       _pd("bana", "round_robin", global_store=True), baseline=False))
-register(ServingConfig("nostore-round-robin", "stock SGLang PD (private prefix caches) + bana_sglang.router "
-                                              "round_robin", _pd("bana", "round_robin")))
-register(ServingConfig("colocated", "colocated stock SGLang servers (no PD) + sglang_router cache_aware",
-                       _colocated("cache_aware")))
-register(ServingConfig("colocated-round-robin", "colocated stock SGLang servers (no PD) + sglang_router "
-                                                "round_robin", _colocated("round_robin")))
+register(
+    ServingConfig(
+        "store-round-robin",
+        "PD + global KV store + bana_sglang.router round_robin",
+        _pd("bana", "round_robin", global_store=True),
+        baseline=False,
+    )
+)
+register(
+    ServingConfig(
+        "nostore-round-robin",
+        "stock SGLang PD (private prefix caches) + bana_sglang.router round_robin",
+        _pd("bana", "round_robin"),
+    )
+)
+register(
+    ServingConfig(
+        "colocated",
+        "colocated stock SGLang servers (no PD) + sglang_router cache_aware",
+        _colocated("cache_aware"),
+    )
+)
+register(
+    ServingConfig(
+        "colocated-round-robin",
+        "colocated stock SGLang servers (no PD) + sglang_router round_robin",
+        _colocated("round_robin"),
+    )
+)
+
 
 def _single(res: Resources, ports: PortAllocator) -> ClusterPlan:
     args = list(res.worker_args())
-    args[args.index("--max-total-tokens") + 1] = str(res.kv_tokens_total)  # the whole budget in one process
-    return plan_single_server(res.model_path, host=res.host, port=ports.take(), sglang_args=tuple(args),
-                              name="single-0")
+    args[args.index("--max-total-tokens") + 1] = str(
+        res.kv_tokens_total
+    )  # the whole budget in one process
+    return plan_single_server(
+        res.model_path, host=res.host, port=ports.take(), sglang_args=tuple(args), name="single-0"
+    )
 
 
 # Not part of the fair side-by-side set (one process): the reference for the
 # cross-check, where no router stands between the two tools and the server,
 # so both can send token-id prompts of exactly the same lengths.
-register(ServingConfig("single", "one plain SGLang server (no PD, no router) with the whole KV budget", _single))
+register(
+    ServingConfig(
+        "single", "one plain SGLang server (no PD, no router) with the whole KV budget", _single
+    )
+)
 
 DEFAULT_CONFIGS = ("ours", "pd-cache-aware", "pd-round-robin", "colocated")
 

@@ -91,26 +91,64 @@ def _ids_ok(config: str) -> bool:
     return configs.get(config).name == "single"
 
 
-def _bench_serving_argv(spec: CrossCheckSpec, endpoint: str, model: str, model_path: str, out: Path) -> list[str]:
+def _bench_serving_argv(
+    spec: CrossCheckSpec, endpoint: str, model: str, model_path: str, out: Path
+) -> list[str]:
     argv = [
-        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang" if _ids_ok(spec.config) else "sglang-oai",
-        "--base-url", endpoint,
-        "--model", model, "--tokenizer", model_path, "--dataset-name", "generated-shared-prefix",
-        "--gsp-num-groups", str(spec.groups),
-        "--gsp-prompts-per-group", str(spec.prompts_per_group), "--gsp-system-prompt-len", str(spec.system_len),
-        "--gsp-question-len", str(spec.question_len), "--gsp-output-len", str(spec.output_len),
-        "--gsp-range-ratio", "1.0", "--num-prompts", str(spec.num_requests), "--request-rate", str(spec.rate),
-        "--seed", str(spec.seed), "--warmup-requests", "0", "--output-file", str(out), "--disable-tqdm",
+        sys.executable,
+        "-m",
+        "sglang.bench_serving",
+        "--backend",
+        "sglang" if _ids_ok(spec.config) else "sglang-oai",
+        "--base-url",
+        endpoint,
+        "--model",
+        model,
+        "--tokenizer",
+        model_path,
+        "--dataset-name",
+        "generated-shared-prefix",
+        "--gsp-num-groups",
+        str(spec.groups),
+        "--gsp-prompts-per-group",
+        str(spec.prompts_per_group),
+        "--gsp-system-prompt-len",
+        str(spec.system_len),
+        "--gsp-question-len",
+        str(spec.question_len),
+        "--gsp-output-len",
+        str(spec.output_len),
+        "--gsp-range-ratio",
+        "1.0",
+        "--num-prompts",
+        str(spec.num_requests),
+        "--request-rate",
+        str(spec.rate),
+        "--seed",
+        str(spec.seed),
+        "--warmup-requests",
+        "0",
+        "--output-file",
+        str(out),
+        "--disable-tqdm",
     ]
     return argv + (["--tokenize-prompt"] if _ids_ok(spec.config) else [])
 
 
-def run(spec: CrossCheckSpec, res: Resources) -> tuple[list[Comparison], dict, metrics.Summary, list[str]]:
+def run(
+    spec: CrossCheckSpec, res: Resources
+) -> tuple[list[Comparison], dict, metrics.Summary, list[str]]:
     space = workloads.TokenSpace.from_model(configs.model_dir(res.model_path))
     wl_spec = workloads.WorkloadSpec(
-        name="shared-prefix", num_requests=spec.num_requests, request_rate=spec.rate, seed=spec.seed,
-        num_groups=spec.groups, system_len=spec.system_len, input_len=spec.question_len,
-        output_len=spec.output_len)
+        name="shared-prefix",
+        num_requests=spec.num_requests,
+        request_rate=spec.rate,
+        seed=spec.seed,
+        num_groups=spec.groups,
+        system_len=spec.system_len,
+        input_len=spec.question_len,
+        output_len=spec.output_len,
+    )
     wl = workloads.build(wl_spec, space)
     plan = configs.get(spec.config).plan(res)
     urls = list(configs.worker_urls(plan).values())
@@ -118,13 +156,20 @@ def run(spec: CrossCheckSpec, res: Resources) -> tuple[list[Comparison], dict, m
     out_file = spec.out_dir / "sglang_bench_serving.jsonl"
     out_file.unlink(missing_ok=True)
     with Cluster(plan, log_dir=spec.out_dir / "logs", startup_timeout=600):
-        ccfg = ClientConfig(endpoint=plan.endpoint, model=plan.served_model_name, space=space,
-                            prompt_mode="ids" if _ids_ok(spec.config) else "text", timeout_s=spec.timeout_s)
+        ccfg = ClientConfig(
+            endpoint=plan.endpoint,
+            model=plan.served_model_name,
+            space=space,
+            prompt_mode="ids" if _ids_ok(spec.config) else "text",
+            timeout_s=spec.timeout_s,
+        )
         warmup(ccfg, space, 2)  # the same warm-up as a side-by-side run
         # ... plus one untimed run of the same shape (other tokens), so that neither
         # tool meets the first large batches of a fresh server (order bias)
-        client.replay(dataclasses.replace(ccfg, progress=False),
-                      workloads.build(dataclasses.replace(wl_spec, seed=spec.seed + 1000), space))
+        client.replay(
+            dataclasses.replace(ccfg, progress=False),
+            workloads.build(dataclasses.replace(wl_spec, seed=spec.seed + 1000), space),
+        )
         client.flush_caches(urls)
         time.sleep(1.0)
         sampler = client.LoadSampler(configs.worker_urls(plan))
@@ -136,34 +181,60 @@ def run(spec: CrossCheckSpec, res: Resources) -> tuple[list[Comparison], dict, m
         print(metrics.format_summary("harness", ours), flush=True)
         client.flush_caches(urls)
         time.sleep(1.0)
-        argv = _bench_serving_argv(spec, plan.endpoint, plan.served_model_name, plan.model_path, out_file)
+        argv = _bench_serving_argv(
+            spec, plan.endpoint, plan.served_model_name, plan.model_path, out_file
+        )
         logger.info("running %s", " ".join(argv))
-        proc = subprocess.run(argv, env=compat.child_env(), capture_output=True, text=True,
-                              timeout=spec.timeout_s)
+        proc = subprocess.run(
+            argv, env=compat.child_env(), capture_output=True, text=True, timeout=spec.timeout_s
+        )
         (spec.out_dir / "sglang_bench_serving.log").write_text(proc.stdout + "\n" + proc.stderr)
         if proc.returncode != 0 or not out_file.exists():
-            raise RuntimeError(f"sglang.bench_serving failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"sglang.bench_serving failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+            )
     theirs = json.loads(out_file.read_text().strip().splitlines()[-1])
     comps = [
-        Comparison("request throughput (req/s)", ours.req_per_s, theirs["request_throughput"], spec.tol_throughput),
-        Comparison("output throughput (tok/s)", ours.out_tok_per_s, theirs["output_throughput"],
-                   spec.tol_throughput),
+        Comparison(
+            "request throughput (req/s)",
+            ours.req_per_s,
+            theirs["request_throughput"],
+            spec.tol_throughput,
+        ),
+        Comparison(
+            "output throughput (tok/s)",
+            ours.out_tok_per_s,
+            theirs["output_throughput"],
+            spec.tol_throughput,
+        ),
         Comparison("mean TTFT (ms)", ours.ttft.mean * 1000, theirs["mean_ttft_ms"], spec.tol_ttft),
-        Comparison("median TTFT (ms)", ours.ttft.p50 * 1000, theirs["median_ttft_ms"], spec.tol_ttft),
+        Comparison(
+            "median TTFT (ms)", ours.ttft.p50 * 1000, theirs["median_ttft_ms"], spec.tol_ttft
+        ),
     ]
     return comps, theirs, ours, argv
 
 
 def table(comps: list[Comparison], ours: metrics.Summary, theirs: dict) -> str:
-    lines = ["| metric | this harness | sglang.bench_serving | rel. diff | tolerance | agree |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| metric | this harness | sglang.bench_serving | rel. diff | tolerance | agree |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in comps:
-        lines.append(f"| {c.metric} | {c.harness:.3f} | {c.sglang:.3f} | {c.rel_diff:.1%} | {c.tolerance:.0%} | "
-                     f"{'yes' if c.ok else 'NO'} |")
-    lines.append(f"| completed requests | {ours.ok}/{ours.requests} | {theirs.get('completed')} | | | |")
-    lines.append(f"| duration (s) | {ours.duration_s:.2f} | {theirs.get('duration', float('nan')):.2f} | | | |")
+        lines.append(
+            f"| {c.metric} | {c.harness:.3f} | {c.sglang:.3f} | {c.rel_diff:.1%} | {c.tolerance:.0%} | "
+            f"{'yes' if c.ok else 'NO'} |"
+        )
+    lines.append(
+        f"| completed requests | {ours.ok}/{ours.requests} | {theirs.get('completed')} | | | |"
+    )
+    lines.append(
+        f"| duration (s) | {ours.duration_s:.2f} | {theirs.get('duration', float('nan')):.2f} | | | |"
+    )
     ours_in = round(ours.in_tok_per_s * ours.duration_s)
     lines.append(f"| input tokens (total) | {ours_in} | {theirs.get('total_input_tokens')} | | | |")
     ours_out = round(ours.out_tok_per_s * ours.duration_s)
-    lines.append(f"| output tokens (total) | {ours_out} | {theirs.get('total_output_tokens')} | | | |")
+    lines.append(
+        f"| output tokens (total) | {ours_out} | {theirs.get('total_output_tokens')} | | | |"
+    )
     return "\n".join(lines)

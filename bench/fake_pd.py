@@ -46,6 +46,7 @@ def free_port() -> int:
 def _answer(payload: dict):
     async def handler(request: web.Request) -> web.Response:
         return web.json_response(payload)
+
     return handler
 
 
@@ -54,16 +55,29 @@ class FakeWorker:
 
     rooms: dict[int, asyncio.Event] = {}
 
-    def __init__(self, role: str, mode: str = "ok", *, port: int | None = None, chunks: int = 4,
-                 chunk_delay_s: float = 0.01, prefill_delay_s: float = 0.0, loads_delay_s: float = 0.0,
-                 kv_wait_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        role: str,
+        mode: str = "ok",
+        *,
+        port: int | None = None,
+        chunks: int = 4,
+        chunk_delay_s: float = 0.01,
+        prefill_delay_s: float = 0.0,
+        loads_delay_s: float = 0.0,
+        kv_wait_s: float = 30.0,
+    ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role, self.mode = role, mode
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.boot = free_port()
-        self.chunks, self.chunk_delay_s, self.prefill_delay_s = chunks, chunk_delay_s, prefill_delay_s
+        self.chunks, self.chunk_delay_s, self.prefill_delay_s = (
+            chunks,
+            chunk_delay_s,
+            prefill_delay_s,
+        )
         self.loads_delay_s = loads_delay_s  # a busy worker answers /v1/loads late
         self.kv_wait_s = kv_wait_s  # decode: how long to wait for the prefill's KV before a 500
         self.bodies: list[dict] = []
@@ -94,7 +108,12 @@ class FakeWorker:
         if self.loads_delay_s:
             await asyncio.sleep(self.loads_delay_s)
         return web.json_response(
-            {"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0, "max_total_num_tokens": 1000}]})
+            {
+                "loads": [
+                    {"num_running_reqs": 0, "num_waiting_reqs": 0, "max_total_num_tokens": 1000}
+                ]
+            }
+        )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -112,20 +131,43 @@ class FakeWorker:
             n = len(str(body.get("text", "x")).split())
             start = body.get("logprob_start_len", 0)
             lps = [[None if i == start else -1.0 - i, i, f"t{i}"] for i in range(start, n)]
-            return web.json_response({"text": "p", "output_ids": [7],
-                                      "meta_info": {"input_token_logprobs": lps, "prompt_tokens": n}})
+            return web.json_response(
+                {
+                    "text": "p",
+                    "output_ids": [7],
+                    "meta_info": {"input_token_logprobs": lps, "prompt_tokens": n},
+                }
+            )
         try:
             await asyncio.wait_for(self._room(room).wait(), timeout=self.kv_wait_s)
-        except asyncio.TimeoutError:  # what SGLang's decode answers when its prefill peer is gone
-            return web.json_response({"error": {"message": f"KVTransferError(bootstrap_room={room}): "
-                                                "Prefill instance could be dead"}}, status=500)
+        except TimeoutError:  # what SGLang's decode answers when its prefill peer is gone
+            return web.json_response(
+                {
+                    "error": {
+                        "message": f"KVTransferError(bootstrap_room={room}): "
+                        "Prefill instance could be dead"
+                    }
+                },
+                status=500,
+            )
         FakeWorker.rooms.pop(room, None)
         if self.mode == "kv_lost_once" and len(self.bodies) == 1:
-            return web.json_response({"object": "error", "message": "KV blocks lost: no answer from the KV host",
-                                      "code": 503}, status=503)
+            return web.json_response(
+                {
+                    "object": "error",
+                    "message": "KV blocks lost: no answer from the KV host",
+                    "code": 503,
+                },
+                status=503,
+            )
         if not body.get("stream"):
-            return web.json_response({"text": "decoded", "output_ids": list(range(self.chunks)),
-                                      "meta_info": {"input_token_logprobs": [], "room": room}})
+            return web.json_response(
+                {
+                    "text": "decoded",
+                    "output_ids": list(range(self.chunks)),
+                    "meta_info": {"input_token_logprobs": [], "room": room},
+                }
+            )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(self.chunks):
@@ -139,8 +181,10 @@ class FakeWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fake_pd",
-                                description="A fake SGLang prefill + decode pair (for router benchmarks).")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.fake_pd",
+        description="A fake SGLang prefill + decode pair (for router benchmarks).",
+    )
     p.add_argument("--prefill-port", type=int, required=True)
     p.add_argument("--decode-port", type=int, required=True)
     p.add_argument("--chunks", type=int, default=16, help="stream chunks per decode answer")
@@ -158,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         import uvloop
+
         uvloop.install()
     except ImportError:
         pass

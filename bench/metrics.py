@@ -114,9 +114,15 @@ class Summary:
 
 def inflight_of(values: dict[str, float]) -> float:
     """Requests a worker holds: running + queued, plus PD bootstrap/transfer queues."""
-    return sum(v for k, v in values.items()
-               if k in ("sglang:num_running_reqs", "sglang:num_queue_reqs")
-               or (k.startswith(("sglang:num_prefill_", "sglang:num_decode_")) and k.endswith("_queue_reqs")))
+    return sum(
+        v
+        for k, v in values.items()
+        if k in ("sglang:num_running_reqs", "sglang:num_queue_reqs")
+        or (
+            k.startswith(("sglang:num_prefill_", "sglang:num_decode_"))
+            and k.endswith("_queue_reqs")
+        )
+    )
 
 
 def load_stats(samples: Sequence[LoadSample]) -> LoadStats | None:
@@ -138,24 +144,38 @@ def load_stats(samples: Sequence[LoadSample]) -> LoadStats | None:
             busy.append(float("nan"))
         q = [inflight_of(s.values) for s in ss]
         inflight.append(statistics.fmean(q) if q else 0.0)
-        hits += [s.values["sglang:cache_hit_rate"] for s in ss
-                 if s.values.get("sglang:num_running_reqs", 0) > 0 and "sglang:cache_hit_rate" in s.values]
+        hits += [
+            s.values["sglang:cache_hit_rate"]
+            for s in ss
+            if s.values.get("sglang:num_running_reqs", 0) > 0
+            and "sglang:cache_hit_rate" in s.values
+        ]
     # Imbalance is measured among workers of the same role (prefill-*, decode-*,
     # colocated-*): a prefill and a decode worker do different work.
     roles: dict[str, list[float]] = {}
     for n, b in zip(names, busy):
         if not math.isnan(b):
             roles.setdefault(n.rsplit("-", 1)[0], []).append(b)
-    per_role = [(max(g) / statistics.fmean(g), statistics.pstdev(g) / statistics.fmean(g))
-                for g in roles.values() if len(g) > 1 and statistics.fmean(g) > 0]
+    per_role = [
+        (max(g) / statistics.fmean(g), statistics.pstdev(g) / statistics.fmean(g))
+        for g in roles.values()
+        if len(g) > 1 and statistics.fmean(g) > 0
+    ]
     imb = max((i for i, _ in per_role), default=float("nan"))
     cv = max((c for _, c in per_role), default=float("nan"))
-    return LoadStats(workers=names, busy_s=tuple(busy), mean_inflight=tuple(inflight), imbalance=imb, cv=cv,
-                     hit_rate_gauge=statistics.fmean(hits) if hits else None)
+    return LoadStats(
+        workers=names,
+        busy_s=tuple(busy),
+        mean_inflight=tuple(inflight),
+        imbalance=imb,
+        cv=cv,
+        hit_rate_gauge=statistics.fmean(hits) if hits else None,
+    )
 
 
-def summarize(records: Sequence[RequestRecord], slo: SLO = SLO(),
-              samples: Sequence[LoadSample] = ()) -> Summary:
+def summarize(
+    records: Sequence[RequestRecord], slo: SLO = SLO(), samples: Sequence[LoadSample] = ()
+) -> Summary:
     ok = [r for r in records if r.ok]
     start = min((r.scheduled_s for r in records), default=0.0)
     end = max((r.end_s for r in records), default=0.0)
@@ -167,19 +187,30 @@ def summarize(records: Sequence[RequestRecord], slo: SLO = SLO(),
             kinds[key] = kinds.get(key, 0) + 1
     itls = [x for r in ok for x in r.itls]
     reported = [r for r in ok if r.cached_tokens is not None]
-    hit = (sum(r.cached_tokens or 0 for r in reported) / max(1, sum(r.prompt_len for r in reported))
-           if reported else None)
+    hit = (
+        sum(r.cached_tokens or 0 for r in reported) / max(1, sum(r.prompt_len for r in reported))
+        if reported
+        else None
+    )
     good = sum(1 for r in records if slo.met(r))
     return Summary(
-        requests=len(records), ok=len(ok), errors=len(records) - len(ok), duration_s=duration,
+        requests=len(records),
+        ok=len(ok),
+        errors=len(records) - len(ok),
+        duration_s=duration,
         req_per_s=len(ok) / duration,
         in_tok_per_s=sum(r.prompt_len for r in ok) / duration,
         out_tok_per_s=sum(r.output_tokens for r in ok) / duration,
         ttft=Dist.of([r.ttft for r in ok if r.ttft is not None]),
         tpot=Dist.of([r.tpot for r in ok if r.tpot is not None]),
-        itl=Dist.of(itls), e2e=Dist.of([r.e2e for r in ok]),
-        goodput_per_s=good / duration, goodput_frac=good / max(1, len(records)), slo=slo.describe(),
-        prefix_hit_rate=hit, load=load_stats(samples), error_kinds=kinds,
+        itl=Dist.of(itls),
+        e2e=Dist.of([r.e2e for r in ok]),
+        goodput_per_s=good / duration,
+        goodput_frac=good / max(1, len(records)),
+        slo=slo.describe(),
+        prefix_hit_rate=hit,
+        load=load_stats(samples),
+        error_kinds=kinds,
     )
 
 
@@ -195,13 +226,21 @@ def format_summary(name: str, s: Summary) -> str:
         f"goodput {s.goodput_per_s:.3f} req/s ({s.goodput_frac:.0%}; SLO {s.slo})",
     ]
     for label, d in (("TTFT", s.ttft), ("TPOT", s.tpot), ("ITL", s.itl), ("E2E", s.e2e)):
-        lines.append(f"   {label:<4} ms  mean {ms(d.mean):>6}  p50 {ms(d.p50):>6}  p90 {ms(d.p90):>6}  "
-                     f"p99 {ms(d.p99):>6}  (n={d.n})")
+        lines.append(
+            f"   {label:<4} ms  mean {ms(d.mean):>6}  p50 {ms(d.p50):>6}  p90 {ms(d.p90):>6}  "
+            f"p99 {ms(d.p99):>6}  (n={d.n})"
+        )
     if s.prefix_hit_rate is not None:
-        lines.append(f"   prefix hit rate (reported cached tokens / prompt tokens): {s.prefix_hit_rate:.1%}")
+        lines.append(
+            f"   prefix hit rate (reported cached tokens / prompt tokens): {s.prefix_hit_rate:.1%}"
+        )
     if s.load:
-        per = ", ".join(f"{w} {b:.1f}s/{q:.1f}" for w, b, q in zip(s.load.workers, s.load.busy_s,
-                                                                 s.load.mean_inflight))
-        lines.append(f"   per-worker busy s / mean in-flight: {per}; imbalance max/mean {s.load.imbalance:.2f}, "
-                     f"CV {s.load.cv:.2f}")
+        per = ", ".join(
+            f"{w} {b:.1f}s/{q:.1f}"
+            for w, b, q in zip(s.load.workers, s.load.busy_s, s.load.mean_inflight)
+        )
+        lines.append(
+            f"   per-worker busy s / mean in-flight: {per}; imbalance max/mean {s.load.imbalance:.2f}, "
+            f"CV {s.load.cv:.2f}"
+        )
     return "\n".join(lines)

@@ -86,7 +86,9 @@ def _rate_label(rate: float | None) -> str:
     return "trace" if rate is None else ("inf" if math.isinf(rate) else f"{rate:g}")
 
 
-def warmup(cfg: ClientConfig, space: workloads.TokenSpace, n: int, ready_timeout_s: float = 300.0) -> None:
+def warmup(
+    cfg: ClientConfig, space: workloads.TokenSpace, n: int, ready_timeout_s: float = 300.0
+) -> None:
     """Wait until the endpoint serves a request, then send ``n`` more.
 
     A router reports healthy before it has found healthy workers (the stock
@@ -96,8 +98,12 @@ def warmup(cfg: ClientConfig, space: workloads.TokenSpace, n: int, ready_timeout
     quiet = dataclasses.replace(cfg, progress=False, timeout_s=min(cfg.timeout_s, 120.0))
 
     def probe(i: int) -> RequestRecord:
-        req = workloads.Request(rid=i, arrival_s=0.0, max_tokens=4,
-                                prompt=workloads.block_tokens(-1, ("warmup", i), 64, space))
+        req = workloads.Request(
+            rid=i,
+            arrival_s=0.0,
+            max_tokens=4,
+            prompt=workloads.block_tokens(-1, ("warmup", i), 64, space),
+        )
         return client.replay(quiet, [req])[0]
 
     deadline = time.monotonic() + ready_timeout_s
@@ -106,7 +112,9 @@ def warmup(cfg: ClientConfig, space: workloads.TokenSpace, n: int, ready_timeout
         if rec.ok:
             break
         if time.monotonic() > deadline:
-            raise RuntimeError(f"endpoint {cfg.endpoint} not serving after {ready_timeout_s:.0f}s: {rec.error}")
+            raise RuntimeError(
+                f"endpoint {cfg.endpoint} not serving after {ready_timeout_s:.0f}s: {rec.error}"
+            )
         logger.info("endpoint not serving yet (%s); retrying", rec.error[:120])
         time.sleep(2.0)
     recs = [probe(i) for i in range(1, n)]
@@ -123,15 +131,25 @@ def run_config(name: str, spec: RunSpec, space: workloads.TokenSpace) -> list[Ru
     results: list[RunResult] = []
     t0 = time.monotonic()
     logger.info("starting %s: %s", name, cfg.description)
-    with Cluster(plan, log_dir=spec.out_dir / "logs" / name, startup_timeout=spec.startup_timeout_s):
+    with Cluster(
+        plan, log_dir=spec.out_dir / "logs" / name, startup_timeout=spec.startup_timeout_s
+    ):
         startup = time.monotonic() - t0
         logger.info("%s up in %.0fs at %s", name, startup, plan.endpoint)
-        ccfg = ClientConfig(endpoint=plan.endpoint, model=plan.served_model_name, space=space,
-                            timeout_s=spec.timeout_s)
+        ccfg = ClientConfig(
+            endpoint=plan.endpoint,
+            model=plan.served_model_name,
+            space=space,
+            timeout_s=spec.timeout_s,
+        )
         warmup(ccfg, space, spec.warmup)
         for rate in spec.rates:
-            wl = workloads.build(dataclasses.replace(spec.workload, request_rate=rate)
-                                 if rate is not None else spec.workload, space)
+            wl = workloads.build(
+                dataclasses.replace(spec.workload, request_rate=rate)
+                if rate is not None
+                else spec.workload,
+                space,
+            )
             client.flush_caches(list(urls.values()))
             time.sleep(1.0)
             sampler = LoadSampler(urls, spec.sample_interval_s)
@@ -142,14 +160,27 @@ def run_config(name: str, spec: RunSpec, space: workloads.TokenSpace) -> list[Ru
             results.append(res)
             print(metrics.format_summary(res.key, summary), flush=True)
             if spec.min_goodput is not None and summary.goodput_frac < spec.min_goodput:
-                logger.info("%s saturated at %s req/s (goodput %.0f%% < %.0f%%)", name, _rate_label(rate),
-                            100 * summary.goodput_frac, 100 * spec.min_goodput)
+                logger.info(
+                    "%s saturated at %s req/s (goodput %.0f%% < %.0f%%)",
+                    name,
+                    _rate_label(rate),
+                    100 * summary.goodput_frac,
+                    100 * spec.min_goodput,
+                )
                 break
     return results
 
 
-def _save(name: str, rate: float | None, wl: workloads.Workload, records: list[RequestRecord],
-          sampler: LoadSampler, summary: Summary, startup: float, out: Path) -> RunResult:
+def _save(
+    name: str,
+    rate: float | None,
+    wl: workloads.Workload,
+    records: list[RequestRecord],
+    sampler: LoadSampler,
+    summary: Summary,
+    startup: float,
+    out: Path,
+) -> RunResult:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{name}@{_rate_label(rate)}"
     rec_file = out / f"{stem}.records.jsonl"
@@ -162,14 +193,29 @@ def _save(name: str, rate: float | None, wl: workloads.Workload, records: list[R
     return _result(name, rate, wl.offered_rate, records, sampler, summary, startup, rec_file)
 
 
-def _result(name: str, rate: float | None, offered: float, records: Sequence[RequestRecord],
-            sampler: LoadSampler, summary: Summary, startup: float, rec_file: Path) -> RunResult:
+def _result(
+    name: str,
+    rate: float | None,
+    offered: float,
+    records: Sequence[RequestRecord],
+    sampler: LoadSampler,
+    summary: Summary,
+    startup: float,
+    rec_file: Path,
+) -> RunResult:
     series: dict[str, list[tuple[float, float]]] = {}
     for s in sampler.samples:
         series.setdefault(s.worker, []).append((s.t, metrics.inflight_of(s.values)))
-    return RunResult(config=name, rate=rate, offered_rate=offered, summary=summary,
-                     records_file=str(rec_file), startup_s=startup,
-                     ttfts=tuple(r.ttft for r in records if r.ok and r.ttft is not None), load_series=series)
+    return RunResult(
+        config=name,
+        rate=rate,
+        offered_rate=offered,
+        summary=summary,
+        records_file=str(rec_file),
+        startup_s=startup,
+        ttfts=tuple(r.ttft for r in records if r.ok and r.ttft is not None),
+        load_series=series,
+    )
 
 
 def run(spec: RunSpec) -> list[RunResult]:
@@ -180,9 +226,23 @@ def run(spec: RunSpec) -> list[RunResult]:
             all_results += run_config(name, spec, space)
         except Exception:  # one broken configuration must not lose the others' numbers
             logger.exception("configuration %s failed; continuing with the next", name)
-    (spec.out_dir / "summary.json").write_text(json.dumps(
-        [dict(config=r.config, rate=r.rate, offered_rate=r.offered_rate, startup_s=r.startup_s,
-              records=r.records_file, summary=r.summary.to_json()) for r in all_results], indent=1, default=str))
+    (spec.out_dir / "summary.json").write_text(
+        json.dumps(
+            [
+                dict(
+                    config=r.config,
+                    rate=r.rate,
+                    offered_rate=r.offered_rate,
+                    startup_s=r.startup_s,
+                    records=r.records_file,
+                    summary=r.summary.to_json(),
+                )
+                for r in all_results
+            ],
+            indent=1,
+            default=str,
+        )
+    )
     return all_results
 
 
@@ -195,26 +255,44 @@ def load_results(out_dir: Path, slo: SLO) -> list[RunResult]:
         rec_file = Path(item["records"])
         if not rec_file.exists():
             rec_file = out_dir / rec_file.name
-        records = [RequestRecord.from_json(json.loads(line)) for line in rec_file.read_text().splitlines()]
+        records = [
+            RequestRecord.from_json(json.loads(line)) for line in rec_file.read_text().splitlines()
+        ]
         load_file = rec_file.with_name(rec_file.name.replace(".records.jsonl", ".load.jsonl"))
-        samples = [client.LoadSample(**json.loads(line)) for line in load_file.read_text().splitlines()] \
-            if load_file.exists() else []
+        samples = (
+            [client.LoadSample(**json.loads(line)) for line in load_file.read_text().splitlines()]
+            if load_file.exists()
+            else []
+        )
         sampler = LoadSampler({})
         sampler.samples = samples
-        results.append(_result(item["config"], item["rate"], item["offered_rate"], records, sampler,
-                               metrics.summarize(records, slo, samples), item["startup_s"], rec_file))
+        results.append(
+            _result(
+                item["config"],
+                item["rate"],
+                item["offered_rate"],
+                records,
+                sampler,
+                metrics.summarize(records, slo, samples),
+                item["startup_s"],
+                rec_file,
+            )
+        )
     return results
 
 
 # --------------------------------------------------------------------------- tables
+
 
 def _f(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
 def results_table(results: Sequence[RunResult]) -> str:
-    head = ("| config | rate req/s | offered | ok/total | req/s | out tok/s | TTFT p50/p90/p99 ms | TPOT p50 ms | "
-            "ITL p99 ms | E2E p50/p99 ms | goodput req/s (frac) | prefix hit | imbalance max/mean (CV) |")
+    head = (
+        "| config | rate req/s | offered | ok/total | req/s | out tok/s | TTFT p50/p90/p99 ms | TPOT p50 ms | "
+        "ITL p99 ms | E2E p50/p99 ms | goodput req/s (frac) | prefix hit | imbalance max/mean (CV) |"
+    )
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in results:
         s = r.summary
@@ -225,7 +303,8 @@ def results_table(results: Sequence[RunResult]) -> str:
             f"{metrics.ms(s.tpot.p50)} | {metrics.ms(s.itl.p99)} | {metrics.ms(s.e2e.p50)}/{metrics.ms(s.e2e.p99)} | "
             f"{s.goodput_per_s:.3f} ({s.goodput_frac:.0%}) | "
             f"{_f(s.prefix_hit_rate, '.1%') if s.prefix_hit_rate is not None else '-'} | "
-            f"{_f(load.imbalance) if load else '-'} ({_f(load.cv) if load else '-'}) |")
+            f"{_f(load.imbalance) if load else '-'} ({_f(load.cv) if load else '-'}) |"
+        )
     return "\n".join(lines)
 
 
@@ -260,26 +339,33 @@ def ratio_table(results: Sequence[RunResult]) -> str:
                 vals = [get(b.summary) for b in base if not math.isnan(get(b.summary))]
                 best = (max if higher else min)(vals) if vals else float("nan")
                 v = get(r.summary)
-                cells.append("-" if not best or math.isnan(best) or math.isnan(v) else f"{v / best:.2f}")
+                cells.append(
+                    "-" if not best or math.isnan(best) or math.isnan(v) else f"{v / best:.2f}"
+                )
             lines.append(f"| {r.config} | {_rate_label(rate)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def saturation_table(results: Sequence[RunResult], min_goodput: float) -> str:
-    lines = ["| config | highest rate with goodput >= {:.0%} | achieved req/s there | first failing rate |".format(
-        min_goodput), "|---|---|---|---|"]
+    lines = [
+        f"| config | highest rate with goodput >= {min_goodput:.0%} | achieved req/s there | first failing rate |",
+        "|---|---|---|---|",
+    ]
     for name in dict.fromkeys(r.config for r in results):
         rs = [r for r in results if r.config == name]
         good = [r for r in rs if r.summary.goodput_frac >= min_goodput]
         bad = [r for r in rs if r.summary.goodput_frac < min_goodput]
         best = max(good, key=lambda r: r.rate or 0.0) if good else None
-        lines.append(f"| {name} | {_rate_label(best.rate) if best else 'none'} | "
-                     f"{f'{best.summary.req_per_s:.3f}' if best else '-'} | "
-                     f"{_rate_label(bad[0].rate) if bad else '-'} |")
+        lines.append(
+            f"| {name} | {_rate_label(best.rate) if best else 'none'} | "
+            f"{f'{best.summary.req_per_s:.3f}' if best else '-'} | "
+            f"{_rate_label(bad[0].rate) if bad else '-'} |"
+        )
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- plots
+
 
 def plot_all(results: Sequence[RunResult], out: Path) -> list[Path]:
     """TTFT CDF, throughput vs request rate, per-worker load over time (PNG)."""
@@ -311,9 +397,17 @@ def plot_all(results: Sequence[RunResult], out: Path) -> list[Path]:
     for name in dict.fromkeys(r.config for r in results):
         rs = sorted((r for r in results if r.config == name), key=lambda r: r.offered_rate)
         x = [r.offered_rate for r in rs]
-        line, = ax.plot(x, [r.summary.req_per_s for r in rs], marker="o", label=f"{name} throughput")
-        ax.plot(x, [r.summary.goodput_per_s for r in rs], marker="x", ls="--", color=line.get_color(),
-                label=f"{name} goodput")
+        (line,) = ax.plot(
+            x, [r.summary.req_per_s for r in rs], marker="o", label=f"{name} throughput"
+        )
+        ax.plot(
+            x,
+            [r.summary.goodput_per_s for r in rs],
+            marker="x",
+            ls="--",
+            color=line.get_color(),
+            label=f"{name} goodput",
+        )
     ax.set_xlabel("offered request rate (req/s)")
     ax.set_ylabel("achieved (req/s)")
     ax.set_title("Throughput vs request rate")
@@ -344,6 +438,7 @@ def plot_all(results: Sequence[RunResult], out: Path) -> list[Path]:
 
 # --------------------------------------------------------------------------- report
 
+
 def machine_description() -> str:
     cpu = platform.processor() or "?"
     try:
@@ -361,18 +456,32 @@ def machine_description() -> str:
     import torch
 
     load = os.getloadavg()
-    return (f"{platform.node()}: {os.cpu_count()} CPU cores ({cpu}), {mem_gb:.0f} GiB RAM, no GPU used; "
-            f"Linux {platform.release()}, Python {platform.python_version()}, sglang {sglang.__version__}, "
-            f"torch {torch.__version__}; load average at the start {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} "
-            f"(the machine is shared with other engineers' tests: absolute numbers are noisy)")
+    return (
+        f"{platform.node()}: {os.cpu_count()} CPU cores ({cpu}), {mem_gb:.0f} GiB RAM, no GPU used; "
+        f"Linux {platform.release()}, Python {platform.python_version()}, sglang {sglang.__version__}, "
+        f"torch {torch.__version__}; load average at the start {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} "
+        f"(the machine is shared with other engineers' tests: absolute numbers are noisy)"
+    )
 
 
-def report(spec: RunSpec, results: Sequence[RunResult], command: str, plots: Sequence[Path],
-           machine: str, started: dt.datetime, wall_s: float, flags: str | None = None) -> str:
+def report(
+    spec: RunSpec,
+    results: Sequence[RunResult],
+    command: str,
+    plots: Sequence[Path],
+    machine: str,
+    started: dt.datetime,
+    wall_s: float,
+    flags: str | None = None,
+) -> str:
     space = workloads.TokenSpace.from_model(configs.model_dir(spec.resources.model_path))
     first = spec.rates[0]
-    wl = workloads.build(dataclasses.replace(spec.workload, request_rate=first) if first is not None
-                         else spec.workload, space)
+    wl = workloads.build(
+        dataclasses.replace(spec.workload, request_rate=first)
+        if first is not None
+        else spec.workload,
+        space,
+    )
     rel = [os.path.relpath(p, RESULTS_MD.parent) for p in plots]
     parts = [
         f"Date: {started:%Y-%m-%d %H:%M} UTC; wall time {wall_s / 60:.1f} min.",
@@ -380,10 +489,13 @@ def report(spec: RunSpec, results: Sequence[RunResult], command: str, plots: Seq
         f"Machine: {machine}.",
         f"Model: `{configs.model_dir(spec.resources.model_path).name}`. Fairness: {spec.resources.describe()}.",
         f"SGLang flags of every worker (besides model, ports and PD role): `{flags or worker_flags(spec)}`.",
-        "Configurations: " + "; ".join(f"`{n}` = {configs.get(n).description}" for n in spec.configs) + ".",
+        "Configurations: "
+        + "; ".join(f"`{n}` = {configs.get(n).description}" for n in spec.configs)
+        + ".",
         f"Workload (at the first rate; the others only rescale arrival times): {wl.describe()}."
         + (f" Notes: {'; '.join(wl.notes)}." if wl.notes else ""),
-        "Rates (req/s): " + ", ".join(_rate_label(r) for r in spec.rates)
+        "Rates (req/s): "
+        + ", ".join(_rate_label(r) for r in spec.rates)
         + f"; SLO for goodput: {spec.slo.describe()}.",
         "",
         results_table(results),
@@ -405,14 +517,18 @@ def worker_flags(spec: RunSpec) -> str:
     """The flags the first configuration's first worker runs with, after its port
     (the CPU layer's attention backend etc. change what the numbers mean)."""
     argv = list(configs.get(spec.configs[0]).plan(spec.resources).workers[0].argv)
-    rest = argv[argv.index("--port") + 2:]
+    rest = argv[argv.index("--port") + 2 :]
     out: list[str] = []
     skip = False
     for a in rest:  # drop the PD role and its ports: they differ by design
         if skip:
             skip = False
             continue
-        if a in ("--disaggregation-mode", "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port"):
+        if a in (
+            "--disaggregation-mode",
+            "--disaggregation-transfer-backend",
+            "--disaggregation-bootstrap-port",
+        ):
             skip = True
             continue
         out.append(a)
@@ -440,11 +556,16 @@ def write_results_section(section: str, title: str, body: str, path: Path = RESU
     begin, end = f"<!-- bench:{section}:begin -->", f"<!-- bench:{section}:end -->"
     block = f"{begin}\n## {title}\n\n{body}\n{end}"
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = path.read_text() if path.exists() else (
-        "# Benchmark results\n\nWritten by `python -m bench` (bench/sidebyside.py), not by hand: each section "
-        "is replaced by the next run of its command.\n\n")
+    text = (
+        path.read_text()
+        if path.exists()
+        else (
+            "# Benchmark results\n\nWritten by `python -m bench` (bench/sidebyside.py), not by hand: each section "
+            "is replaced by the next run of its command.\n\n"
+        )
+    )
     if begin in text and end in text:
-        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)

@@ -41,7 +41,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "data" / "traces"
+TRACES = ROOT / "bench" / "data" / "traces"  # shipped with the project (README there)
 MOONCAKE_TRACE = TRACES / "mooncake_conversation_trace.jsonl"
 AZURE_TRACE = TRACES / "azure_llm_2023_conv.csv"
 MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake traces
@@ -76,18 +76,31 @@ class TokenSpace:
         folder = Path(model_dir)
         cfg = json.loads((folder / "config.json").read_text())
         tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-        special = {int(t["id"]) for t in json.loads((folder / "tokenizer.json").read_text()).get("added_tokens", [])}
+        special = {
+            int(t["id"])
+            for t in json.loads((folder / "tokenizer.json").read_text()).get("added_tokens", [])
+        }
         stable: list[tuple[int, str]] = []
         for piece, tid in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
             word = piece[1:]
-            if piece.startswith("\u0120") and word.isascii() and word.isalpha() and tid not in special:
+            if (
+                piece.startswith("\u0120")
+                and word.isascii()
+                and word.isalpha()
+                and tid not in special
+            ):
                 text = " " + word
                 if tok.encode(text, add_special_tokens=False).ids == [tid]:
                     stable.append((tid, text))
         if len(stable) < 32:
-            raise WorkloadError(f"only {len(stable)} stable word tokens in {folder}: too few for random prompts")
-        return cls(ids=tuple(i for i, _ in stable), pieces=tuple(t for _, t in stable),
-                   context_len=int(cfg.get("max_position_embeddings", 4096)))
+            raise WorkloadError(
+                f"only {len(stable)} stable word tokens in {folder}: too few for random prompts"
+            )
+        return cls(
+            ids=tuple(i for i, _ in stable),
+            pieces=tuple(t for _, t in stable),
+            context_len=int(cfg.get("max_position_embeddings", 4096)),
+        )
 
     @functools.cached_property
     def _text_of(self) -> dict[int, str]:
@@ -98,7 +111,9 @@ class TokenSpace:
         try:
             return "".join(self._text_of[i] for i in prompt)
         except KeyError as e:
-            raise WorkloadError(f"token id {e.args[0]} is not a stable word token of this space") from None
+            raise WorkloadError(
+                f"token id {e.args[0]} is not a stable word token of this space"
+            ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +154,11 @@ class Workload:
         ins = sum(r.prompt_len for r in self.requests)
         outs = sum(r.max_tokens for r in self.requests)
         p = ", ".join(f"{k}={v}" for k, v in self.params.items())
-        return (f"{self.name}: {n} requests over {self.duration_s:.1f}s (offered "
-                f"{self.offered_rate:.2f} req/s), mean input {ins / max(n, 1):.0f} tok, mean output "
-                f"{outs / max(n, 1):.0f} tok; {p}")
+        return (
+            f"{self.name}: {n} requests over {self.duration_s:.1f}s (offered "
+            f"{self.offered_rate:.2f} req/s), mean input {ins / max(n, 1):.0f} tok, mean output "
+            f"{outs / max(n, 1):.0f} tok; {p}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +173,7 @@ class WorkloadSpec:
     output_scale: float | None = None  # None: same as length_scale
     time_scale: float = 1.0  # trace inter-arrival times are multiplied by this
     trace_offset: int = 0  # first trace row used
+    trace: str | None = None  # traces: the file to read (None: the shipped copy)
     # generated workloads
     input_len: int = 512
     output_len: int = 32
@@ -195,13 +213,19 @@ def build(spec: WorkloadSpec, space: TokenSpace) -> Workload:
     try:
         builder = WORKLOADS[spec.name]
     except KeyError:
-        raise WorkloadError(f"unknown workload {spec.name!r}; known: {', '.join(sorted(WORKLOADS))}") from None
-    wl = builder(spec, space)
+        raise WorkloadError(
+            f"unknown workload {spec.name!r}; known: {', '.join(sorted(WORKLOADS))}"
+        ) from None
+    if spec.trace is not None and spec.name in ("mooncake", "azure"):
+        wl = builder(spec, space, Path(spec.trace))
+    else:
+        wl = builder(spec, space)
     logger.info("workload %s", wl.describe())
     return wl
 
 
 # --------------------------------------------------------------------------- helpers
+
 
 def block_tokens(seed: int, key: object, size: int, space: TokenSpace) -> tuple[int, ...]:
     """The token block for ``key``: a pure function of (seed, key, size)."""
@@ -225,7 +249,9 @@ def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
 CONTEXT_MARGIN = 8
 
 
-def _fit(prompt: list[int], max_tokens: int, space: TokenSpace, clip: bool) -> tuple[list[int], int, bool]:
+def _fit(
+    prompt: list[int], max_tokens: int, space: TokenSpace, clip: bool
+) -> tuple[list[int], int, bool]:
     """Clip so that prompt + output + margin fits the context (output kept >= 1)."""
     room = space.context_len - CONTEXT_MARGIN
     if not clip or len(prompt) + max_tokens <= room:
@@ -234,17 +260,25 @@ def _fit(prompt: list[int], max_tokens: int, space: TokenSpace, clip: bool) -> t
     return prompt[: room - max_tokens], max_tokens, True
 
 
-def _finish(name: str, reqs: list[Request], params: dict[str, object], clipped: int,
-            extra_notes: tuple[str, ...] = ()) -> Workload:
+def _finish(
+    name: str,
+    reqs: list[Request],
+    params: dict[str, object],
+    clipped: int,
+    extra_notes: tuple[str, ...] = (),
+) -> Workload:
     reqs.sort(key=lambda r: (r.arrival_s, r.rid))
     notes = list(extra_notes)
     if clipped:
-        notes.append(f"{clipped} of {len(reqs)} requests clipped to the "
-                     f"{params.get('context_len', '?')}-token context")
+        notes.append(
+            f"{clipped} of {len(reqs)} requests clipped to the "
+            f"{params.get('context_len', '?')}-token context"
+        )
     return Workload(name=name, requests=tuple(reqs), params=params, notes=tuple(notes))
 
 
 # --------------------------------------------------------------------------- traces
+
 
 @register("mooncake")
 def mooncake_trace(spec: WorkloadSpec, space: TokenSpace, path: Path = MOONCAKE_TRACE) -> Workload:
@@ -286,12 +320,27 @@ def mooncake_trace(spec: WorkloadSpec, space: TokenSpace, path: Path = MOONCAKE_
         out = max(1, round(row["output_length"] * spec.out_scale))
         prompt, out, c = _fit(prompt, out, space, spec.clip)
         clipped += c
-        reqs.append(Request(rid=i, arrival_s=(row["timestamp"] - t0) / 1000.0 * time_scale,
-                            prompt=tuple(prompt), max_tokens=out, group=f"h{hashes[0]}" if hashes else "",
-                            prefix_ids=hashes))
-    params = dict(trace=path.name, offset=spec.trace_offset, n=len(rows), time_scale=round(time_scale, 4),
-                  length_scale=spec.length_scale, output_scale=spec.out_scale, block_tokens=block,
-                  seed=spec.seed, context_len=space.context_len)
+        reqs.append(
+            Request(
+                rid=i,
+                arrival_s=(row["timestamp"] - t0) / 1000.0 * time_scale,
+                prompt=tuple(prompt),
+                max_tokens=out,
+                group=f"h{hashes[0]}" if hashes else "",
+                prefix_ids=hashes,
+            )
+        )
+    params = dict(
+        trace=path.name,
+        offset=spec.trace_offset,
+        n=len(rows),
+        time_scale=round(time_scale, 4),
+        length_scale=spec.length_scale,
+        output_scale=spec.out_scale,
+        block_tokens=block,
+        seed=spec.seed,
+        context_len=space.context_len,
+    )
     return _finish("mooncake", reqs, params, clipped)
 
 
@@ -315,7 +364,13 @@ def azure_trace(spec: WorkloadSpec, space: TokenSpace, path: Path = AZURE_TRACE)
                 continue
             if len(rows) >= spec.num_requests:
                 break
-            rows.append((_azure_time(rec["TIMESTAMP"]), int(rec["ContextTokens"]), int(rec["GeneratedTokens"])))
+            rows.append(
+                (
+                    _azure_time(rec["TIMESTAMP"]),
+                    int(rec["ContextTokens"]),
+                    int(rec["GeneratedTokens"]),
+                )
+            )
     if not rows:
         raise WorkloadError(f"no rows at offset {spec.trace_offset} in {path}")
     t0, span = rows[0][0], rows[-1][0] - rows[0][0]
@@ -324,20 +379,41 @@ def azure_trace(spec: WorkloadSpec, space: TokenSpace, path: Path = AZURE_TRACE)
         time_scale = (len(rows) - 1) / spec.request_rate / span
     reqs, clipped = [], 0
     for i, (ts, n_in, n_out) in enumerate(rows):
-        prompt = list(block_tokens(spec.seed, ("az", spec.trace_offset + i),
-                                   max(1, round(n_in * spec.length_scale)), space))
+        prompt = list(
+            block_tokens(
+                spec.seed,
+                ("az", spec.trace_offset + i),
+                max(1, round(n_in * spec.length_scale)),
+                space,
+            )
+        )
         out = max(1, round(n_out * spec.out_scale))
         prompt, out, c = _fit(prompt, out, space, spec.clip)
         clipped += c
-        reqs.append(Request(rid=i, arrival_s=(ts - t0) * time_scale, prompt=tuple(prompt), max_tokens=out,
-                            group="azure"))
-    params = dict(trace=path.name, offset=spec.trace_offset, n=len(rows), time_scale=round(time_scale, 4),
-                  length_scale=spec.length_scale, output_scale=spec.out_scale, seed=spec.seed,
-                  context_len=space.context_len)
+        reqs.append(
+            Request(
+                rid=i,
+                arrival_s=(ts - t0) * time_scale,
+                prompt=tuple(prompt),
+                max_tokens=out,
+                group="azure",
+            )
+        )
+    params = dict(
+        trace=path.name,
+        offset=spec.trace_offset,
+        n=len(rows),
+        time_scale=round(time_scale, 4),
+        length_scale=spec.length_scale,
+        output_scale=spec.out_scale,
+        seed=spec.seed,
+        context_len=space.context_len,
+    )
     return _finish("azure", reqs, params, clipped)
 
 
 # --------------------------------------------------------------------------- generators
+
 
 def _rate(spec: WorkloadSpec) -> float:
     return spec.request_rate if spec.request_rate is not None else 1.0
@@ -349,20 +425,41 @@ def shared_prefix(spec: WorkloadSpec, space: TokenSpace) -> Workload:
     by many requests, each adding a unique question of ``input_len`` tokens:
     the hotspot case. Groups uniform, or Zipf(``zipf_alpha``) when > 0."""
     rng = random.Random(f"shared-prefix:{spec.seed}")
-    systems = [block_tokens(spec.seed, ("sys", g), spec.system_len, space) for g in range(spec.num_groups)]
+    systems = [
+        block_tokens(spec.seed, ("sys", g), spec.system_len, space) for g in range(spec.num_groups)
+    ]
     weights = [1.0 / (g + 1) ** spec.zipf_alpha for g in range(spec.num_groups)]
     arrivals = poisson_arrivals(spec.num_requests, _rate(spec), rng)
     reqs, clipped = [], 0
     for i, t in enumerate(arrivals):
-        g = (i % spec.num_groups) if spec.zipf_alpha == 0 else rng.choices(range(spec.num_groups), weights)[0]
+        g = (
+            (i % spec.num_groups)
+            if spec.zipf_alpha == 0
+            else rng.choices(range(spec.num_groups), weights)[0]
+        )
         prompt = list(systems[g]) + list(block_tokens(spec.seed, ("q", i), spec.input_len, space))
         prompt, out, c = _fit(prompt, spec.output_len, space, spec.clip)
         clipped += c
-        reqs.append(Request(rid=i, arrival_s=t, prompt=tuple(prompt), max_tokens=out, group=f"sys{g}",
-                            prefix_ids=(g,)))
-    params = dict(rate=_rate(spec), groups=spec.num_groups, system_len=spec.system_len,
-                  question_len=spec.input_len, output_len=spec.output_len, zipf_alpha=spec.zipf_alpha,
-                  seed=spec.seed, context_len=space.context_len)
+        reqs.append(
+            Request(
+                rid=i,
+                arrival_s=t,
+                prompt=tuple(prompt),
+                max_tokens=out,
+                group=f"sys{g}",
+                prefix_ids=(g,),
+            )
+        )
+    params = dict(
+        rate=_rate(spec),
+        groups=spec.num_groups,
+        system_len=spec.system_len,
+        question_len=spec.input_len,
+        output_len=spec.output_len,
+        zipf_alpha=spec.zipf_alpha,
+        seed=spec.seed,
+        context_len=space.context_len,
+    )
     return _finish("shared-prefix", reqs, params, clipped)
 
 
@@ -375,10 +472,22 @@ def long_context(spec: WorkloadSpec, space: TokenSpace) -> Workload:
     for i, t in enumerate(arrivals):
         out = spec.output_len
         n_in = int(rng.uniform(0.70, 0.95) * (space.context_len - CONTEXT_MARGIN - out))
-        reqs.append(Request(rid=i, arrival_s=t, prompt=block_tokens(spec.seed, ("lc", i), n_in, space),
-                            max_tokens=out, group="long"))
-    params = dict(rate=_rate(spec), input="70-95% of context", output_len=spec.output_len, seed=spec.seed,
-                  context_len=space.context_len)
+        reqs.append(
+            Request(
+                rid=i,
+                arrival_s=t,
+                prompt=block_tokens(spec.seed, ("lc", i), n_in, space),
+                max_tokens=out,
+                group="long",
+            )
+        )
+    params = dict(
+        rate=_rate(spec),
+        input="70-95% of context",
+        output_len=spec.output_len,
+        seed=spec.seed,
+        context_len=space.context_len,
+    )
     return _finish("long-context", reqs, params, 0)
 
 
@@ -402,13 +511,23 @@ def bursty(spec: WorkloadSpec, space: TokenSpace) -> Workload:
     reqs, clipped = [], 0
     for i, at in enumerate(arrivals):
         n_in = rng.randint(max(1, spec.input_len // 2), max(1, 3 * spec.input_len // 2))
-        prompt, out, c = _fit(list(block_tokens(spec.seed, ("b", i), n_in, space)), spec.output_len, space,
-                              spec.clip)
+        prompt, out, c = _fit(
+            list(block_tokens(spec.seed, ("b", i), n_in, space)), spec.output_len, space, spec.clip
+        )
         clipped += c
-        reqs.append(Request(rid=i, arrival_s=at, prompt=tuple(prompt), max_tokens=out, group="burst"))
-    params = dict(mean_rate=mean, on_rate=round(on_rate, 3), on_s=spec.burst_on_s, off_s=spec.burst_off_s,
-                  input_len=spec.input_len, output_len=spec.output_len, seed=spec.seed,
-                  context_len=space.context_len)
+        reqs.append(
+            Request(rid=i, arrival_s=at, prompt=tuple(prompt), max_tokens=out, group="burst")
+        )
+    params = dict(
+        mean_rate=mean,
+        on_rate=round(on_rate, 3),
+        on_s=spec.burst_on_s,
+        off_s=spec.burst_off_s,
+        input_len=spec.input_len,
+        output_len=spec.output_len,
+        seed=spec.seed,
+        context_len=space.context_len,
+    )
     return _finish("bursty", reqs, params, clipped)
 
 
@@ -425,12 +544,18 @@ def mixed(spec: WorkloadSpec, space: TokenSpace) -> Workload:
             kind, n_in, out = "short-in/long-out", max(1, spec.input_len // 8), spec.output_len * 4
         else:
             kind, n_in, out = "long-in/short-out", spec.input_len * 4, max(1, spec.output_len // 4)
-        prompt, out, c = _fit(list(block_tokens(spec.seed, ("m", i), n_in, space)), out, space, spec.clip)
+        prompt, out, c = _fit(
+            list(block_tokens(spec.seed, ("m", i), n_in, space)), out, space, spec.clip
+        )
         clipped += c
         reqs.append(Request(rid=i, arrival_s=t, prompt=tuple(prompt), max_tokens=out, group=kind))
-    params = dict(rate=_rate(spec), short=(max(1, spec.input_len // 8), spec.output_len * 4),
-                  long=(spec.input_len * 4, max(1, spec.output_len // 4)), seed=spec.seed,
-                  context_len=space.context_len)
+    params = dict(
+        rate=_rate(spec),
+        short=(max(1, spec.input_len // 8), spec.output_len * 4),
+        long=(spec.input_len * 4, max(1, spec.output_len // 4)),
+        seed=spec.seed,
+        context_len=space.context_len,
+    )
     return _finish("mixed", reqs, params, clipped)
 
 
@@ -438,5 +563,15 @@ def save_jsonl(wl: Workload, path: Path) -> None:
     """Write the workload (one request per line) so another tool can replay it."""
     with path.open("w") as f:
         for r in wl.requests:
-            f.write(json.dumps(dict(rid=r.rid, arrival_s=r.arrival_s, prompt=list(r.prompt),
-                                    max_tokens=r.max_tokens, group=r.group)) + "\n")
+            f.write(
+                json.dumps(
+                    dict(
+                        rid=r.rid,
+                        arrival_s=r.arrival_s,
+                        prompt=list(r.prompt),
+                        max_tokens=r.max_tokens,
+                        group=r.group,
+                    )
+                )
+                + "\n"
+            )

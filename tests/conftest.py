@@ -71,11 +71,20 @@ def tiny_model() -> Path:
 
 
 @contextlib.contextmanager
-def sglang_server(model_path: str | Path | None = None, *, sglang_args: tuple[str, ...] = (),
-                  log_dir: Path | None = None, name: str = "server") -> Iterator[str]:
+def sglang_server(
+    model_path: str | Path | None = None,
+    *,
+    sglang_args: tuple[str, ...] = (),
+    log_dir: Path | None = None,
+    name: str = "server",
+) -> Iterator[str]:
     """A real single SGLang server with the extension loaded; yields its base URL."""
-    plan = plan_single_server(str(model_path) if model_path else None, port=free_port(),
-                              sglang_args=sglang_args, name=name)
+    plan = plan_single_server(
+        str(model_path) if model_path else None,
+        port=free_port(),
+        sglang_args=sglang_args,
+        name=name,
+    )
     with Cluster(plan, log_dir=log_dir, startup_timeout=900):
         yield plan.endpoint
 
@@ -84,8 +93,9 @@ def sglang_server(model_path: str | Path | None = None, *, sglang_args: tuple[st
 def single_server(tiny_model: Path, tmp_path_factory) -> Iterator[str]:
     """One plain SGLang server on the tiny model, shared by the whole session:
     the reference for every "same tokens as a plain run" check."""
-    with sglang_server(tiny_model, log_dir=tmp_path_factory.getbasetemp() / "single-logs",
-                       name="single") as url:
+    with sglang_server(
+        tiny_model, log_dir=tmp_path_factory.getbasetemp() / "single-logs", name="single"
+    ) as url:
         yield url
 
 
@@ -100,16 +110,30 @@ class LaunchedCluster:
 
 
 @contextlib.contextmanager
-def launched_cluster(args: list[str], log_dir: Path, timeout: float = 900,
-                     env: dict[str, str] | None = None) -> Iterator[LaunchedCluster]:
+def launched_cluster(
+    args: list[str], log_dir: Path, timeout: float = 900, env: dict[str, str] | None = None
+) -> Iterator[LaunchedCluster]:
     """Start the launcher with ``args`` (ports chosen here) and ``env`` added to
     this process's environment, wait for its ready line, yield, then SIGTERM it
     unless a test already stopped it."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bana_sglang.launch", "--port", str(port),
-         "--worker-base-port", str(free_port_block()), "--log-dir", str(log_dir), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+        [
+            sys.executable,
+            "-m",
+            "bana_sglang.launch",
+            "--port",
+            str(port),
+            "--worker-base-port",
+            str(free_port_block()),
+            "--log-dir",
+            str(log_dir),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
     lines: list[str] = []
     ready = threading.Event()
@@ -129,7 +153,9 @@ def launched_cluster(args: list[str], log_dir: Path, timeout: float = 900,
         proc.wait(timeout=60)
         pytest.fail("cluster did not start:\n" + "\n".join(lines[-40:]))
     try:
-        yield LaunchedCluster(url=f"http://127.0.0.1:{port}", proc=proc, lines=lines, log_dir=log_dir)
+        yield LaunchedCluster(
+            url=f"http://127.0.0.1:{port}", proc=proc, lines=lines, log_dir=log_dir
+        )
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -37,8 +37,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from bana_sglang.kernels import cpu_attention, merge
 from bana_sglang.attention.remote import remote_kv
+from bana_sglang.kernels import cpu_attention, merge
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -107,12 +107,12 @@ class BanaCpuAttnBackend(TorchNativeAttnBackend):
             seg = remote.get(b)
             slots = req_to_token[p, :n]
             if seg is not None:  # [start, stop) lie below the last page: both sides non-empty
-                slots = torch.cat((slots[:seg.start], slots[seg.stop:]))
+                slots = torch.cat((slots[: seg.start], slots[seg.stop :]))
             rows.append(slots.long())
             lens.append(int(slots.numel()))
         table = torch.zeros((len(rows), max(lens, default=0)), dtype=torch.long)
         for b, slots in enumerate(rows):
-            table[b, :slots.numel()] = slots
+            table[b, : slots.numel()] = slots
         return _BatchPlan(fb, True, tuple(lens), (1,) * len(lens), (), table, remote)
 
     def _plan_for(self, fb: ForwardBatch) -> _BatchPlan | None:
@@ -130,16 +130,29 @@ class BanaCpuAttnBackend(TorchNativeAttnBackend):
             and (layer.sliding_window_size is None or layer.sliding_window_size <= -1)
         )
 
-    def _write_kv(self, layer: RadixAttention, fb: ForwardBatch, k: torch.Tensor | None,
-                  v: torch.Tensor | None, save_kv_cache: bool) -> None:
+    def _write_kv(
+        self,
+        layer: RadixAttention,
+        fb: ForwardBatch,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        save_kv_cache: bool,
+    ) -> None:
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(
-                layer, KVWriteLoc(fb.out_cache_loc, self.swa_out_cache_loc), k, v)
+                layer, KVWriteLoc(fb.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
 
     # --- forwards ---------------------------------------------------------
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                       layer: RadixAttention, forward_batch: ForwardBatch,
-                       save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         plan = self._plan_for(forward_batch)
         if plan is None or plan.is_decode or not self._covered(layer):
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
@@ -149,13 +162,22 @@ class BanaCpuAttnBackend(TorchNativeAttnBackend):
             q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),  # [tokens, Hq, D]
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),  # [slots, Hkv, D]
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),  # [slots, Hkv, Dv]
-            plan.kv_indices, plan.extend_lens, scale=layer.scaling,
-            out=o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
+            plan.kv_indices,
+            plan.extend_lens,
+            scale=layer.scaling,
+            out=o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+        )
         return o
 
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                       layer: RadixAttention, forward_batch: ForwardBatch,
-                       save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         plan = self._plan_for(forward_batch)
         if plan is None or not plan.is_decode or not self._covered(layer):
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
@@ -164,12 +186,21 @@ class BanaCpuAttnBackend(TorchNativeAttnBackend):
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)  # [B, Hq, D]
         o3 = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
-        pending = remote_kv().attend_begin(layer.layer_id, q3, plan.remote, layer.scaling) \
-            if plan.remote else None  # the host computes its part while we compute ours
+        pending = (
+            remote_kv().attend_begin(layer.layer_id, q3, plan.remote, layer.scaling)
+            if plan.remote
+            else None
+        )  # the host computes its part while we compute ours
         res = cpu_attention.decode_attention(
-            q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            q3,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            plan.kv_table, plan.seq_lens, scale=layer.scaling, out=o3, need_lse=pending is not None)
+            plan.kv_table,
+            plan.seq_lens,
+            scale=layer.scaling,
+            out=o3,
+            need_lse=pending is not None,
+        )
         if pending is not None:
             host = remote_kv().attend_end(pending)
             if host:  # one merge for every row with a host part

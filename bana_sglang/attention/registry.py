@@ -46,8 +46,10 @@ BACKEND_NAME = "bana_cpu"
 
 def _create_backend(runner: ModelRunner) -> AttentionBackend:
     if runner.use_mla_backend:
-        raise ValueError(f"the {BACKEND_NAME} attention backend does not support MLA models; "
-                         "use --attention-backend torch_native")
+        raise ValueError(
+            f"the {BACKEND_NAME} attention backend does not support MLA models; "
+            "use --attention-backend torch_native"
+        )
     from bana_sglang.attention.backend import BanaCpuAttnBackend
 
     return BanaCpuAttnBackend(runner)
@@ -55,7 +57,10 @@ def _create_backend(runner: ModelRunner) -> AttentionBackend:
 
 def register_backend() -> bool:
     """Make ``--attention-backend bana_cpu`` valid and buildable; True if newly registered."""
-    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.arg_groups.choices import (
+        ATTENTION_BACKEND_CHOICES,
+        add_attention_backend_choices,
+    )
     from sglang.srt.layers.attention.attention_registry import (
         ATTENTION_BACKENDS,
         register_attention_backend,

@@ -24,7 +24,9 @@ class RemoteKV(Protocol):
     def plan(self, rows: list[int]) -> dict[int, Any]:
         """The remote segments of these request pool rows (empty: all local)."""
 
-    def attend_begin(self, layer: int, q: torch.Tensor, remote: dict[int, Any], scale: float) -> Any:
+    def attend_begin(
+        self, layer: int, q: torch.Tensor, remote: dict[int, Any], scale: float
+    ) -> Any:
         """Send this layer's queries of the planned rows; the peer computes while we do."""
 
     def attend_end(self, pending: Any) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

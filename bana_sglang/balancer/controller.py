@@ -75,8 +75,13 @@ def model_shape(model_path: str, page_size: int, prefill_tokens_per_s: float) ->
     d = cfg.get("head_dim") or h // heads
     elt = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cfg.get("torch_dtype", "float32")), 4)
     per_layer = ((heads + 2 * kv) * d * h + h * heads * d + 3 * inter * h + 2 * h) * elt
-    return ModelShape(num_layers=layers, layer_weight_bytes=per_layer, kv_bytes_per_token=2 * kv * d * elt * layers,
-                      page_size=page_size, prefill_tokens_per_s=prefill_tokens_per_s)
+    return ModelShape(
+        num_layers=layers,
+        layer_weight_bytes=per_layer,
+        kv_bytes_per_token=2 * kv * d * elt * layers,
+        page_size=page_size,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+    )
 
 
 @dataclass
@@ -116,7 +121,9 @@ class Controller:
     interval_s: float = 1.0
     recall_after_s: float = 30.0
     api_key: str | None = None
-    decisions: collections.deque = field(default_factory=lambda: collections.deque(maxlen=DECISIONS_KEPT))
+    decisions: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=DECISIONS_KEPT)
+    )
     counts: collections.Counter = field(default_factory=collections.Counter)
     active: list[_Active] = field(default_factory=list)
     peak: float = 0.0
@@ -124,11 +131,17 @@ class Controller:
     errors: int = 0
 
     def __post_init__(self) -> None:
-        kwargs = {} if self.balancer_name == "none" else {"shape": self.shape, "cost": self.cost,
-                                                          "config": self.config}
+        kwargs = (
+            {}
+            if self.balancer_name == "none"
+            else {"shape": self.shape, "cost": self.cost, "config": self.config}
+        )
         self.balancer = get_balancer(self.balancer_name, **kwargs)
-        self.http = httpx.Client(base_url=self.router.rstrip("/"), timeout=60,
-                                 headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+        self.http = httpx.Client(
+            base_url=self.router.rstrip("/"),
+            timeout=60,
+            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {},
+        )
         self._calm_since: float | None = None
         self._lock = threading.Lock()
         self._seq = 0
@@ -147,8 +160,14 @@ class Controller:
             return {}
         if r.status_code != 200:
             return {}
-        return {a["url"]: [RunningRequest(x["rid"], x["kv_tokens"], x["tokens_left"]) for x in a.get("movable", ())]
-                for a in r.json().get("agents", ()) if a.get("movable")}
+        return {
+            a["url"]: [
+                RunningRequest(x["rid"], x["kv_tokens"], x["tokens_left"])
+                for x in a.get("movable", ())
+            ]
+            for a in r.json().get("agents", ())
+            if a.get("movable")
+        }
 
     def tick(self, now: float | None = None) -> Plan:
         now = time.monotonic() if now is None else now
@@ -169,14 +188,34 @@ class Controller:
         with self._lock:
             self.decisions.append(d)
             self.counts[(d.kind, d.result)] += 1
-        logger.info("decision: %s %s -> %s %s: %s (peak %.2f -> %.2f; %s)%s", d.kind, d.src, d.dst, d.detail,
-                    d.result, d.peak_before, d.peak_after, d.reason, f" [{d.migration}]" if d.migration else "")
+        logger.info(
+            "decision: %s %s -> %s %s: %s (peak %.2f -> %.2f; %s)%s",
+            d.kind,
+            d.src,
+            d.dst,
+            d.detail,
+            d.result,
+            d.peak_before,
+            d.peak_after,
+            d.reason,
+            f" [{d.migration}]" if d.migration else "",
+        )
 
     def _carry_out(self, act, plan: Plan) -> None:
-        base = dict(at=time.time(), src=act.src, dst=act.dst, reason=plan.reason, peak_before=plan.peak_before,
-                    peak_after=plan.peak_after)
+        base = dict(
+            at=time.time(),
+            src=act.src,
+            dst=act.dst,
+            reason=plan.reason,
+            peak_before=plan.peak_before,
+            peak_after=plan.peak_after,
+        )
         if isinstance(act, KVBlockMigration):
-            kind, detail, body = "kv_block_migration", f"{act.pages} KV pages", {"kv_pages": act.pages}
+            kind, detail, body = (
+                "kv_block_migration",
+                f"{act.pages} KV pages",
+                {"kv_pages": act.pages},
+            )
         elif isinstance(act, LayerMigration):
             kind, detail = "layer_migration", f"layers [{act.layers[0]}, {act.layers[1]})"
             body = {"layers": list(act.layers), "switch": True}
@@ -185,10 +224,18 @@ class Controller:
             body = {"request": act.request}
         self._seq += 1
         mid = f"bal-{os.getpid()}-{self._seq}"
-        r = self.http.post("/bana/admin/migrations", json={"worker": act.src, "peer": act.dst, "id": mid, **body})
+        r = self.http.post(
+            "/bana/admin/migrations", json={"worker": act.src, "peer": act.dst, "id": mid, **body}
+        )
         if r.status_code != 202:
-            self._record(Decision(kind=kind, detail=detail, result="refused",
-                                  **base | {"reason": f"{plan.reason}; {r.status_code} {r.text[:200]}"}))
+            self._record(
+                Decision(
+                    kind=kind,
+                    detail=detail,
+                    result="refused",
+                    **base | {"reason": f"{plan.reason}; {r.status_code} {r.text[:200]}"},
+                )
+            )
             return
         if kind != "request_migration":  # a moved request has nothing to recall
             self.active.append(_Active(mid, act.src, act.dst, detail, time.monotonic(), kind))
@@ -203,8 +250,11 @@ class Controller:
         for a in hosted:
             if a.dst in pressed:
                 w = by_id[a.dst]
-                self._recall(a, f"{a.dst} needs its memory: {w.kv_used_tokens} KV tokens used of "
-                                f"{w.kv_total_tokens}, {w.kv_waiting_tokens} waiting")
+                self._recall(
+                    a,
+                    f"{a.dst} needs its memory: {w.kv_used_tokens} KV tokens used of "
+                    f"{w.kv_total_tokens}, {w.kv_waiting_tokens} waiting",
+                )
 
     def _maybe_recall(self, plan: Plan, now: float) -> None:
         if not self.active:
@@ -216,8 +266,10 @@ class Controller:
             return
         self._calm_since = self._calm_since if self._calm_since is not None else now
         if now - self._calm_since >= self.recall_after_s:
-            self.recall_all(f"peak {plan.peak_before:.2f} below {self.config.min_peak} for "
-                            f"{now - self._calm_since:.0f}s")
+            self.recall_all(
+                f"peak {plan.peak_before:.2f} below {self.config.min_peak} for "
+                f"{now - self._calm_since:.0f}s"
+            )
             self._calm_since = None
 
     def recall_all(self, reason: str) -> None:
@@ -228,17 +280,31 @@ class Controller:
         r = self.http.post(f"/bana/admin/migrations/{a.migration}/recall", json={})
         ok = r.status_code in (200, 202)
         # a migration the owner already restored (its peer failed) has nothing to recall
-        self._record(Decision(at=time.time(), kind="recall", src=a.src, dst=a.dst,
-                              detail=a.what, reason=reason,
-                              peak_before=self.peak, peak_after=self.peak,
-                              result="recalled" if ok else f"failed: {r.status_code} {r.text[:120]}",
-                              migration=a.migration))
+        self._record(
+            Decision(
+                at=time.time(),
+                kind="recall",
+                src=a.src,
+                dst=a.dst,
+                detail=a.what,
+                reason=reason,
+                peak_before=self.peak,
+                peak_after=self.peak,
+                result="recalled" if ok else f"failed: {r.status_code} {r.text[:120]}",
+                migration=a.migration,
+            )
+        )
         self.active.remove(a)
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: threading.Event) -> None:
-        logger.info("balancer %r on %s every %.1fs (recall after %.0fs calm)", self.balancer_name, self.router,
-                    self.interval_s, self.recall_after_s)
+        logger.info(
+            "balancer %r on %s every %.1fs (recall after %.0fs calm)",
+            self.balancer_name,
+            self.router,
+            self.interval_s,
+            self.recall_after_s,
+        )
         while not stop.is_set():
             t0 = time.monotonic()
             try:
@@ -257,25 +323,39 @@ class Controller:
     def metrics_text(self) -> str:
         with self._lock:
             counts = dict(self.counts)
-        lines = ["# HELP bana_balancer_decisions_total Balancer decisions by kind and result",
-                 "# TYPE bana_balancer_decisions_total counter"]
-        lines += [f'bana_balancer_decisions_total{{kind="{k}",result="{r.split(":")[0]}"}} {n}'
-                  for (k, r), n in sorted(counts.items())]
-        lines += ["# HELP bana_balancer_peak_utilisation Peak worker utilisation at the last tick",
-                  "# TYPE bana_balancer_peak_utilisation gauge", f"bana_balancer_peak_utilisation {self.peak}",
-                  "# HELP bana_balancer_active_migrations Layer migrations the balancer started and not recalled",
-                  "# TYPE bana_balancer_active_migrations gauge",
-                  f"bana_balancer_active_migrations {len(self.active)}",
-                  "# HELP bana_balancer_ticks_total Policy evaluations", "# TYPE bana_balancer_ticks_total counter",
-                  f"bana_balancer_ticks_total {self.ticks}",
-                  "# HELP bana_balancer_errors_total Ticks that could not read the cluster",
-                  "# TYPE bana_balancer_errors_total counter", f"bana_balancer_errors_total {self.errors}"]
+        lines = [
+            "# HELP bana_balancer_decisions_total Balancer decisions by kind and result",
+            "# TYPE bana_balancer_decisions_total counter",
+        ]
+        lines += [
+            f'bana_balancer_decisions_total{{kind="{k}",result="{r.split(":")[0]}"}} {n}'
+            for (k, r), n in sorted(counts.items())
+        ]
+        lines += [
+            "# HELP bana_balancer_peak_utilisation Peak worker utilisation at the last tick",
+            "# TYPE bana_balancer_peak_utilisation gauge",
+            f"bana_balancer_peak_utilisation {self.peak}",
+            "# HELP bana_balancer_active_migrations Layer migrations the balancer started and not recalled",
+            "# TYPE bana_balancer_active_migrations gauge",
+            f"bana_balancer_active_migrations {len(self.active)}",
+            "# HELP bana_balancer_ticks_total Policy evaluations",
+            "# TYPE bana_balancer_ticks_total counter",
+            f"bana_balancer_ticks_total {self.ticks}",
+            "# HELP bana_balancer_errors_total Ticks that could not read the cluster",
+            "# TYPE bana_balancer_errors_total counter",
+            f"bana_balancer_errors_total {self.errors}",
+        ]
         return "\n".join(lines) + "\n"
 
     def decisions_json(self) -> bytes:
         with self._lock:
-            return json.dumps({"balancer": self.balancer_name, "active": [a.__dict__ for a in self.active],
-                               "decisions": [d.as_dict() for d in self.decisions]}).encode()
+            return json.dumps(
+                {
+                    "balancer": self.balancer_name,
+                    "active": [a.__dict__ for a in self.active],
+                    "decisions": [d.as_dict() for d in self.decisions],
+                }
+            ).encode()
 
 
 def serve(ctl: Controller, host: str, port: int) -> ThreadingHTTPServer:
@@ -306,19 +386,38 @@ def serve(ctl: Controller, host: str, port: int) -> ThreadingHTTPServer:
 
 def build_parser() -> argparse.ArgumentParser:
     d = BalancerConfig()
-    p = argparse.ArgumentParser(prog="python -m bana_sglang.balancer.controller", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bana_sglang.balancer.controller",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--router", default="http://127.0.0.1:30000", help="the router's URL")
     p.add_argument("--api-key", default=None, help="the router's API key (default: $BANA_API_KEY)")
-    p.add_argument("--model-path", required=True, help="the served checkpoint (its config.json sizes the model)")
+    p.add_argument(
+        "--model-path",
+        required=True,
+        help="the served checkpoint (its config.json sizes the model)",
+    )
     p.add_argument("--balancer", default="bana", choices=sorted(BALANCERS), help="the policy")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between policy evaluations")
-    p.add_argument("--recall-after-s", type=float, default=30.0,
-                   help="recall the layer migrations it started after the cluster stayed calm this long")
-    p.add_argument("--bandwidth-mbps", type=float, default=150.0,
-                   help="migration bandwidth for the cost model, MB/s (bench/bench_migrate.py measures it)")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=2000.0,
-                   help="one prefill worker's uncached prompt tokens per second (sizes the queue term)")
+    p.add_argument(
+        "--recall-after-s",
+        type=float,
+        default=30.0,
+        help="recall the layer migrations it started after the cluster stayed calm this long",
+    )
+    p.add_argument(
+        "--bandwidth-mbps",
+        type=float,
+        default=150.0,
+        help="migration bandwidth for the cost model, MB/s (bench/bench_migrate.py measures it)",
+    )
+    p.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=2000.0,
+        help="one prefill worker's uncached prompt tokens per second (sizes the queue term)",
+    )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--imbalance-threshold", type=float, default=d.imbalance_threshold)
     p.add_argument("--consecutive", type=int, default=d.consecutive)
@@ -326,20 +425,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-interval-s", type=float, default=d.min_interval_s)
     p.add_argument("--min-peak", type=float, default=d.min_peak)
     p.add_argument("--budget-s", type=float, default=d.budget_s)
-    p.add_argument("--max-actions", type=int, default=d.max_actions,
-                   help="actions per plan; 0: one per 8 workers, at least one")
-    p.add_argument("--sustained-backlog-s", type=float, default=d.sustained_backlog_s,
-                   help="a prefill backlog this long (queued tokens / --prefill-tokens-per-s) acts without the streak")
-    p.add_argument("--tpot-slo-s", type=float, default=0.0,
-                   help="TPOT SLO in seconds: a decode worker takes guest layers only while its step "
-                        "(running requests / generated tokens per second) stays within --tpot-headroom "
-                        "of it; 0: no guard")
-    p.add_argument("--tpot-headroom", type=float, default=d.tpot_headroom,
-                   help="share of --tpot-slo-s a decode worker's step may reach with guest layers")
-    p.add_argument("--recall-kv-usage", type=float, default=d.recall_kv_usage,
-                   help="recall the layers a decode worker hosts at once when its used KV plus the KV of "
-                        "the requests waiting for its memory (SGLang's /v1/loads) passes this share of its "
-                        "pool; 0: only when calm")
+    p.add_argument(
+        "--max-actions",
+        type=int,
+        default=d.max_actions,
+        help="actions per plan; 0: one per 8 workers, at least one",
+    )
+    p.add_argument(
+        "--sustained-backlog-s",
+        type=float,
+        default=d.sustained_backlog_s,
+        help="a prefill backlog this long (queued tokens / --prefill-tokens-per-s) acts without the streak",
+    )
+    p.add_argument(
+        "--tpot-slo-s",
+        type=float,
+        default=0.0,
+        help="TPOT SLO in seconds: a decode worker takes guest layers only while its step "
+        "(running requests / generated tokens per second) stays within --tpot-headroom "
+        "of it; 0: no guard",
+    )
+    p.add_argument(
+        "--tpot-headroom",
+        type=float,
+        default=d.tpot_headroom,
+        help="share of --tpot-slo-s a decode worker's step may reach with guest layers",
+    )
+    p.add_argument(
+        "--recall-kv-usage",
+        type=float,
+        default=d.recall_kv_usage,
+        help="recall the layers a decode worker hosts at once when its used KV plus the KV of "
+        "the requests waiting for its memory (SGLang's /v1/loads) passes this share of its "
+        "pool; 0: only when calm",
+    )
     p.add_argument("--host", default="127.0.0.1", help="where /metrics and /decisions are served")
     p.add_argument("--port", type=int, default=0, help="0: an ephemeral port (logged)")
     p.add_argument("--log-level", default="INFO")
@@ -347,26 +466,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def controller_from_args(args: argparse.Namespace) -> Controller:
-    cfg = BalancerConfig(imbalance_threshold=args.imbalance_threshold,
-                         release_threshold=min(BalancerConfig().release_threshold, args.imbalance_threshold),
-                         consecutive=args.consecutive, cooldown_s=args.cooldown_s,
-                         min_interval_s=args.min_interval_s, min_peak=args.min_peak, budget_s=args.budget_s,
-                         max_actions=args.max_actions, sustained_backlog_s=args.sustained_backlog_s,
-                         tpot_slo_s=args.tpot_slo_s, tpot_headroom=args.tpot_headroom,
-                         recall_kv_usage=args.recall_kv_usage)
-    return Controller(router=args.router, balancer_name=args.balancer,
-                      shape=model_shape(args.model_path, args.page_size, args.prefill_tokens_per_s),
-                      cost=MigrationCostModel(args.bandwidth_mbps * 1e6), config=cfg, interval_s=args.interval,
-                      recall_after_s=args.recall_after_s, api_key=args.api_key or envs.BANA_API_KEY.get() or None)
+    cfg = BalancerConfig(
+        imbalance_threshold=args.imbalance_threshold,
+        release_threshold=min(BalancerConfig().release_threshold, args.imbalance_threshold),
+        consecutive=args.consecutive,
+        cooldown_s=args.cooldown_s,
+        min_interval_s=args.min_interval_s,
+        min_peak=args.min_peak,
+        budget_s=args.budget_s,
+        max_actions=args.max_actions,
+        sustained_backlog_s=args.sustained_backlog_s,
+        tpot_slo_s=args.tpot_slo_s,
+        tpot_headroom=args.tpot_headroom,
+        recall_kv_usage=args.recall_kv_usage,
+    )
+    return Controller(
+        router=args.router,
+        balancer_name=args.balancer,
+        shape=model_shape(args.model_path, args.page_size, args.prefill_tokens_per_s),
+        cost=MigrationCostModel(args.bandwidth_mbps * 1e6),
+        config=cfg,
+        interval_s=args.interval,
+        recall_after_s=args.recall_after_s,
+        api_key=args.api_key or envs.BANA_API_KEY.get() or None,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, ctl = _cli.parse(build_parser(), list(argv) if argv is not None else None, controller_from_args)
+    args, ctl = _cli.parse(
+        build_parser(), list(argv) if argv is not None else None, controller_from_args
+    )
     _cli.exit_on_sigterm()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     server = serve(ctl, args.host, args.port)
     host, port = server.server_address[:2]
-    print(f"bana-balancer ready on http://{host}:{port} (policy {args.balancer}; /metrics, /decisions)", flush=True)
+    print(
+        f"bana-balancer ready on http://{host}:{port} (policy {args.balancer}; /metrics, /decisions)",
+        flush=True,
+    )
     stop = threading.Event()
     try:
         ctl.run(stop)

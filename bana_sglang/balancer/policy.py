@@ -73,6 +73,7 @@ class BalancerError(ValueError):
 
 # ----------------------------------------------------------------------------- actions
 
+
 @dataclass(frozen=True, slots=True)
 class LayerMigration:
     """Coarse: run layers ``[layers[0], layers[1])`` of ``src`` on ``dst``."""
@@ -135,6 +136,7 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------- config
+
 
 @dataclass(frozen=True)
 class MigrationCostModel:
@@ -201,8 +203,12 @@ class BalancerConfig:
     def __post_init__(self) -> None:
         if self.release_threshold > self.imbalance_threshold or self.release_threshold < 1:
             raise BalancerError("need 1 <= release_threshold <= imbalance_threshold")
-        for name, ok in (("consecutive", self.consecutive >= 1), ("max_actions", self.max_actions >= 0),
-                         ("budget_s", self.budget_s > 0), ("sustained_backlog_s", self.sustained_backlog_s > 0)):
+        for name, ok in (
+            ("consecutive", self.consecutive >= 1),
+            ("max_actions", self.max_actions >= 0),
+            ("budget_s", self.budget_s > 0),
+            ("sustained_backlog_s", self.sustained_backlog_s > 0),
+        ):
             if not ok:
                 raise BalancerError(f"invalid balancer config: {name}={getattr(self, name)!r}")
         if not 0 < self.max_layer_fraction < 1:
@@ -212,7 +218,9 @@ class BalancerConfig:
         if not 0 < self.tpot_headroom <= 1:
             raise BalancerError(f"tpot_headroom must be in (0, 1], got {self.tpot_headroom!r}")
         if not self.recall_kv_usage >= 0:
-            raise BalancerError(f"recall_kv_usage must be >= 0 (0: no early recall), got {self.recall_kv_usage!r}")
+            raise BalancerError(
+                f"recall_kv_usage must be >= 0 (0: no early recall), got {self.recall_kv_usage!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,12 +234,15 @@ class RunningRequest:
 
 # ----------------------------------------------------------------------------- policies
 
+
 def compute_utilisation(w: WorkerLoad, shape: ModelShape, cfg: BalancerConfig) -> float:
     """The compute part of ``U``: busy time, plus the queued prompt work of a worker
     that prefills."""
     if w.tier is Tier.DECODE:
         return w.busy_fraction
-    return w.busy_fraction + w.prefill_backlog_tokens / (shape.prefill_tokens_per_s * cfg.queue_horizon_s)
+    return w.busy_fraction + w.prefill_backlog_tokens / (
+        shape.prefill_tokens_per_s * cfg.queue_horizon_s
+    )
 
 
 def utilisation(w: WorkerLoad, shape: ModelShape, cfg: BalancerConfig) -> float:
@@ -243,14 +254,20 @@ class Balancer(abc.ABC):
     name = "base"
 
     @abc.abstractmethod
-    def plan(self, loads: Sequence[WorkerLoad], now: float,
-             running: Mapping[WorkerId, Sequence[RunningRequest]] | None = None,
-             engaged: Collection[WorkerId] = ()) -> Plan:
+    def plan(
+        self,
+        loads: Sequence[WorkerLoad],
+        now: float,
+        running: Mapping[WorkerId, Sequence[RunningRequest]] | None = None,
+        engaged: Collection[WorkerId] = (),
+    ) -> Plan:
         """``running``: each decode worker's movable requests; ``engaged``: workers
         still taking part in a migration (an agent runs one at a time), never
         picked as donor or peer."""
 
-    def memory_recalls(self, loads: Sequence[WorkerLoad], hosts: Collection[WorkerId]) -> list[WorkerId]:
+    def memory_recalls(
+        self, loads: Sequence[WorkerLoad], hosts: Collection[WorkerId]
+    ) -> list[WorkerId]:
         """Of ``hosts`` (workers now running a donor's guest layers), those that need
         their memory back: the caller recalls every layer migration they host. The
         base policy never asks (a lease ends when its owner says)."""
@@ -282,8 +299,9 @@ class BanaBalancer(Balancer):
 
     name = "bana"
 
-    def __init__(self, *, shape: ModelShape, cost: MigrationCostModel,
-                 config: BalancerConfig | None = None) -> None:
+    def __init__(
+        self, *, shape: ModelShape, cost: MigrationCostModel, config: BalancerConfig | None = None
+    ) -> None:
         self.shape, self.cost, self.config = shape, cost, config or BalancerConfig()
         self.state = _State()
 
@@ -299,8 +317,10 @@ class BanaBalancer(Balancer):
             st.streak += 1
         elif ratio < cfg.release_threshold or peak < cfg.min_peak:
             st.streak = 0
-        backlog = max((w.prefill_backlog_tokens for w in loads if w.tier is not Tier.DECODE),
-                      default=0) / self.shape.prefill_tokens_per_s
+        backlog = (
+            max((w.prefill_backlog_tokens for w in loads if w.tier is not Tier.DECODE), default=0)
+            / self.shape.prefill_tokens_per_s
+        )
         sustained = imbalanced and backlog >= cfg.sustained_backlog_s
         if st.streak < cfg.consecutive and not sustained:
             return Plan(peak_before=peak, peak_after=peak, reason=f"streak {st.streak}")
@@ -308,8 +328,11 @@ class BanaBalancer(Balancer):
             return Plan(peak_before=peak, peak_after=peak, reason="rate limited")
         by_id = {w.worker_id: w for w in loads}
         engaged = set(engaged)
-        free = [w for w in loads if w.worker_id not in engaged
-                and st.busy_until.get(w.worker_id, -math.inf) <= now]
+        free = [
+            w
+            for w in loads
+            if w.worker_id not in engaged and st.busy_until.get(w.worker_id, -math.inf) <= now
+        ]
         hot_order = sorted(free, key=lambda w: -u[w.worker_id])
         actions: list[Action] = []
         used: set[WorkerId] = set()
@@ -320,13 +343,19 @@ class BanaBalancer(Balancer):
                 break
             if hot.worker_id in used:
                 continue
-            colds = sorted((w for w in free if w.worker_id not in used
-                            and w.worker_id != hot.worker_id), key=lambda w: u[w.worker_id])
+            colds = sorted(
+                (w for w in free if w.worker_id not in used and w.worker_id != hot.worker_id),
+                key=lambda w: u[w.worker_id],
+            )
             for cold in colds:
-                if st.recent.get((cold.worker_id, hot.worker_id), -math.inf) > now - 2 * cfg.cooldown_s:
+                if (
+                    st.recent.get((cold.worker_id, hot.worker_id), -math.inf)
+                    > now - 2 * cfg.cooldown_s
+                ):
                     continue  # would reverse a recent migration
-                act = self._pair_action(hot, cold, u, budget,
-                                        (running or {}).get(hot.worker_id, ()))
+                act = self._pair_action(
+                    hot, cold, u, budget, (running or {}).get(hot.worker_id, ())
+                )
                 if act is not None:
                     actions.append(act)
                     budget -= act.seconds
@@ -341,8 +370,14 @@ class BanaBalancer(Balancer):
             st.recent[(a.src, a.dst)] = now
         after = max(u.values())
         reason = "rebalance" if st.streak >= cfg.consecutive else f"prefill backlog {backlog:.1f}s"
-        logger.info("balancer plan at %.2fs: %s actions, peak %.3f -> %.3f (%s)",
-                    now, len(actions), peak, after, reason)
+        logger.info(
+            "balancer plan at %.2fs: %s actions, peak %.3f -> %.3f (%s)",
+            now,
+            len(actions),
+            peak,
+            after,
+            reason,
+        )
         st.streak = 0
         return Plan(tuple(actions), peak_before=peak, peak_after=after, reason=reason)
 
@@ -361,14 +396,24 @@ class BanaBalancer(Balancer):
                 continue
             need = (w.kv_used_tokens + w.kv_waiting_tokens) / max(1, w.kv_total_tokens)
             if need > limit:
-                logger.info("balancer: %s needs its memory back (used + waiting KV %.2f of its pool > %.2f)",
-                            w.worker_id, need, limit)
+                logger.info(
+                    "balancer: %s needs its memory back (used + waiting KV %.2f of its pool > %.2f)",
+                    w.worker_id,
+                    need,
+                    limit,
+                )
                 out.append(w.worker_id)
         return out
 
     # -- one donor/peer pair -------------------------------------------------------
-    def _pair_action(self, hot: WorkerLoad, cold: WorkerLoad, u: dict[WorkerId, float],
-                     budget: float, running: Sequence[RunningRequest]) -> Action | None:
+    def _pair_action(
+        self,
+        hot: WorkerLoad,
+        cold: WorkerLoad,
+        u: dict[WorkerId, float],
+        budget: float,
+        running: Sequence[RunningRequest],
+    ) -> Action | None:
         cfg = self.config
         uh, uc = u[hot.worker_id], u[cold.worker_id]
         if uh <= 0 or uh - uc < 2 * cfg.min_gain:
@@ -401,8 +446,13 @@ class BanaBalancer(Balancer):
             return None
         nbytes = k * shape.layer_weight_bytes
         start = shape.num_layers - k  # the tail layers: the donor streams hidden states
-        return LayerMigration(hot.worker_id, cold.worker_id, (start, shape.num_layers),
-                              nbytes, self.cost.seconds(nbytes))
+        return LayerMigration(
+            hot.worker_id,
+            cold.worker_id,
+            (start, shape.num_layers),
+            nbytes,
+            self.cost.seconds(nbytes),
+        )
 
     def _tpot_cap(self, hot: WorkerLoad, cold: WorkerLoad) -> float:
         """The largest share of ``hot``'s layers a decode peer may run without its step
@@ -432,15 +482,18 @@ class BanaBalancer(Balancer):
         if fitting:
             r = max(fitting, key=lambda r: (r.kv_tokens, r.remaining_tokens, r.request_id))
             nbytes = r.kv_tokens * shape.kv_bytes_per_token
-            return RequestMigration(hot.worker_id, cold.worker_id, r.request_id, nbytes,
-                                    self.cost.seconds(nbytes))
+            return RequestMigration(
+                hot.worker_id, cold.worker_id, r.request_id, nbytes, self.cost.seconds(nbytes)
+            )
         pages = int(target // shape.page_size)
         nbytes = pages * shape.page_size * shape.kv_bytes_per_token
-        return KVBlockMigration(hot.worker_id, cold.worker_id, pages, nbytes,
-                                self.cost.seconds(nbytes))
+        return KVBlockMigration(
+            hot.worker_id, cold.worker_id, pages, nbytes, self.cost.seconds(nbytes)
+        )
 
-    def _predict(self, act: Action, by_id: Mapping[WorkerId, WorkerLoad],
-                 u: Mapping[WorkerId, float]) -> dict[WorkerId, float]:
+    def _predict(
+        self, act: Action, by_id: Mapping[WorkerId, WorkerLoad], u: Mapping[WorkerId, float]
+    ) -> dict[WorkerId, float]:
         """Utilisations of the pair after ``act`` (first-order model)."""
         uh, uc = u[act.src], u[act.dst]
         if isinstance(act, LayerMigration):
@@ -451,17 +504,23 @@ class BanaBalancer(Balancer):
             compute = compute_utilisation(cold, self.shape, self.config) + phi * uh
             if cold.tier is Tier.PREFILL:
                 return {act.src: uh * (1 - phi), act.dst: compute}
-            memory = cold.kv_usage + act.bytes / self.shape.kv_bytes_per_token / max(1, cold.kv_total_tokens)
+            memory = cold.kv_usage + act.bytes / self.shape.kv_bytes_per_token / max(
+                1, cold.kv_total_tokens
+            )
             return {act.src: uh * (1 - phi), act.dst: max(compute, memory)}
         hot, cold = by_id[act.src], by_id[act.dst]
         tokens = act.bytes // self.shape.kv_bytes_per_token
         dh = tokens / max(1, hot.kv_total_tokens)
         dc = tokens / max(1, cold.kv_total_tokens)
-        return {act.src: max(hot.busy_fraction, hot.kv_usage - dh),
-                act.dst: max(uc, cold.kv_usage + dc)}
+        return {
+            act.src: max(hot.busy_fraction, hot.kv_usage - dh),
+            act.dst: max(uc, cold.kv_usage + dc),
+        }
 
 
-BALANCERS: Registry[Balancer] = Registry("balancer", (BanaBalancer, NoneBalancer), error=BalancerError)
+BALANCERS: Registry[Balancer] = Registry(
+    "balancer", (BanaBalancer, NoneBalancer), error=BalancerError
+)
 DEFAULT_BALANCER = "bana"
 
 

@@ -65,6 +65,8 @@ DEFAULT_IDLE_POLL_MS = envs.BANA_IDLE_POLL_MS.default
 def idle_poll_ms() -> int:
     """Idle wait of an SGLang scheduler on CPU (``BANA_IDLE_POLL_MS``; 0: stock spin)."""
     return envs.BANA_IDLE_POLL_MS.get()
+
+
 STOCK_CPU_ATTENTION = "torch_native"
 
 
@@ -198,12 +200,15 @@ def apply_in_process_fixes() -> list[str]:
     try:
         from sglang.srt.mem_cache import allocation
     except ImportError:
-        logger.info("SGLang's allocation module moved; paged KV on CPU may reach Triton", exc_info=True)
+        logger.info(
+            "SGLang's allocation module moved; paged KV on CPU may reach Triton", exc_info=True
+        )
     else:
         # get_last_loc takes its torch path only for the "torch_native" and "ascend"
         # backends; with bana_cpu (and --page-size > 1) it would launch a Triton kernel.
-        allocation.get_last_loc = lambda req_to_token, req_pool_indices, prefix_lens: \
+        allocation.get_last_loc = lambda req_to_token, req_pool_indices, prefix_lens: (
             allocation.get_last_loc_torch(req_to_token, req_pool_indices, prefix_lens)
+        )
         applied.append("allocation.get_last_loc uses torch")
     ms = idle_poll_ms()
     if ms > 0:
@@ -212,8 +217,11 @@ def apply_in_process_fixes() -> list[str]:
                 IdleSleeper,
             )
         except ImportError:
-            logger.info("SGLang has no IdleSleeper here; idle schedulers keep spinning", exc_info=True)
+            logger.info(
+                "SGLang has no IdleSleeper here; idle schedulers keep spinning", exc_info=True
+            )
         else:
+
             def maybe_sleep(self, _ms=ms):  # no device cache to empty on CPU
                 self.poller.poll(_ms)
 

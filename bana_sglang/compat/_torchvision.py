@@ -20,7 +20,7 @@ def _define_torchvision_ops() -> None:
     import torch
 
     try:
-        torch.ops.torchvision.nms  # compiled ops loaded: nothing to do
+        torch.ops.torchvision.nms  # noqa: B018 (raises unless the compiled ops loaded)
         return
     except (AttributeError, RuntimeError):
         pass

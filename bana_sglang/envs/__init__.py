@@ -66,13 +66,17 @@ class EnvVar(Generic[T]):
         if self.kind is str:
             value: object = raw.lower() if self.choices else raw
             if self.choices and value not in self.choices:
-                raise ValueError(f"{self.name} must be one of {', '.join(self.choices)}, got {raw!r}")
+                raise ValueError(
+                    f"{self.name} must be one of {', '.join(self.choices)}, got {raw!r}"
+                )
             return value  # type: ignore[return-value]
         try:
             value = self.kind(raw)
         except ValueError:
-            raise ValueError(f"{self.name} must be {'an integer' if self.kind is int else 'a number'}, "
-                             f"got {raw!r}") from None
+            raise ValueError(
+                f"{self.name} must be {'an integer' if self.kind is int else 'a number'}, "
+                f"got {raw!r}"
+            ) from None
         if self.minimum is not None and value < self.minimum:
             raise ValueError(f"{self.name} must be >= {self.minimum:g}, got {raw!r}")
         return value  # type: ignore[return-value]
@@ -83,71 +87,180 @@ def _var(name: str, kind: type, default, doc: str, **kw) -> EnvVar:
 
 
 # -- machine and CPU layer
-BANA_DEVICE = _var("BANA_DEVICE", str, "",
-                   "force the device flavour: `cpu` (the CPU layer applies) or `cuda`; unset: cuda iff torch "
-                   "sees a GPU (also picks the wheels in scripts/setup.sh)", choices=("cpu", "cuda"))
-BANA_CPU_ATTENTION = _var("BANA_CPU_ATTENTION", str, "bana",
-                          "default `--attention-backend` on CPU: `bana` (bana_cpu) or `stock` (torch_native)",
-                          choices=("bana", "stock"))
-BANA_IDLE_POLL_MS = _var("BANA_IDLE_POLL_MS", int, 5,
-                         "idle wait of an SGLang scheduler on CPU, in ms (0: SGLang's busy spin)", minimum=0)
-BANA_MERGE_TRITON = _var("BANA_MERGE_TRITON", bool, True,
-                         "use the Triton kernel for the two-way attention merge on CUDA (0: the torch path)")
-BANA_MODEL_CACHE = _var("BANA_MODEL_CACHE", str, "",
-                        "where the embedded models are built (default ~/.cache/bana_sglang/models)")
-BANA_VENV = _var("BANA_VENV", str, ".venv", "the virtual environment of scripts/setup.sh, run.sh and test.sh")
+BANA_DEVICE = _var(
+    "BANA_DEVICE",
+    str,
+    "",
+    "force the device flavour: `cpu` (the CPU layer applies) or `cuda`; unset: cuda iff torch "
+    "sees a GPU (also picks the wheels in scripts/setup.sh)",
+    choices=("cpu", "cuda"),
+)
+BANA_CPU_ATTENTION = _var(
+    "BANA_CPU_ATTENTION",
+    str,
+    "bana",
+    "default `--attention-backend` on CPU: `bana` (bana_cpu) or `stock` (torch_native)",
+    choices=("bana", "stock"),
+)
+BANA_IDLE_POLL_MS = _var(
+    "BANA_IDLE_POLL_MS",
+    int,
+    5,
+    "idle wait of an SGLang scheduler on CPU, in ms (0: SGLang's busy spin)",
+    minimum=0,
+)
+BANA_MERGE_TRITON = _var(
+    "BANA_MERGE_TRITON",
+    bool,
+    True,
+    "use the Triton kernel for the two-way attention merge on CUDA (0: the torch path)",
+)
+BANA_MODEL_CACHE = _var(
+    "BANA_MODEL_CACHE",
+    str,
+    "",
+    "where the embedded models are built (default ~/.cache/bana_sglang/models)",
+)
+BANA_VENV = _var(
+    "BANA_VENV", str, ".venv", "the virtual environment of scripts/setup.sh, run.sh and test.sh"
+)
 
 # -- the router and the operators' tools
-BANA_API_KEY = _var("BANA_API_KEY", str, "",
-                    "the router's API key (`--api-key` wins): the router requires it, the migrate CLI, the "
-                    "balancer and the launcher's health checks send it", set_by="launcher")
+BANA_API_KEY = _var(
+    "BANA_API_KEY",
+    str,
+    "",
+    "the router's API key (`--api-key` wins): the router requires it, the migrate CLI, the "
+    "balancer and the launcher's health checks send it",
+    set_by="launcher",
+)
 
 # -- the global KV cache store
-BANA_INDEX_ENDPOINT = _var("BANA_INDEX_ENDPOINT", str, "",
-                           "ZMQ endpoint of the global prefix index service (tcp://host:port)", set_by="launcher")
-BANA_INDEX_TIMEOUT_S = _var("BANA_INDEX_TIMEOUT_S", float, 0.5,
-                            "how long a worker waits for the index before a lookup counts as a miss", minimum=0)
-BANA_INDEX_RETRY_S = _var("BANA_INDEX_RETRY_S", float, 1.0,
-                          "after an index timeout, how long lookups fail fast before the index is tried again",
-                          minimum=0)
-BANA_STORE_MASTER = _var("BANA_STORE_MASTER", str, "127.0.0.1:50051",
-                         "host:port of mooncake_master's RPC", set_by="launcher")
-BANA_STORE_HOST = _var("BANA_STORE_HOST", str, "127.0.0.1",
-                       "the address this process's Mooncake client advertises", set_by="launcher")
-BANA_STORE_PROTOCOL = _var("BANA_STORE_PROTOCOL", str, "tcp", "Mooncake store transport: `tcp` or `rdma`",
-                           choices=("tcp", "rdma"), set_by="launcher")
-BANA_STORE_RDMA_DEVICES = _var("BANA_STORE_RDMA_DEVICES", str, "",
-                               "RDMA devices for the store (e.g. `mlx5_0`; empty: Mooncake picks)",
-                               set_by="launcher")
-BANA_STORE_STAGING_BYTES = _var("BANA_STORE_STAGING_BYTES", int, 32 << 20,
-                                "registered staging buffer of a worker's store client, in bytes", minimum=1)
-BANA_STORE_PROBE_INTERVAL_S = _var("BANA_STORE_PROBE_INTERVAL_S", float, 0.5,
-                                   "while the store is down, how often a worker probes the master", minimum=0)
+BANA_INDEX_ENDPOINT = _var(
+    "BANA_INDEX_ENDPOINT",
+    str,
+    "",
+    "ZMQ endpoint of the global prefix index service (tcp://host:port)",
+    set_by="launcher",
+)
+BANA_INDEX_TIMEOUT_S = _var(
+    "BANA_INDEX_TIMEOUT_S",
+    float,
+    0.5,
+    "how long a worker waits for the index before a lookup counts as a miss",
+    minimum=0,
+)
+BANA_INDEX_RETRY_S = _var(
+    "BANA_INDEX_RETRY_S",
+    float,
+    1.0,
+    "after an index timeout, how long lookups fail fast before the index is tried again",
+    minimum=0,
+)
+BANA_STORE_MASTER = _var(
+    "BANA_STORE_MASTER",
+    str,
+    "127.0.0.1:50051",
+    "host:port of mooncake_master's RPC",
+    set_by="launcher",
+)
+BANA_STORE_HOST = _var(
+    "BANA_STORE_HOST",
+    str,
+    "127.0.0.1",
+    "the address this process's Mooncake client advertises",
+    set_by="launcher",
+)
+BANA_STORE_PROTOCOL = _var(
+    "BANA_STORE_PROTOCOL",
+    str,
+    "tcp",
+    "Mooncake store transport: `tcp` or `rdma`",
+    choices=("tcp", "rdma"),
+    set_by="launcher",
+)
+BANA_STORE_RDMA_DEVICES = _var(
+    "BANA_STORE_RDMA_DEVICES",
+    str,
+    "",
+    "RDMA devices for the store (e.g. `mlx5_0`; empty: Mooncake picks)",
+    set_by="launcher",
+)
+BANA_STORE_STAGING_BYTES = _var(
+    "BANA_STORE_STAGING_BYTES",
+    int,
+    32 << 20,
+    "registered staging buffer of a worker's store client, in bytes",
+    minimum=1,
+)
+BANA_STORE_PROBE_INTERVAL_S = _var(
+    "BANA_STORE_PROBE_INTERVAL_S",
+    float,
+    0.5,
+    "while the store is down, how often a worker probes the master",
+    minimum=0,
+)
 
 # -- migration
-BANA_WORKER_NAME = _var("BANA_WORKER_NAME", str, "", "this worker's name in the cluster (default: role-pid)",
-                        set_by="launcher")
-BANA_AGENT_ENDPOINT = _var("BANA_AGENT_ENDPOINT", str, "",
-                           "the ZMQ endpoint this worker's migration agent binds (unset: no agent)",
-                           set_by="launcher")
-BANA_AGENT_HOST = _var("BANA_AGENT_HOST", str, "",
-                       "the address this worker's transfer engine and guest executors advertise (default: the "
-                       "agent endpoint's host)", set_by="launcher")
-BANA_MIGRATE_STEP_TIMEOUT_S = _var("BANA_MIGRATE_STEP_TIMEOUT_S", float, 0.0,
-                                   "how long an owner waits for its guest's layers in one step before it reloads "
-                                   "them from the checkpoint (0: the agent's default)", minimum=0)
-BANA_MIGRATE_PEER_TIMEOUT_S = _var("BANA_MIGRATE_PEER_TIMEOUT_S", float, 0.0,
-                                   "how long an agent waits for a peer agent's reply (0: the agent's default)",
-                                   minimum=0)
-BANA_KV_STEP_TIMEOUT_S = _var("BANA_KV_STEP_TIMEOUT_S", float, 0.0,
-                              "how long a KV lender waits for its host in one decode step (0: the layer step "
-                              "timeout)", minimum=0)
-BANA_KV_HOST_RECLAIM_BELOW = _var("BANA_KV_HOST_RECLAIM_BELOW", float, 0.05,
-                                  "a KV host asks for its memory back when its free KV share drops below this",
-                                  minimum=0)
-BANA_REQUEST_PRECOPY_S = _var("BANA_REQUEST_PRECOPY_S", float, 0.2,
-                              "a migrating request decodes on this long after its pages start to copy (0: stop "
-                              "at the first batch boundary)", minimum=0)
+BANA_WORKER_NAME = _var(
+    "BANA_WORKER_NAME",
+    str,
+    "",
+    "this worker's name in the cluster (default: role-pid)",
+    set_by="launcher",
+)
+BANA_AGENT_ENDPOINT = _var(
+    "BANA_AGENT_ENDPOINT",
+    str,
+    "",
+    "the ZMQ endpoint this worker's migration agent binds (unset: no agent)",
+    set_by="launcher",
+)
+BANA_AGENT_HOST = _var(
+    "BANA_AGENT_HOST",
+    str,
+    "",
+    "the address this worker's transfer engine and guest executors advertise (default: the "
+    "agent endpoint's host)",
+    set_by="launcher",
+)
+BANA_MIGRATE_STEP_TIMEOUT_S = _var(
+    "BANA_MIGRATE_STEP_TIMEOUT_S",
+    float,
+    0.0,
+    "how long an owner waits for its guest's layers in one step before it reloads "
+    "them from the checkpoint (0: the agent's default)",
+    minimum=0,
+)
+BANA_MIGRATE_PEER_TIMEOUT_S = _var(
+    "BANA_MIGRATE_PEER_TIMEOUT_S",
+    float,
+    0.0,
+    "how long an agent waits for a peer agent's reply (0: the agent's default)",
+    minimum=0,
+)
+BANA_KV_STEP_TIMEOUT_S = _var(
+    "BANA_KV_STEP_TIMEOUT_S",
+    float,
+    0.0,
+    "how long a KV lender waits for its host in one decode step (0: the layer step timeout)",
+    minimum=0,
+)
+BANA_KV_HOST_RECLAIM_BELOW = _var(
+    "BANA_KV_HOST_RECLAIM_BELOW",
+    float,
+    0.05,
+    "a KV host asks for its memory back when its free KV share drops below this",
+    minimum=0,
+)
+BANA_REQUEST_PRECOPY_S = _var(
+    "BANA_REQUEST_PRECOPY_S",
+    float,
+    0.2,
+    "a migrating request decodes on this long after its pages start to copy (0: stop "
+    "at the first batch boundary)",
+    minimum=0,
+)
 
 
 @contextlib.contextmanager
@@ -174,7 +287,11 @@ def markdown_table() -> str:
     rows = ["| variable | type | default | set by | what it does |", "|---|---|---|---|---|"]
     for var in REGISTRY.values():
         kind = " / ".join(var.choices) if var.choices else var.kind.__name__
-        default = "" if var.default == "" else (int(var.default) if var.kind is bool else var.default)
-        rows.append(f"| `{var.name}` | {kind} | {f'`{default}`' if default != '' else ''} | {var.set_by} | "
-                    f"{var.doc} |")
+        default = (
+            "" if var.default == "" else (int(var.default) if var.kind is bool else var.default)
+        )
+        rows.append(
+            f"| `{var.name}` | {kind} | {f'`{default}`' if default != '' else ''} | {var.set_by} | "
+            f"{var.doc} |"
+        )
     return "\n".join(rows)

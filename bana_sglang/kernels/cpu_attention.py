@@ -56,7 +56,9 @@ LOOP_REQUEST_US = 35.0
 def decode_pads(seq_lens: Sequence[int]) -> bool:
     """Whether :func:`decode_attention` runs these lengths as one padded call."""
     b = len(seq_lens)
-    return b > 1 and PAD_KEY_US * b * max(seq_lens) < LOOP_KEY_US * sum(seq_lens) + LOOP_REQUEST_US * b
+    return (
+        b > 1 and PAD_KEY_US * b * max(seq_lens) < LOOP_KEY_US * sum(seq_lens) + LOOP_REQUEST_US * b
+    )
 
 
 class AttentionResult(NamedTuple):
@@ -66,8 +68,9 @@ class AttentionResult(NamedTuple):
     lse: torch.Tensor | None
 
 
-def causal_offset_mask(q_len: int, kv_len: int, q_offset: int, dtype: torch.dtype,
-                       device: torch.device | str = "cpu") -> torch.Tensor:
+def causal_offset_mask(
+    q_len: int, kv_len: int, q_offset: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Additive mask ``[q_len, kv_len]``: 0 where key ``j <= q_offset + i``, else ``-inf``."""
     q_pos = torch.arange(q_offset, q_offset + q_len, device=device).unsqueeze(1)  # [q_len, 1]
     k_pos = torch.arange(kv_len, device=device).unsqueeze(0)  # [1, kv_len]
@@ -88,11 +91,21 @@ def _unfold(x: torch.Tensor, length: int) -> torch.Tensor:
     g = x.shape[1] // length
     if x.dim() == 2:
         return x.view(n_kv, g, length).permute(2, 0, 1).reshape(length, n_kv * g)
-    return x.view(n_kv, g, length, x.shape[-1]).permute(2, 0, 1, 3).reshape(length, n_kv * g, x.shape[-1])
+    return (
+        x.view(n_kv, g, length, x.shape[-1])
+        .permute(2, 0, 1, 3)
+        .reshape(length, n_kv * g, x.shape[-1])
+    )
 
 
-def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                   scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _sdpa_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA on [B, H, L, D] that also returns the lse [B, H, L] (float32).
 
     The public SDPA does not expose the lse; the CPU flash kernel it dispatches
@@ -102,12 +115,20 @@ def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     if mask is not None:
         mask = mask.to(q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+    )[:2]
     return out, lse.float()
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-           q_offset: int | None, need_lse: bool = False) -> AttentionResult:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    q_offset: int | None,
+    need_lse: bool = False,
+) -> AttentionResult:
     """Attention of one sequence's queries over its gathered KV.
 
     Args:
@@ -133,8 +154,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
     if masked and q_offset == 0 and q_len == kv_len and not need_lse:
         # Cold causal prefill: SDPA's causal kernel (top-left aligned = correct here).
         out = F.scaled_dot_product_attention(
-            q.permute(1, 0, 2).unsqueeze(0), kt.unsqueeze(0), vt.unsqueeze(0),
-            is_causal=True, scale=scale, enable_gqa=hq != hkv)  # [1, Hq, q_len, Dv]
+            q.permute(1, 0, 2).unsqueeze(0),
+            kt.unsqueeze(0),
+            vt.unsqueeze(0),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=hq != hkv,
+        )  # [1, Hq, q_len, Dv]
         return AttentionResult(out[0].permute(1, 0, 2), None)
     g = hq // hkv
     if masked and 0 < q_offset and q_offset + q_len == kv_len:
@@ -143,16 +169,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
     mask = None
     if masked:
         assert q_offset is not None
-        mask = causal_offset_mask(q_len, kv_len, q_offset, q.dtype, q.device).repeat(g, 1)  # [G*q_len, kv]
+        mask = causal_offset_mask(q_len, kv_len, q_offset, q.dtype, q.device).repeat(
+            g, 1
+        )  # [G*q_len, kv]
     if need_lse:
         out, lse = _sdpa_with_lse(qf, kt.unsqueeze(0), vt.unsqueeze(0), mask, scale)
         return AttentionResult(_unfold(out[0], q_len), _unfold(lse[0], q_len))
-    out = F.scaled_dot_product_attention(qf, kt.unsqueeze(0), vt.unsqueeze(0), attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        qf, kt.unsqueeze(0), vt.unsqueeze(0), attn_mask=mask, scale=scale
+    )
     return AttentionResult(_unfold(out[0], q_len), None)
 
 
-def _extend_over_prefix(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, prefix: int, scale: float,
-                        need_lse: bool) -> AttentionResult:
+def _extend_over_prefix(
+    q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, prefix: int, scale: float, need_lse: bool
+) -> AttentionResult:
     """New tokens after a cached prefix, without a ``q_len x kv_len`` mask: every
     query sees the whole prefix (one unmasked call) and the new keys causally
     (the square, top-left aligned causal kernel); the two states merge exactly
@@ -161,25 +192,43 @@ def _extend_over_prefix(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, pre
     hkv = kt.shape[0]
     g = hq // hkv
     qf = _fold(q, hkv).unsqueeze(0)  # [1, Hkv, G*q_len, D]
-    o_p, lse_p = _sdpa_with_lse(qf, kt[:, :prefix].unsqueeze(0), vt[:, :prefix].unsqueeze(0), None, scale)
+    o_p, lse_p = _sdpa_with_lse(
+        qf, kt[:, :prefix].unsqueeze(0), vt[:, :prefix].unsqueeze(0), None, scale
+    )
     o_p, lse_p = _unfold(o_p[0], q_len), _unfold(lse_p[0], q_len)  # [L, Hq, Dv], [L, Hq]
     k_new, v_new = kt[:, prefix:], vt[:, prefix:]
     if g > 1:  # the causal kernel wants one KV head per query head
         k_new, v_new = k_new.repeat_interleave(g, dim=0), v_new.repeat_interleave(g, dim=0)
-    o_n, lse_n = _sdpa_with_lse(q.permute(1, 0, 2).unsqueeze(0), k_new.unsqueeze(0), v_new.unsqueeze(0), None,
-                                scale, causal=True)
+    o_n, lse_n = _sdpa_with_lse(
+        q.permute(1, 0, 2).unsqueeze(0),
+        k_new.unsqueeze(0),
+        v_new.unsqueeze(0),
+        None,
+        scale,
+        causal=True,
+    )
     o_n, lse_n = o_n[0].permute(1, 0, 2), lse_n[0].transpose(0, 1)  # [L, Hq, Dv], [L, Hq]
     # both partitions are non-empty: finite lse on each side
     m = torch.maximum(lse_p, lse_n)
     w_p, w_n = torch.exp(lse_p - m), torch.exp(lse_n - m)
     total = w_p + w_n
-    out = (o_p * (w_p / total).unsqueeze(-1).to(o_p.dtype) + o_n * (w_n / total).unsqueeze(-1).to(o_n.dtype))
+    out = o_p * (w_p / total).unsqueeze(-1).to(o_p.dtype) + o_n * (w_n / total).unsqueeze(-1).to(
+        o_n.dtype
+    )
     return AttentionResult(out, m + torch.log(total) if need_lse else None)
 
 
-def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     kv_indices: Sequence[torch.Tensor], extend_lens: Sequence[int], *, scale: float,
-                     out: torch.Tensor | None = None, need_lse: bool = False) -> AttentionResult:
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indices: Sequence[torch.Tensor],
+    extend_lens: Sequence[int],
+    *,
+    scale: float,
+    out: torch.Tensor | None = None,
+    need_lse: bool = False,
+) -> AttentionResult:
     """Causal extend attention for a batch of requests over a paged KV pool.
 
     Args:
@@ -204,20 +253,34 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         kv_len = slots.shape[0]
         if ext > kv_len:
             raise ValueError(f"extend_len {ext} > kv_len {kv_len}")
-        res = attend(q[start:start + ext], k_cache[slots], v_cache[slots], scale=scale,
-                     q_offset=kv_len - ext, need_lse=need_lse)
-        out[start:start + ext] = res.output
+        res = attend(
+            q[start : start + ext],
+            k_cache[slots],
+            v_cache[slots],
+            scale=scale,
+            q_offset=kv_len - ext,
+            need_lse=need_lse,
+        )
+        out[start : start + ext] = res.output
         if lse is not None:
-            lse[start:start + ext] = res.lse
+            lse[start : start + ext] = res.lse
         start += ext
     if start != n_tokens:
         raise ValueError(f"extend_lens sum to {start}, but q has {n_tokens} tokens")
     return AttentionResult(out, lse)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     kv_table: torch.Tensor, seq_lens: Sequence[int], *, scale: float,
-                     out: torch.Tensor | None = None, need_lse: bool = False) -> AttentionResult:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_table: torch.Tensor,
+    seq_lens: Sequence[int],
+    *,
+    scale: float,
+    out: torch.Tensor | None = None,
+    need_lse: bool = False,
+) -> AttentionResult:
     """One new token per request, attending to its whole KV (itself included).
 
     Args:
@@ -237,8 +300,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = torch.empty((bsz, hq), dtype=torch.float32) if need_lse else None
         for b, n in enumerate(seq_lens):
             slots = kv_table[b, :n]
-            res = attend(q[b:b + 1], k_cache[slots], v_cache[slots], scale=scale,
-                         q_offset=None, need_lse=need_lse)
+            res = attend(
+                q[b : b + 1],
+                k_cache[slots],
+                v_cache[slots],
+                scale=scale,
+                q_offset=None,
+                need_lse=need_lse,
+            )
             out[b] = res.output[0]
             if lse is not None:
                 lse[b] = res.lse[0]
@@ -255,14 +324,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if min(seq_lens) != max_len:
         pad = torch.arange(max_len).unsqueeze(0) >= lens.unsqueeze(1)  # [B, max_len]
         mask = torch.zeros((bsz, 1, 1, max_len), dtype=q.dtype).masked_fill_(
-            pad.view(bsz, 1, 1, max_len), float("-inf"))
+            pad.view(bsz, 1, 1, max_len), float("-inf")
+        )
     res = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G, Dv]
     out.copy_(res.reshape(bsz, hq, dv))
     return AttentionResult(out, None)
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                        q_offset: int | None) -> AttentionResult:
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_offset: int | None
+) -> AttentionResult:
     """Dense float64 reference of :func:`attend` (output in float64, lse float64)."""
     q_len, hq, _ = q.shape
     kv_len, hkv, _ = k.shape

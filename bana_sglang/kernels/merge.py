@@ -51,7 +51,9 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def merge_attention_states(outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> MergedState:
+def merge_attention_states(
+    outputs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
+) -> MergedState:
     """Merge partial attention states over disjoint KV partitions (see module doc).
 
     Args:
@@ -64,8 +66,10 @@ def merge_attention_states(outputs: Sequence[torch.Tensor], lses: Sequence[torch
     shape = outputs[0].shape
     for o, s in zip(outputs, lses):
         if o.shape != shape or s.shape != shape[:-1]:
-            raise ValueError(f"shape mismatch: output {tuple(o.shape)} / lse {tuple(s.shape)}, "
-                             f"expected {tuple(shape)} / {tuple(shape[:-1])}")
+            raise ValueError(
+                f"shape mismatch: output {tuple(o.shape)} / lse {tuple(s.shape)}, "
+                f"expected {tuple(shape)} / {tuple(shape[:-1])}"
+            )
     acc = _acc_dtype(outputs[0].dtype)
     lse_stack = torch.stack([s.to(acc) for s in lses])  # [n, T, H]
     lse_max = lse_stack.amax(dim=0)  # [T, H]; -inf where all partitions are empty
@@ -81,13 +85,21 @@ def merge_attention_states(outputs: Sequence[torch.Tensor], lses: Sequence[torch
         merged += torch.where(w.unsqueeze(-1) > 0, contrib, torch.zeros_like(contrib))
     nonempty = total > 0
     merged = merged / torch.where(nonempty, total, torch.ones_like(total)).unsqueeze(-1)
-    lse = torch.where(nonempty, finite_max + torch.log(total), torch.full_like(total, float("-inf")))
+    lse = torch.where(
+        nonempty, finite_max + torch.log(total), torch.full_like(total, float("-inf"))
+    )
     return MergedState(merged.to(outputs[0].dtype), lse)
 
 
-def merge_two(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> MergedState:
+def merge_two(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> MergedState:
     """:func:`merge_attention_states` of two partitions; the Triton kernel on CUDA."""
-    if o_a.is_cuda and o_a.dtype in (torch.float32, torch.float16, torch.bfloat16) and _triton_kernel() is not None:
+    if (
+        o_a.is_cuda
+        and o_a.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and _triton_kernel() is not None
+    ):
         return merge_two_triton(o_a, lse_a, o_b, lse_b)
     return merge_attention_states((o_a, o_b), (lse_a, lse_b))
 
@@ -104,7 +116,9 @@ def _triton_kernel():
         return None
 
     @triton.jit
-    def merge_two_rows(o_a, lse_a, o_b, lse_b, out, lse_out, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    def merge_two_rows(
+        o_a, lse_a, o_b, lse_b, out, lse_out, D: tl.constexpr, BLOCK_D: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)  # one (token, head): D values and one lse per input
         sa = tl.load(lse_a + row).to(tl.float32)
         sb = tl.load(lse_b + row).to(tl.float32)
@@ -126,15 +140,19 @@ def _triton_kernel():
     return merge_two_rows
 
 
-def merge_two_triton(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> MergedState:
+def merge_two_triton(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> MergedState:
     """The Triton kernel behind :func:`merge_two` (CUDA tensors; same contract, lse float32)."""
     kernel = _triton_kernel()
     if kernel is None:
         raise RuntimeError("Triton is not available (or BANA_MERGE_TRITON=0)")
     for o, s in ((o_a, lse_a), (o_b, lse_b)):
         if o.shape != o_a.shape or s.shape != o_a.shape[:-1] or o.dim() != 3:
-            raise ValueError(f"shape mismatch: output {tuple(o.shape)} / lse {tuple(s.shape)}, expected "
-                             f"[T, H, D] {tuple(o_a.shape)} / {tuple(o_a.shape[:-1])}")
+            raise ValueError(
+                f"shape mismatch: output {tuple(o.shape)} / lse {tuple(s.shape)}, expected "
+                f"[T, H, D] {tuple(o_a.shape)} / {tuple(o_a.shape[:-1])}"
+            )
         if not (o.is_cuda and s.is_cuda) or o.device != o_a.device or s.device != o_a.device:
             raise ValueError("merge_two_triton needs every tensor on the same CUDA device")
     t, h, d = o_a.shape
@@ -143,6 +161,14 @@ def merge_two_triton(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, 
     if t * h:
         import triton
 
-        kernel[(t * h,)](o_a.contiguous(), lse_a.contiguous(), o_b.to(o_a.dtype).contiguous(), lse_b.contiguous(),
-                         out, lse, D=d, BLOCK_D=triton.next_power_of_2(d))
+        kernel[(t * h,)](
+            o_a.contiguous(),
+            lse_a.contiguous(),
+            o_b.to(o_a.dtype).contiguous(),
+            lse_b.contiguous(),
+            out,
+            lse,
+            D=d,
+            BLOCK_D=triton.next_power_of_2(d),
+        )
     return MergedState(out, lse)

@@ -58,13 +58,19 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         if self.balancer not in BALANCER_CHOICES:
-            raise ValueError(f"--balancer {self.balancer!r}: choose one of {', '.join(BALANCER_CHOICES)}")
+            raise ValueError(
+                f"--balancer {self.balancer!r}: choose one of {', '.join(BALANCER_CHOICES)}"
+            )
         if self.balancer != "none" and self.router != "bana":
-            raise ValueError("--balancer needs --router bana (it acts through the bana router's admin API)")
+            raise ValueError(
+                "--balancer needs --router bana (it acts through the bana router's admin API)"
+            )
         if self.router not in ROUTERS:
             raise ValueError(f"--router {self.router!r}: choose one of {', '.join(ROUTERS)}")
         if self.router == "bana" and self.policy not in LIVE_POLICIES:
-            raise ValueError(f"--policy {self.policy!r}: the bana router knows {', '.join(LIVE_POLICIES)}")
+            raise ValueError(
+                f"--policy {self.policy!r}: the bana router knows {', '.join(LIVE_POLICIES)}"
+            )
         if self.router == "sglang" and self.api_key:
             raise ValueError("--api-key needs --router bana (the stock router is not wired for it)")
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -80,7 +86,9 @@ class LaunchConfig:
         if self.store_page_size < 1:
             raise ValueError("--store-page-size must be >= 1")
         if self.cpu_threads < 0:
-            raise ValueError(f"--cpu-threads {self.cpu_threads}: give a positive count, or 0 for automatic")
+            raise ValueError(
+                f"--cpu-threads {self.cpu_threads}: give a positive count, or 0 for automatic"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +102,9 @@ class Part:
     tcp_host: str | None = None  # where to check tcp_port (default: the endpoint's host)
     env: tuple[tuple[str, str], ...] = ()  # added to the plan's environment for this part only
     ready_line: str | None = None  # else: this text in its output means ready
-    needs: tuple[tuple[str, str], ...] = ()  # (name, host:port) on other nodes to wait for before starting
+    needs: tuple[
+        tuple[str, str], ...
+    ] = ()  # (name, host:port) on other nodes to wait for before starting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +123,13 @@ class ClusterPlan:
 
     @property
     def parts(self) -> tuple[Part, ...]:
-        return ((self.master,) if self.master else ()) + self.store + self.workers + \
-            ((self.router,) if self.router else ()) + ((self.balancer,) if self.balancer else ())
+        return (
+            ((self.master,) if self.master else ())
+            + self.store
+            + self.workers
+            + ((self.router,) if self.router else ())
+            + ((self.balancer,) if self.balancer else ())
+        )
 
 
 def dtype_args(model_path: str, user_args: tuple[str, ...] | list[str]) -> list[str]:
@@ -143,9 +158,14 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
     base = cfg.worker_base_port or cfg.port + 100
     low, high = ephemeral_range()
     if low <= base <= high:
-        logger.warning("worker ports from %d lie in the kernel's ephemeral range %d-%d: an outgoing "
-                       "connection may take one before its worker binds it; prefer ports below %d",
-                       base, low, high, low)
+        logger.warning(
+            "worker ports from %d lie in the kernel's ephemeral range %d-%d: an outgoing "
+            "connection may take one before its worker binds it; prefer ports below %d",
+            base,
+            low,
+            high,
+            low,
+        )
     ports = PortAllocator(cfg.host, base, spacing=2)
     ports.taken.add(cfg.port)
     h = cfg.host
@@ -170,11 +190,25 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
             port = ports.take()
             boot = ports.take() if role == "prefill" else None
             agent_port = ports.take()
-            workers.append(worker_part(
-                f"{role}-{i}", role, model_path=model_path, served=served, bind=h, port=port,
-                bootstrap_port=boot, agent_port=agent_port,
-                user_args=(*cfg.sglang_args, *(cfg.prefill_args if role == "prefill" else cfg.decode_args)),
-                index_endpoint=index_endpoint, master_addr=master_addr, page_size=cfg.store_page_size))
+            workers.append(
+                worker_part(
+                    f"{role}-{i}",
+                    role,
+                    model_path=model_path,
+                    served=served,
+                    bind=h,
+                    port=port,
+                    bootstrap_port=boot,
+                    agent_port=agent_port,
+                    user_args=(
+                        *cfg.sglang_args,
+                        *(cfg.prefill_args if role == "prefill" else cfg.decode_args),
+                    ),
+                    index_endpoint=index_endpoint,
+                    master_addr=master_addr,
+                    page_size=cfg.store_page_size,
+                )
+            )
             if boot is not None:
                 prefill_urls.append((f"http://{h}:{port}", boot))
             else:
@@ -182,19 +216,42 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
 
     endpoint = f"http://{h}:{cfg.port}"
     if cfg.router == "bana":
-        watch = ([("mooncake-master", master_addr)] if master_addr else []) + \
-            ([("kv-index", index_endpoint.removeprefix("tcp://"))] if index_endpoint else [])
+        watch = ([("mooncake-master", master_addr)] if master_addr else []) + (
+            [("kv-index", index_endpoint.removeprefix("tcp://"))] if index_endpoint else []
+        )
         router = router_part(
-            bind=h, port=cfg.port, endpoint=endpoint, policy=cfg.policy, model_path=model_path, served=served,
-            prefill_urls=prefill_urls, decode_urls=decode_urls, index_endpoint=index_endpoint,
+            bind=h,
+            port=cfg.port,
+            endpoint=endpoint,
+            policy=cfg.policy,
+            model_path=model_path,
+            served=served,
+            prefill_urls=prefill_urls,
+            decode_urls=decode_urls,
+            index_endpoint=index_endpoint,
             page_size=page_size_of((*cfg.sglang_args, *cfg.prefill_args), cfg.store_page_size),
-            watch=watch, user_args=cfg.router_args, api_key=cfg.api_key,
-            agents=[(w.health_url.removesuffix("/health"), dict(w.env)["BANA_AGENT_ENDPOINT"]) for w in workers])
+            watch=watch,
+            user_args=cfg.router_args,
+            api_key=cfg.api_key,
+            agents=[
+                (w.health_url.removesuffix("/health"), dict(w.env)["BANA_AGENT_ENDPOINT"])
+                for w in workers
+            ],
+        )
     else:
         router_argv = [
-            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--host", h, "--port", str(cfg.port),
-            "--prometheus-host", h, "--prometheus-port", str(ports.take()),
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--host",
+            h,
+            "--port",
+            str(cfg.port),
+            "--prometheus-host",
+            h,
+            "--prometheus-port",
+            str(ports.take()),
         ]
         for url, boot in prefill_urls:
             router_argv += ["--prefill", url, str(boot)]
@@ -210,26 +267,44 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
         router = Part(name="router", argv=tuple(router_argv), health_url=endpoint + "/v1/models")
     balancer = None
     if cfg.balancer != "none":
-        balancer = balancer_part(bind=h, port=ports.take(), endpoint=endpoint, model_path=model_path,
-                                 policy=cfg.balancer, page_size=cfg.store_page_size, api_key=cfg.api_key,
-                                 user_args=cfg.balancer_args)
+        balancer = balancer_part(
+            bind=h,
+            port=ports.take(),
+            endpoint=endpoint,
+            model_path=model_path,
+            policy=cfg.balancer,
+            page_size=cfg.store_page_size,
+            api_key=cfg.api_key,
+            user_args=cfg.balancer_args,
+        )
     return ClusterPlan(
-        endpoint=endpoint, model_path=model_path, served_model_name=served,
-        master=master, workers=tuple(workers), router=router,
+        endpoint=endpoint,
+        model_path=model_path,
+        served_model_name=served,
+        master=master,
+        workers=tuple(workers),
+        router=router,
         env=compat.with_cpu_threads(compat.child_env(host=h), len(workers), cfg.cpu_threads),
-        api_key=cfg.api_key, store=tuple(store), balancer=balancer,
+        api_key=cfg.api_key,
+        store=tuple(store),
+        balancer=balancer,
     )
 
 
 # ----------------------------------------------------------------- part builders
 # Shared by the single-machine plan above and the per-node plan of a cluster spec.
 
-def master_part(bind: str, rpc: int, metrics: int, *, for_store: bool, host: str | None = None) -> Part:
+
+def master_part(
+    bind: str, rpc: int, metrics: int, *, for_store: bool, host: str | None = None
+) -> Part:
     """``mooncake_master`` listening on ``bind``; ``host`` is where its readiness is checked."""
     argv = [
         str(Path(sys.executable).parent / "mooncake_master"),
-        f"-rpc_port={rpc}", f"-rpc_address={bind}",
-        f"-metrics_port={metrics}", f"-metrics_host={bind}",
+        f"-rpc_port={rpc}",
+        f"-rpc_address={bind}",
+        f"-metrics_port={metrics}",
+        f"-metrics_host={bind}",
         "-enable_http_metadata_server=false",
         "-minloglevel=1",  # its INFO lines are a metrics dump every 20 s
     ]
@@ -240,66 +315,157 @@ def master_part(bind: str, rpc: int, metrics: int, *, for_store: bool, host: str
     return Part(name="mooncake-master", argv=tuple(argv), tcp_port=rpc, tcp_host=host or bind)
 
 
-def store_parts(bind: str, address: str, master_addr: str, index_port: int, store_bytes: int, *,
-                protocol: str = "tcp", rdma_devices: str = "",
-                needs: tuple[tuple[str, str], ...] = ()) -> list[Part]:
+def store_parts(
+    bind: str,
+    address: str,
+    master_addr: str,
+    index_port: int,
+    store_bytes: int,
+    *,
+    protocol: str = "tcp",
+    rdma_devices: str = "",
+    needs: tuple[tuple[str, str], ...] = (),
+) -> list[Part]:
     """The global store: the storage process (the only Mooncake segment) and the index service."""
     from bana_sglang.radix_global import service, storage_server
 
     py = sys.executable
-    storage = [py, "-m", "bana_sglang.radix_global.storage_server", "--master", master_addr,
-               "--segment-bytes", str(store_bytes), "--host", address, "--protocol", protocol,
-               "--log-level", "WARNING"]
+    storage = [
+        py,
+        "-m",
+        "bana_sglang.radix_global.storage_server",
+        "--master",
+        master_addr,
+        "--segment-bytes",
+        str(store_bytes),
+        "--host",
+        address,
+        "--protocol",
+        protocol,
+        "--log-level",
+        "WARNING",
+    ]
     if rdma_devices:
         storage += ["--rdma-devices", rdma_devices]
     if needs:  # a master on another node may come up later: the launcher waits, then so can this
         storage += ["--setup-timeout", "3600"]
     return [
-        Part(name="kv-storage", argv=tuple(storage), ready_line=storage_server.READY_LINE, needs=needs),
-        Part(name="kv-index", argv=(
-            py, "-m", "bana_sglang.radix_global.service", "--host", bind, "--port", str(index_port),
-            # headroom below the segment: Mooncake allocates in its own granules
-            "--capacity-bytes", str(store_bytes * 9 // 10), "--master", master_addr),
-            ready_line=service.READY_LINE),
+        Part(
+            name="kv-storage",
+            argv=tuple(storage),
+            ready_line=storage_server.READY_LINE,
+            needs=needs,
+        ),
+        Part(
+            name="kv-index",
+            argv=(
+                py,
+                "-m",
+                "bana_sglang.radix_global.service",
+                "--host",
+                bind,
+                "--port",
+                str(index_port),
+                # headroom below the segment: Mooncake allocates in its own granules
+                "--capacity-bytes",
+                str(store_bytes * 9 // 10),
+                "--master",
+                master_addr,
+            ),
+            ready_line=service.READY_LINE,
+        ),
     ]
 
 
-def worker_part(name: str, role: str, *, model_path: str, served: str, bind: str, port: int,
-                bootstrap_port: int | None, user_args: tuple[str, ...], index_endpoint: str | None,
-                master_addr: str | None, page_size: int, advertise: str | None = None,
-                agent_port: int | None = None) -> Part:
+def worker_part(
+    name: str,
+    role: str,
+    *,
+    model_path: str,
+    served: str,
+    bind: str,
+    port: int,
+    bootstrap_port: int | None,
+    user_args: tuple[str, ...],
+    index_endpoint: str | None,
+    master_addr: str | None,
+    page_size: int,
+    advertise: str | None = None,
+    agent_port: int | None = None,
+) -> Part:
     """One SGLang PD worker with the extension (and the global store's linker when there is one,
     and the migration agent on ``agent_port``)."""
     from bana_sglang.radix_global import hooks as flags
 
     argv = [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", model_path, "--served-model-name", served,
-        "--host", bind, "--port", str(port),
-        "--disaggregation-mode", role,
-        "--disaggregation-transfer-backend", "mooncake",
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--served-model-name",
+        served,
+        "--host",
+        bind,
+        "--port",
+        str(port),
+        "--disaggregation-mode",
+        role,
+        "--disaggregation-transfer-backend",
+        "mooncake",
     ]
     if bootstrap_port is not None:
         argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
-    linker = flags.linker_args(index_endpoint, master_addr, owner=name) if index_endpoint and master_addr else None
+    linker = (
+        flags.linker_args(index_endpoint, master_addr, owner=name)
+        if index_endpoint and master_addr
+        else None
+    )
     argv += compat.server_args(role, user_args=user_args) + dtype_args(model_path, user_args)
     argv += store_args(role, linker, page_size, user_args) + list(user_args)
     url = f"http://{advertise or bind}:{port}"
     env: tuple[tuple[str, str], ...] = ()
     if agent_port is not None:
-        env = (("BANA_AGENT_ENDPOINT", f"tcp://{bind}:{agent_port}"), ("BANA_WORKER_NAME", name),
-               ("BANA_AGENT_HOST", advertise or bind))
+        env = (
+            ("BANA_AGENT_ENDPOINT", f"tcp://{bind}:{agent_port}"),
+            ("BANA_WORKER_NAME", name),
+            ("BANA_AGENT_HOST", advertise or bind),
+        )
     return Part(name=name, argv=tuple(argv), health_url=url + "/health", env=env)
 
 
-def router_part(*, bind: str, port: int, endpoint: str, policy: str, model_path: str, served: str,
-                prefill_urls: list[tuple[str, int]], decode_urls: list[str], index_endpoint: str | None,
-                page_size: int, watch: list[tuple[str, str]], user_args: tuple[str, ...],
-                api_key: str | None, agents: list[tuple[str, str]] = ()) -> Part:
+def router_part(
+    *,
+    bind: str,
+    port: int,
+    endpoint: str,
+    policy: str,
+    model_path: str,
+    served: str,
+    prefill_urls: list[tuple[str, int]],
+    decode_urls: list[str],
+    index_endpoint: str | None,
+    page_size: int,
+    watch: list[tuple[str, str]],
+    user_args: tuple[str, ...],
+    api_key: str | None,
+    agents: list[tuple[str, str]] = (),
+) -> Part:
     """The bana router in front of the workers; it also watches the store's parts for ``/health``."""
     argv = [
-        sys.executable, "-m", "bana_sglang.router", "--host", bind, "--port", str(port),
-        "--policy", policy, "--model-path", model_path, "--served-model-name", served,
+        sys.executable,
+        "-m",
+        "bana_sglang.router",
+        "--host",
+        bind,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--model-path",
+        model_path,
+        "--served-model-name",
+        served,
     ]
     for url, boot in prefill_urls:
         argv += ["--prefill", url, str(boot)]
@@ -313,25 +479,59 @@ def router_part(*, bind: str, port: int, endpoint: str, policy: str, model_path:
         argv += ["--agent", f"{url}={agent}"]
     argv += list(user_args)
     # /health is 503 until a prefill and a decode worker answer and the model is known.
-    return Part(name="router", argv=tuple(argv), health_url=endpoint + "/health",
-                env=(("BANA_API_KEY", api_key),) if api_key else ())
+    return Part(
+        name="router",
+        argv=tuple(argv),
+        health_url=endpoint + "/health",
+        env=(("BANA_API_KEY", api_key),) if api_key else (),
+    )
 
 
 BALANCER_CHOICES = ("none", "bana")
 BALANCER_READY = "bana-balancer ready on"
 
 
-def balancer_part(*, bind: str, port: int, endpoint: str, model_path: str, policy: str, page_size: int,
-                  api_key: str | None, user_args: tuple[str, ...] = ()) -> Part:
+def balancer_part(
+    *,
+    bind: str,
+    port: int,
+    endpoint: str,
+    model_path: str,
+    policy: str,
+    page_size: int,
+    api_key: str | None,
+    user_args: tuple[str, ...] = (),
+) -> Part:
     """The live balancer: reads loads from the router, migrates through its admin API."""
-    argv = [sys.executable, "-m", "bana_sglang.balancer.controller", "--router", endpoint, "--balancer", policy,
-            "--model-path", model_path, "--page-size", str(page_size), "--host", bind, "--port", str(port),
-            *user_args]
-    return Part(name="balancer", argv=tuple(argv), ready_line=BALANCER_READY,
-                env=(("BANA_API_KEY", api_key),) if api_key else ())
+    argv = [
+        sys.executable,
+        "-m",
+        "bana_sglang.balancer.controller",
+        "--router",
+        endpoint,
+        "--balancer",
+        policy,
+        "--model-path",
+        model_path,
+        "--page-size",
+        str(page_size),
+        "--host",
+        bind,
+        "--port",
+        str(port),
+        *user_args,
+    ]
+    return Part(
+        name="balancer",
+        argv=tuple(argv),
+        ready_line=BALANCER_READY,
+        env=(("BANA_API_KEY", api_key),) if api_key else (),
+    )
 
 
-def plan_spec(spec: cluster_spec.ClusterSpec, node: str | None, *, dry_run: bool = False) -> ClusterPlan:
+def plan_spec(
+    spec: cluster_spec.ClusterSpec, node: str | None, *, dry_run: bool = False
+) -> ClusterPlan:
     """The share of ``node`` in a cluster spec (``None``: every node's parts, for --dry-run).
 
     ``dry_run`` takes a model folder as written and does not ask for the API
@@ -340,37 +540,78 @@ def plan_spec(spec: cluster_spec.ClusterSpec, node: str | None, *, dry_run: bool
     this machine's."""
     if node is not None:
         spec.node(node)  # a clear error for an unknown name
-    model_path = str(models.resolve(spec.model)) if not dry_run or spec.model in models.SPECS or \
-        spec.model is None else spec.model
+    model_path = (
+        str(models.resolve(spec.model))
+        if not dry_run or spec.model in models.SPECS or spec.model is None
+        else spec.model
+    )
     served = spec.served_model_name or Path(model_path).name
     nodes = {n.name: n for n in spec.nodes}
     mnode = nodes[spec.master.node]
     master_addr = f"{mnode.address}:{spec.master.rpc_port}"
-    parts: list[tuple[str, Part]] = [(mnode.name, master_part(
-        mnode.bind_address, spec.master.rpc_port, spec.master.metrics_port, for_store=spec.store is not None,
-        host=mnode.address))]
+    parts: list[tuple[str, Part]] = [
+        (
+            mnode.name,
+            master_part(
+                mnode.bind_address,
+                spec.master.rpc_port,
+                spec.master.metrics_port,
+                for_store=spec.store is not None,
+                host=mnode.address,
+            ),
+        )
+    ]
     index_endpoint = None
     store: list[tuple[str, Part]] = []
     if spec.store:
         snode = nodes[spec.store.node]
         index_endpoint = f"tcp://{snode.address}:{spec.store.index_port}"
         needs = (("mooncake-master", master_addr),) if snode.name != mnode.name else ()
-        store = [(snode.name, p) for p in store_parts(
-            snode.bind_address, snode.address, master_addr, spec.store.index_port, spec.store.bytes,
-            protocol=cluster_spec.resolve_transport(snode), rdma_devices=snode.rdma_devices, needs=needs)]
+        store = [
+            (snode.name, p)
+            for p in store_parts(
+                snode.bind_address,
+                snode.address,
+                master_addr,
+                spec.store.index_port,
+                spec.store.bytes,
+                protocol=cluster_spec.resolve_transport(snode),
+                rdma_devices=snode.rdma_devices,
+                needs=needs,
+            )
+        ]
     page_size = spec.store.page_size if spec.store else 16
     agents: list[tuple[str, str]] = []
     workers: list[tuple[str, Part]] = []
     prefill_urls: list[tuple[str, int]] = []
     decode_urls: list[str] = []
     for n, name, w in spec.workers():
-        user = (*spec.sglang_args, *(spec.prefill_args if w.role == "prefill" else spec.decode_args),
-                *device_args(w.device, cluster_spec.resolve_transport(n), n.rdma_devices), *w.args)
-        workers.append((n.name, worker_part(
-            name, w.role, model_path=model_path, served=served, bind=n.bind_address, port=w.port,
-            bootstrap_port=w.bootstrap_port, user_args=user, index_endpoint=index_endpoint,
-            master_addr=master_addr if index_endpoint else None, page_size=page_size, advertise=n.address,
-            agent_port=w.agent_port)))
+        user = (
+            *spec.sglang_args,
+            *(spec.prefill_args if w.role == "prefill" else spec.decode_args),
+            *device_args(w.device, cluster_spec.resolve_transport(n), n.rdma_devices),
+            *w.args,
+        )
+        workers.append(
+            (
+                n.name,
+                worker_part(
+                    name,
+                    w.role,
+                    model_path=model_path,
+                    served=served,
+                    bind=n.bind_address,
+                    port=w.port,
+                    bootstrap_port=w.bootstrap_port,
+                    user_args=user,
+                    index_endpoint=index_endpoint,
+                    master_addr=master_addr if index_endpoint else None,
+                    page_size=page_size,
+                    advertise=n.address,
+                    agent_port=w.agent_port,
+                ),
+            )
+        )
         if w.agent_port is not None:
             agents.append((f"http://{n.address}:{w.port}", f"tcp://{n.address}:{w.agent_port}"))
         url = f"http://{n.address}:{w.port}"
@@ -382,28 +623,56 @@ def plan_spec(spec: cluster_spec.ClusterSpec, node: str | None, *, dry_run: bool
     endpoint = f"http://{rnode.address}:{spec.router.port}"
     api_key = os.environ.get(spec.router.api_key_env) if spec.router.api_key_env else None
     if spec.router.api_key_env and node == rnode.name and not api_key and not dry_run:
-        raise cluster_spec.SpecError(f"router.api_key_env: ${spec.router.api_key_env} is not set on this node")
+        raise cluster_spec.SpecError(
+            f"router.api_key_env: ${spec.router.api_key_env} is not set on this node"
+        )
     watch = [("mooncake-master", master_addr)]
     if index_endpoint:
         watch.append(("kv-index", index_endpoint.removeprefix("tcp://")))
-    router = (rnode.name, router_part(
-        bind=rnode.bind_address, port=spec.router.port, endpoint=endpoint, policy=spec.router.policy,
-        model_path=model_path, served=served, prefill_urls=prefill_urls, decode_urls=decode_urls,
-        index_endpoint=index_endpoint, page_size=page_size, watch=watch, user_args=tuple(spec.router.args),
-        api_key=api_key, agents=agents))
+    router = (
+        rnode.name,
+        router_part(
+            bind=rnode.bind_address,
+            port=spec.router.port,
+            endpoint=endpoint,
+            policy=spec.router.policy,
+            model_path=model_path,
+            served=served,
+            prefill_urls=prefill_urls,
+            decode_urls=decode_urls,
+            index_endpoint=index_endpoint,
+            page_size=page_size,
+            watch=watch,
+            user_args=tuple(spec.router.args),
+            api_key=api_key,
+            agents=agents,
+        ),
+    )
 
     def mine(items: list[tuple[str, Part]]) -> list[Part]:
         return [p for n, p in items if node is None or n == node]
 
     env_node = nodes[node] if node is not None else None
-    env = compat.child_env() if env_node is None else \
-        compat.child_env({**os.environ, **cluster_spec.node_env(env_node)}, host=env_node.address)
+    env = (
+        compat.child_env()
+        if env_node is None
+        else compat.child_env(
+            {**os.environ, **cluster_spec.node_env(env_node)}, host=env_node.address
+        )
+    )
     if env_node is not None:
         env = compat.with_cpu_threads(env, sum(1 for n, _ in workers if n == node))
     return ClusterPlan(
-        endpoint=endpoint, model_path=model_path, served_model_name=served,
-        master=(mine(parts) or [None])[0], workers=tuple(mine(workers)), router=(mine([router]) or [None])[0],
-        env=env, api_key=api_key, store=tuple(mine(store)), node=node,
+        endpoint=endpoint,
+        model_path=model_path,
+        served_model_name=served,
+        master=(mine(parts) or [None])[0],
+        workers=tuple(mine(workers)),
+        router=(mine([router]) or [None])[0],
+        env=env,
+        api_key=api_key,
+        store=tuple(mine(store)),
+        node=node,
     )
 
 
@@ -431,8 +700,9 @@ def page_size_of(user_args: tuple[str, ...], default: int) -> int:
     return default
 
 
-def store_args(role: str, linker_flags: list[str] | None, page_size: int,
-               user_args: tuple[str, ...]) -> list[str]:
+def store_args(
+    role: str, linker_flags: list[str] | None, page_size: int, user_args: tuple[str, ...]
+) -> list[str]:
     """Worker flags for the global store: the linker, a page size (the store's
     unit; one index entry per page), SGLang's metrics (the store's counters
     are exported through them) and, on decode workers, SGLang's radix cache
@@ -464,14 +734,28 @@ def plan_single_server(
     path = str(models.resolve(model_path))
     served = Path(path).name
     argv = (
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", path, "--served-model-name", served,
-        "--host", host, "--port", str(port),
-        *compat.server_args("null", user_args=sglang_args), *dtype_args(path, sglang_args), *sglang_args,
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        path,
+        "--served-model-name",
+        served,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *compat.server_args("null", user_args=sglang_args),
+        *dtype_args(path, sglang_args),
+        *sglang_args,
     )
     url = f"http://{host}:{port}"
     return ClusterPlan(
-        endpoint=url, model_path=path, served_model_name=served, master=None,
+        endpoint=url,
+        model_path=path,
+        served_model_name=served,
+        master=None,
         workers=(Part(name=name, argv=argv, health_url=url + "/health"),),
-        router=None, env=compat.with_cpu_threads(compat.child_env(host=host), 1),
+        router=None,
+        env=compat.with_cpu_threads(compat.child_env(host=host), 1),
     )

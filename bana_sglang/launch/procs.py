@@ -233,6 +233,7 @@ def _killpg(pgid: int, sig: int) -> None:
 
 # ---------------------------------------------------------------------- readiness
 
+
 def wait_until(
     check: Callable[[], bool],
     *,
@@ -249,7 +250,9 @@ def wait_until(
             raise ProcessStartError(proc.name, f"interrupted while waiting for {what}")
         code = proc.poll()
         if code is not None:
-            raise ProcessStartError(proc.name, f"exited with code {code} before {what}", proc.tail())
+            raise ProcessStartError(
+                proc.name, f"exited with code {code} before {what}", proc.tail()
+            )
         try:
             if check():
                 return
@@ -262,8 +265,9 @@ def wait_until(
 
 def http_ok(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> bool:
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
-                                    timeout=timeout) as resp:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers or {}), timeout=timeout
+        ) as resp:
             return 200 <= resp.status < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False

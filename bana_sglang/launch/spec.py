@@ -96,7 +96,8 @@ class WorkerSpec(_Strict):
         if self.role == "decode" and self.bootstrap_port is not None:
             raise ValueError("bootstrap_port is for prefill workers only")
         if self.device not in ("auto", "cpu", "cuda") and not (
-                self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            self.device.startswith("cuda:") and self.device[5:].isdigit()
+        ):
             raise ValueError(f"device {self.device!r}: use auto, cpu, cuda or cuda:N")
         return self
 
@@ -105,7 +106,9 @@ class NodeSpec(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     address: str  # advertised: how other nodes reach this one
     bind: str | None = None  # default: address
-    transport: Literal["auto", "tcp", "rdma"] = "auto"  # Mooncake's; auto: rdma iff an RDMA NIC is present
+    transport: Literal["auto", "tcp", "rdma"] = (
+        "auto"  # Mooncake's; auto: rdma iff an RDMA NIC is present
+    )
     rdma_devices: str = ""  # e.g. "mlx5_0,mlx5_1" (SGLang's --disaggregation-ib-device)
     workers: list[WorkerSpec] = []
 
@@ -116,8 +119,10 @@ class NodeSpec(_Strict):
             if value is not None and not _host_ok(value):
                 raise ValueError(f"{field} {value!r} is not an IP address or host name")
         if _is_wildcard(self.address):
-            raise ValueError(f"address {self.address!r} is a wildcard: give the address peers should use "
-                             "(bind may be 0.0.0.0)")
+            raise ValueError(
+                f"address {self.address!r} is a wildcard: give the address peers should use "
+                "(bind may be 0.0.0.0)"
+            )
         return self
 
     @property
@@ -142,7 +147,9 @@ class RouterSpec(_Strict):
     node: str
     port: Port = 30000
     policy: str = "bana"
-    api_key_env: str | None = None  # read the API key from this environment variable on the router node
+    api_key_env: str | None = (
+        None  # read the API key from this environment variable on the router node
+    )
     args: Args = []
 
 
@@ -166,7 +173,9 @@ class ClusterSpec(_Strict):
         for field in ("master", "store", "router"):
             part = getattr(self, field)
             if part is not None and part.node not in names:
-                raise ValueError(f"{field}.node {part.node!r} is not one of the nodes ({', '.join(names)})")
+                raise ValueError(
+                    f"{field}.node {part.node!r} is not one of the nodes ({', '.join(names)})"
+                )
         roles = [w.role for n in self.nodes for w in n.workers]
         for role in ("prefill", "decode"):
             if role not in roles:
@@ -174,18 +183,24 @@ class ClusterSpec(_Strict):
         if len(self.nodes) > 1:
             for n in self.nodes:
                 if _is_loopback(n.address):
-                    raise ValueError(f"node {n.name!r} advertises loopback {n.address}: other nodes "
-                                     "cannot reach it")
+                    raise ValueError(
+                        f"node {n.name!r} advertises loopback {n.address}: other nodes "
+                        "cannot reach it"
+                    )
         from bana_sglang.router.policy import LIVE_POLICIES
 
         if self.router.policy not in LIVE_POLICIES:
-            raise ValueError(f"router.policy {self.router.policy!r}: choose one of {', '.join(LIVE_POLICIES)}")
+            raise ValueError(
+                f"router.policy {self.router.policy!r}: choose one of {', '.join(LIVE_POLICIES)}"
+            )
         # Ports: no two listeners on one node share a port.
         taken: dict[tuple[str, int], str] = {}
         for node, port, what in self._listeners():
             key = (node, port)
             if key in taken:
-                raise ValueError(f"port {port} on node {node!r} is used by both {taken[key]} and {what}")
+                raise ValueError(
+                    f"port {port} on node {node!r} is used by both {taken[key]} and {what}"
+                )
             taken[key] = what
         names_w = [name for _, name, _ in self.workers()]
         dup_w = sorted({w for w in names_w if names_w.count(w) > 1})
@@ -194,16 +209,20 @@ class ClusterSpec(_Strict):
         return self
 
     def _listeners(self) -> list[tuple[str, int, str]]:
-        out = [(self.master.node, self.master.rpc_port, "master.rpc_port"),
-               (self.master.node, self.master.metrics_port, "master.metrics_port"),
-               (self.router.node, self.router.port, "router.port")]
+        out = [
+            (self.master.node, self.master.rpc_port, "master.rpc_port"),
+            (self.master.node, self.master.metrics_port, "master.metrics_port"),
+            (self.router.node, self.router.port, "router.port"),
+        ]
         if self.store:
             out.append((self.store.node, self.store.index_port, "store.index_port"))
         for ni, n in enumerate(self.nodes):
             for wi, w in enumerate(n.workers):
                 out.append((n.name, w.port, f"nodes.{ni}.workers.{wi}.port"))
                 if w.bootstrap_port is not None:
-                    out.append((n.name, w.bootstrap_port, f"nodes.{ni}.workers.{wi}.bootstrap_port"))
+                    out.append(
+                        (n.name, w.bootstrap_port, f"nodes.{ni}.workers.{wi}.bootstrap_port")
+                    )
                 if w.agent_port is not None:
                     out.append((n.name, w.agent_port, f"nodes.{ni}.workers.{wi}.agent_port"))
         return out
@@ -213,7 +232,9 @@ class ClusterSpec(_Strict):
         for n in self.nodes:
             if n.name == name:
                 return n
-        raise SpecError(f"--node {name!r} is not in the spec (nodes: {', '.join(n.name for n in self.nodes)})")
+        raise SpecError(
+            f"--node {name!r} is not in the spec (nodes: {', '.join(n.name for n in self.nodes)})"
+        )
 
     def workers(self) -> list[tuple[NodeSpec, str, WorkerSpec]]:
         """Every worker with its node and name (default: numbered per role across
@@ -233,8 +254,11 @@ def _host_ok(value: str) -> bool:
         return True
     except ValueError:
         labels = value.split(".")
-        return bool(value) and len(value) <= 253 and all(
-            lab and len(lab) <= 63 and lab.replace("-", "").isalnum() for lab in labels)
+        return (
+            bool(value)
+            and len(value) <= 253
+            and all(lab and len(lab) <= 63 and lab.replace("-", "").isalnum() for lab in labels)
+        )
 
 
 def _is_wildcard(value: str) -> bool:
@@ -272,7 +296,9 @@ def load(path: str | Path) -> ClusterSpec:
     except SpecError:
         raise
     except (tomllib.TOMLDecodeError, yaml.YAMLError, ValueError) as e:
-        raise SpecError(f"cluster spec {path} is not valid {path.suffix[1:].upper()}: {e}") from None
+        raise SpecError(
+            f"cluster spec {path} is not valid {path.suffix[1:].upper()}: {e}"
+        ) from None
     if not isinstance(data, dict):
         raise SpecError(f"cluster spec {path}: the top level must be a mapping")
     try:

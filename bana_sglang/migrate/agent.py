@@ -40,17 +40,20 @@ import torch
 import zmq
 
 from bana_sglang.counters import CounterSet
-from bana_sglang.wire import agent as m
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
 from bana_sglang.migrate.kv.handler import KVMixin
-from bana_sglang.migrate.requests.handler import RequestMixin
 from bana_sglang.migrate.layers.handler import SwitchMixin, WorkerHandles
+from bana_sglang.migrate.requests.handler import RequestMixin
 from bana_sglang.migrate.transfer import Fail, TransferEngine, crc32
+from bana_sglang.wire import agent as m
 from bana_sglang.wire.agent import describe
 
 logger = logging.getLogger(__name__)
 
-WATCH_INTERVAL_S = (0.005, 0.2)  # a source polls its peer this often during a transfer (backing off)
+WATCH_INTERVAL_S = (
+    0.005,
+    0.2,
+)  # a source polls its peer this often during a transfer (backing off)
 # A peer's agent answers at its scheduler's batch boundaries: a long CPU batch
 # (or a machine starved of cores) delays it by seconds. Silent this long: gone.
 PEER_TIMEOUT_S = 30.0
@@ -82,7 +85,9 @@ class _Migration:
     executor: str = ""  # source: who executes the layers while switched
     span: object = None  # source: the RemoteSpan in the forward; guest: the GuestSpan
     home: list = field(default_factory=list)  # source: the layer modules while they are away
-    params: list = field(default_factory=list)  # source: (parameter, shape) of the layers, offer order
+    params: list = field(
+        default_factory=list
+    )  # source: (parameter, shape) of the layers, offer order
     guest_addrs: list[int] = field(default_factory=list)  # source: where the peer holds the weights
     pending: str = ""  # source: what the scheduler thread applies at the next boundary
     released_bytes: int = 0
@@ -104,32 +109,68 @@ class _Migration:
         self.t_end = time.monotonic()
 
     def info(self, kv: dict | None = None) -> m.MigrationInfo:
-        return m.MigrationInfo(migration=self.migration, side=self.side, peer=self.peer, start=self.start,
-                               stop=self.stop, state=self.state, bytes_done=self.bytes_done,
-                               bytes_total=self.bytes_total, seconds=round(self.seconds, 4),
-                               reason=self.reason, detail=self.detail, crc32=list(self.crc),
-                               tensors=list(self.names), executor=self.executor,
-                               released_bytes=self.released_bytes, kind=self.kind, kv=kv or {},
-                               **self._step_info())
+        return m.MigrationInfo(
+            migration=self.migration,
+            side=self.side,
+            peer=self.peer,
+            start=self.start,
+            stop=self.stop,
+            state=self.state,
+            bytes_done=self.bytes_done,
+            bytes_total=self.bytes_total,
+            seconds=round(self.seconds, 4),
+            reason=self.reason,
+            detail=self.detail,
+            crc32=list(self.crc),
+            tensors=list(self.names),
+            executor=self.executor,
+            released_bytes=self.released_bytes,
+            kind=self.kind,
+            kv=kv or {},
+            **self._step_info(),
+        )
 
     def _step_info(self) -> dict:
         span = self.span
         if span is None:
             return {}
         if self.side == "guest":
-            return {"steps": span.steps, "guest_seconds": round(span.compute_s, 4), "guest_kv_bytes": span.kv_bytes}
+            return {
+                "steps": span.steps,
+                "guest_seconds": round(span.compute_s, 4),
+                "guest_kv_bytes": span.kv_bytes,
+            }
         st = span.stats
-        return {"steps": st.steps, "remote_seconds": round(st.remote_s, 4), "guest_seconds": round(st.guest_s, 4),
-                "shipped_rows": st.shipped_rows}
+        return {
+            "steps": st.steps,
+            "remote_seconds": round(st.remote_s, 4),
+            "guest_seconds": round(st.guest_s, 4),
+            "shipped_rows": st.shipped_rows,
+        }
 
     def reply(self, rid: int) -> m.Reply:
         if self.state == "failed" or self.state == "cancelled":
-            return m.Failed(id=rid, migration=self.migration, reason=self.reason or self.state, detail=self.detail)
+            return m.Failed(
+                id=rid,
+                migration=self.migration,
+                reason=self.reason or self.state,
+                detail=self.detail,
+            )
         if self.state in m.TERMINAL:
-            return m.Done(id=rid, migration=self.migration, state=self.state, bytes=self.bytes_done,
-                          seconds=round(self.seconds, 4))
-        return m.Progress(id=rid, migration=self.migration, state=self.state, bytes_done=self.bytes_done,
-                          bytes_total=self.bytes_total)
+            return m.Done(
+                id=rid,
+                migration=self.migration,
+                state=self.state,
+                bytes=self.bytes_done,
+                seconds=round(self.seconds, 4),
+            )
+        return m.Progress(
+            id=rid,
+            migration=self.migration,
+            state=self.state,
+            bytes_done=self.bytes_done,
+            bytes_total=self.bytes_total,
+        )
 
 
 METRICS = {
@@ -164,10 +205,20 @@ class MigrationAgent(SwitchMixin, KVMixin, RequestMixin):
     """One worker's agent; see the module doc. ``layers`` is the model's list of
     decoder layers (``model.model.layers`` for SGLang's Llama)."""
 
-    def __init__(self, name: str, role: str, layers: torch.nn.ModuleList, endpoint: str, *,
-                 te_host: str = "127.0.0.1", protocol: str = "tcp", device: str = "",
-                 peer_timeout_s: float = PEER_TIMEOUT_S, worker: WorkerHandles | None = None,
-                 step_timeout_s: float = STEP_TIMEOUT_S):
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        layers: torch.nn.ModuleList,
+        endpoint: str,
+        *,
+        te_host: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device: str = "",
+        peer_timeout_s: float = PEER_TIMEOUT_S,
+        worker: WorkerHandles | None = None,
+        step_timeout_s: float = STEP_TIMEOUT_S,
+    ):
         self.name, self.role, self.layers = name, role, layers
         self.peer_timeout_s = peer_timeout_s
         self.worker = worker
@@ -187,7 +238,13 @@ class MigrationAgent(SwitchMixin, KVMixin, RequestMixin):
         self.handoffs: dict[str, _Migration] = {}  # rid -> its request migration
         self.metrics = CounterSet("bana_migrate", METRICS)
         self._closed = False
-        logger.info("migration agent of %s (%s, %d layers) on %s", name, role, self.num_layers, self.endpoint)
+        logger.info(
+            "migration agent of %s (%s, %d layers) on %s",
+            name,
+            role,
+            self.num_layers,
+            self.endpoint,
+        )
 
     # ------------------------------------------------------------------ loop
     def poll(self) -> int:
@@ -241,7 +298,13 @@ class MigrationAgent(SwitchMixin, KVMixin, RequestMixin):
     # ------------------------------------------------------------------ handlers
     def handle(self, req: m.Request) -> m.Reply:
         if isinstance(req, m.Ping):
-            return m.Pong(id=req.id, worker=self.name, role=self.role, num_layers=self.num_layers, pid=os.getpid())
+            return m.Pong(
+                id=req.id,
+                worker=self.name,
+                role=self.role,
+                num_layers=self.num_layers,
+                pid=os.getpid(),
+            )
         if isinstance(req, m.Status):
             return self.status(req.id)
         if isinstance(req, m.MigrateLayers):
@@ -301,14 +364,25 @@ class MigrationAgent(SwitchMixin, KVMixin, RequestMixin):
 
     def status(self, rid: int) -> m.StatusResult:
         with self._lock:
-            infos = [mig.info(self._kv_info(mig) if mig.kind == "kv" and mig.side == "source" else None)
-                     for mig in self.migrations.values()]
-            guest = sum(t.numel() * t.element_size() for mig in self.migrations.values() for t in mig.guest)
-            guest += sum(mig.span.kv_bytes for mig in self.migrations.values()
-                         if mig.side == "guest" and mig.span is not None and mig.guest)
+            infos = [
+                mig.info(self._kv_info(mig) if mig.kind == "kv" and mig.side == "source" else None)
+                for mig in self.migrations.values()
+            ]
+            guest = sum(
+                t.numel() * t.element_size() for mig in self.migrations.values() for t in mig.guest
+            )
+            guest += sum(
+                mig.span.kv_bytes
+                for mig in self.migrations.values()
+                if mig.side == "guest" and mig.span is not None and mig.guest
+            )
         hosted = self._kv_host.bytes_held if self._kv_host is not None else 0
         free = total = evictable = running = -1
-        batch = getattr(self.worker.scheduler, "running_batch", None) if self.worker is not None else None
+        batch = (
+            getattr(self.worker.scheduler, "running_batch", None)
+            if self.worker is not None
+            else None
+        )
         movable = []
         if batch is not None:
             running = len(batch.reqs)
@@ -318,55 +392,107 @@ class MigrationAgent(SwitchMixin, KVMixin, RequestMixin):
             total = int(self.worker.allocator.size)
             tree = getattr(self.worker.scheduler, "tree_cache", None)
             evictable = int(tree.evictable_size()) if tree is not None else -1
-        return m.StatusResult(id=rid, worker=self.name, role=self.role, num_layers=self.num_layers,
-                              placement=self.placement(), migrations=infos, guest_bytes=guest + hosted,
-                              transfer_session=self._te.session if self._te else "",
-                              kv_free_tokens=free, kv_total_tokens=total, kv_evictable_tokens=evictable,
-                              kv_hosted_bytes=hosted, running_requests=running, movable=movable)
+        return m.StatusResult(
+            id=rid,
+            worker=self.name,
+            role=self.role,
+            num_layers=self.num_layers,
+            placement=self.placement(),
+            migrations=infos,
+            guest_bytes=guest + hosted,
+            transfer_session=self._te.session if self._te else "",
+            kv_free_tokens=free,
+            kv_total_tokens=total,
+            kv_evictable_tokens=evictable,
+            kv_hosted_bytes=hosted,
+            running_requests=running,
+            movable=movable,
+        )
 
     def _engine(self) -> TransferEngine:
         with self._te_lock:
             if self._te is None:
                 self._te = TransferEngine(self.te_host, self.protocol, self.device)
-                logger.info("migration agent of %s: transfer engine %s (%s)", self.name, self._te.session,
-                            self.protocol)
+                logger.info(
+                    "migration agent of %s: transfer engine %s (%s)",
+                    self.name,
+                    self._te.session,
+                    self.protocol,
+                )
             return self._te
 
     # -- source side
     def _migrate(self, req: m.MigrateLayers) -> m.Reply:
         if not req.start < req.stop <= self.num_layers:
-            return m.Error(id=req.id, reason="invalid",
-                           detail=f"layers [{req.start}, {req.stop}) are not a non-empty range of this "
-                                  f"worker's {self.num_layers} layers")
+            return m.Error(
+                id=req.id,
+                reason="invalid",
+                detail=f"layers [{req.start}, {req.stop}) are not a non-empty range of this "
+                f"worker's {self.num_layers} layers",
+            )
         if req.migration in self.migrations:
-            return m.Error(id=req.id, reason="invalid", detail=f"migration id {req.migration!r} is taken")
-        busy = [x for x in self.migrations.values() if x.side == "source" and x.state not in _SETTLED
-                and x.start < req.stop and req.start < x.stop]
+            return m.Error(
+                id=req.id, reason="invalid", detail=f"migration id {req.migration!r} is taken"
+            )
+        busy = [
+            x
+            for x in self.migrations.values()
+            if x.side == "source"
+            and x.state not in _SETTLED
+            and x.start < req.stop
+            and req.start < x.stop
+        ]
         if busy:
-            return m.Error(id=req.id, reason="invalid",
-                           detail=f"layers overlap migration {busy[0].migration!r} "
-                                  f"[{busy[0].start}, {busy[0].stop}) ({busy[0].state})")
+            return m.Error(
+                id=req.id,
+                reason="invalid",
+                detail=f"layers overlap migration {busy[0].migration!r} "
+                f"[{busy[0].start}, {busy[0].stop}) ({busy[0].state})",
+            )
         if req.switch:
-            why = self.worker.why_not() if self.worker else "this agent has no model runner (not inside a worker)"
+            why = (
+                self.worker.why_not()
+                if self.worker
+                else "this agent has no model runner (not inside a worker)"
+            )
             if why:
-                return m.Error(id=req.id, reason="invalid", detail=f"cannot switch the execution: {why}")
+                return m.Error(
+                    id=req.id, reason="invalid", detail=f"cannot switch the execution: {why}"
+                )
             if self._lender is not None and self._lender.segments:
-                return m.Error(id=req.id, reason="invalid",
-                               detail="KV pages of this worker's requests are on a peer (KV-block migration); "
-                                      "the guest layers would read every KV slot, so recall them first")
-            away = [x for x in self.migrations.values() if x.side == "guest" and x.state == "serving"
-                    and x.kind == "layers"]
+                return m.Error(
+                    id=req.id,
+                    reason="invalid",
+                    detail="KV pages of this worker's requests are on a peer (KV-block migration); "
+                    "the guest layers would read every KV slot, so recall them first",
+                )
+            away = [
+                x
+                for x in self.migrations.values()
+                if x.side == "guest" and x.state == "serving" and x.kind == "layers"
+            ]
             if away:
-                return m.Error(id=req.id, reason="invalid",
-                               detail=f"this worker executes guest layers ({away[0].migration!r}); "
-                                      "a worker either lends or hosts layers")
-        mig = _Migration(req.migration, "source", req.peer, req.start, req.stop, "accepted", switch=req.switch)
+                return m.Error(
+                    id=req.id,
+                    reason="invalid",
+                    detail=f"this worker executes guest layers ({away[0].migration!r}); "
+                    "a worker either lends or hosts layers",
+                )
+        mig = _Migration(
+            req.migration, "source", req.peer, req.start, req.stop, "accepted", switch=req.switch
+        )
         with self._lock:
             self.migrations[req.migration] = mig
         self.metrics.add("migrations_started")
         self._work.submit(self._run_source, mig, req.peer)
-        logger.info("migration %s: layers [%d, %d) of %s -> %s accepted", mig.migration, mig.start, mig.stop,
-                    self.name, req.peer)
+        logger.info(
+            "migration %s: layers [%d, %d) of %s -> %s accepted",
+            mig.migration,
+            mig.start,
+            mig.stop,
+            self.name,
+            req.peer,
+        )
         return m.Accepted(id=req.id, migration=req.migration)
 
     def _layer_tensors(self, start: int, stop: int) -> list[tuple[int, str, torch.Tensor]]:
@@ -375,7 +501,11 @@ class MigrationAgent(SwitchMixin, KVMixin, RequestMixin):
         return [(i, name, p.data) for i, name, p in self._layer_params(start, stop)]
 
     def _layer_params(self, start: int, stop: int) -> list[tuple[int, str, torch.nn.Parameter]]:
-        return [(i, name, p) for i in range(start, stop) for name, p in self.layers[i].named_parameters()]
+        return [
+            (i, name, p)
+            for i in range(start, stop)
+            for name, p in self.layers[i].named_parameters()
+        ]
 
     def _run_source(self, mig: _Migration, peer: str) -> None:
         client = AgentClient(peer, timeout_s=self.peer_timeout_s, ctx=self._ctx)
@@ -383,23 +513,42 @@ class MigrationAgent(SwitchMixin, KVMixin, RequestMixin):
             mig.state = "checksumming"
             tensors = self._layer_tensors(mig.start, mig.stop)
             if any(t.device.type != "cpu" or not t.is_contiguous() for _, _, t in tensors):
-                raise Fail("invalid", "layer migration reads CPU, contiguous parameters only (this worker's "
-                                       "are not); the CUDA path needs the CUDA transfer engine")
+                raise Fail(
+                    "invalid",
+                    "layer migration reads CPU, contiguous parameters only (this worker's "
+                    "are not); the CUDA path needs the CUDA transfer engine",
+                )
             te = self._engine()
             descs = []
             for layer, name, t in tensors:
                 te.register(t)
-                descs.append(m.TensorDesc(layer=layer, name=name, dtype=str(t.dtype).removeprefix("torch."),
-                                          shape=list(t.shape), addr=t.data_ptr(),
-                                          nbytes=t.numel() * t.element_size(), crc32=crc32(t)))
+                descs.append(
+                    m.TensorDesc(
+                        layer=layer,
+                        name=name,
+                        dtype=str(t.dtype).removeprefix("torch."),
+                        shape=list(t.shape),
+                        addr=t.data_ptr(),
+                        nbytes=t.numel() * t.element_size(),
+                        crc32=crc32(t),
+                    )
+                )
             mig.crc = [d.crc32 for d in descs]
             mig.names = [f"{d.layer}.{d.name}" for d in descs]
             mig.bytes_total = sum(d.nbytes for d in descs)
             if mig.cancel.is_set():
                 raise Fail("cancelled", "cancelled before the offer")
             mig.state = "offered"
-            reply = self._ask(client, m.HostLayers, migration=mig.migration, owner=self.name,
-                              session=te.session, start=mig.start, stop=mig.stop, tensors=descs)
+            reply = self._ask(
+                client,
+                m.HostLayers,
+                migration=mig.migration,
+                owner=self.name,
+                session=te.session,
+                start=mig.start,
+                stop=mig.stop,
+                tensors=descs,
+            )
             if not isinstance(reply, m.Accepted):
                 raise Fail("peer_refused", describe(reply))
             mig.state = "transferring"
@@ -415,15 +564,24 @@ class MigrationAgent(SwitchMixin, KVMixin, RequestMixin):
                     mig.bytes_done = reply.bytes
                     break
                 else:
-                    raise Fail(reply.reason if isinstance(reply, (m.Failed, m.Error)) else "internal",
-                                "peer: " + describe(reply))
+                    raise Fail(
+                        reply.reason if isinstance(reply, (m.Failed, m.Error)) else "internal",
+                        "peer: " + describe(reply),
+                    )
                 time.sleep(wait)
                 wait = min(WATCH_INTERVAL_S[1], wait * 2)
             self.metrics.add("migrations_staged")
             self.metrics.add("sent_bytes", mig.bytes_done)
-            logger.info("migration %s: layers [%d, %d) staged on %s: %.1f MB verified in %.2fs (%.1f MB/s)",
-                        mig.migration, mig.start, mig.stop, mig.peer, mig.bytes_done / 1e6, mig.seconds,
-                        mig.bytes_done / 1e6 / max(mig.seconds, 1e-9))
+            logger.info(
+                "migration %s: layers [%d, %d) staged on %s: %.1f MB verified in %.2fs (%.1f MB/s)",
+                mig.migration,
+                mig.start,
+                mig.stop,
+                mig.peer,
+                mig.bytes_done / 1e6,
+                mig.seconds,
+                mig.bytes_done / 1e6 / max(mig.seconds, 1e-9),
+            )
             if mig.switch:
                 self._prepare_switch(mig, client)
             else:
@@ -456,7 +614,9 @@ class MigrationAgent(SwitchMixin, KVMixin, RequestMixin):
         if mig.state in _SETTLED or mig.state == "handed_off":
             return m.Ok(id=req.id, note=f"already {mig.state}")
         if mig.state == "stopping":
-            return m.Ok(id=req.id, note="too late: the request stops at this boundary and is handed off")
+            return m.Ok(
+                id=req.id, note="too late: the request stops at this boundary and is handed off"
+            )
         if mig.state == "remote":  # switched: cancelling brings the layers home
             return self._recall(m.Recall(id=req.id, deadline=req.deadline, migration=req.migration))
         if mig.state == "recalling":
@@ -470,20 +630,39 @@ class MigrationAgent(SwitchMixin, KVMixin, RequestMixin):
     # -- guest side
     def _host(self, req: m.HostLayers) -> m.Reply:
         if req.migration in self.migrations:
-            return m.Error(id=req.id, reason="invalid", detail=f"migration id {req.migration!r} is taken")
+            return m.Error(
+                id=req.id, reason="invalid", detail=f"migration id {req.migration!r} is taken"
+            )
         if not req.start < req.stop <= self.num_layers:
-            return m.Error(id=req.id, reason="invalid",
-                           detail=f"layers [{req.start}, {req.stop}) do not exist in this worker's model")
+            return m.Error(
+                id=req.id,
+                reason="invalid",
+                detail=f"layers [{req.start}, {req.stop}) do not exist in this worker's model",
+            )
         mine = {(i, n): t for i, n, t in self._layer_tensors(req.start, req.stop)}
         for d in req.tensors:
             own = mine.get((d.layer, d.name))
-            if own is None or list(own.shape) != d.shape or str(own.dtype).removeprefix("torch.") != d.dtype:
-                return m.Error(id=req.id, reason="invalid",
-                               detail=f"layer {d.layer} {d.name} {d.dtype}{d.shape} does not match this worker's "
-                                      "model (layer migration needs the same architecture)")
-        mig = _Migration(req.migration, "guest", req.owner, req.start, req.stop, "pulling",
-                         bytes_total=sum(d.nbytes for d in req.tensors),
-                         names=[f"{d.layer}.{d.name}" for d in req.tensors])
+            if (
+                own is None
+                or list(own.shape) != d.shape
+                or str(own.dtype).removeprefix("torch.") != d.dtype
+            ):
+                return m.Error(
+                    id=req.id,
+                    reason="invalid",
+                    detail=f"layer {d.layer} {d.name} {d.dtype}{d.shape} does not match this worker's "
+                    "model (layer migration needs the same architecture)",
+                )
+        mig = _Migration(
+            req.migration,
+            "guest",
+            req.owner,
+            req.start,
+            req.stop,
+            "pulling",
+            bytes_total=sum(d.nbytes for d in req.tensors),
+            names=[f"{d.layer}.{d.name}" for d in req.tensors],
+        )
         with self._lock:
             self.migrations[req.migration] = mig
         self._work.submit(self._run_guest, mig, req)
@@ -507,11 +686,20 @@ class MigrationAgent(SwitchMixin, KVMixin, RequestMixin):
             mig.crc = [crc32(t) for t in area]
             bad = [d.name for d, got in zip(req.tensors, mig.crc) if got != d.crc32]
             if bad:
-                raise Fail("checksum", f"{len(bad)} tensors differ from the owner's checksum, e.g. {bad[0]}")
+                raise Fail(
+                    "checksum",
+                    f"{len(bad)} tensors differ from the owner's checksum, e.g. {bad[0]}",
+                )
             mig.finish("verified")
             self.metrics.add("guest_bytes_received", mig.bytes_done)
-            logger.info("guest layers [%d, %d) of %s verified: %.1f MB in %.2fs", req.start, req.stop,
-                        req.owner, mig.bytes_done / 1e6, mig.seconds)
+            logger.info(
+                "guest layers [%d, %d) of %s verified: %.1f MB in %.2fs",
+                req.start,
+                req.stop,
+                req.owner,
+                mig.bytes_done / 1e6,
+                mig.seconds,
+            )
         except Fail as f:
             self._free_guest(mig)
             mig.finish("dropped" if f.reason == "cancelled" else "failed", f.reason, f.detail)

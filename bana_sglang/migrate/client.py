@@ -25,8 +25,9 @@ class AgentUnavailable(RuntimeError):
 class AgentClient:
     """Synchronous client of one agent (DEALER socket; one call at a time)."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
-                 channel=None):
+    def __init__(
+        self, endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None, channel=None
+    ):
         self.endpoint = endpoint
         # the channel whose replies this client decodes (default: the agent's)
         self._decode_reply = (channel or m.CHANNEL).decode_reply
@@ -49,7 +50,9 @@ class AgentClient:
             self._sock.close(0)
             self._sock = None
 
-    def call(self, make: Callable[..., msgspec.Struct], *, timeout_s: float | None = None, **fields) -> m.Reply:
+    def call(
+        self, make: Callable[..., msgspec.Struct], *, timeout_s: float | None = None, **fields
+    ) -> m.Reply:
         """Build a request with ``make(id=, deadline=, **fields)``, send it, return its reply."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
@@ -69,14 +72,18 @@ class AgentClient:
                 if reply.id == rid or (isinstance(reply, wire.Error) and reply.id == 0):
                     return reply
             self.close()  # late replies go with the socket
-            raise AgentUnavailable(f"no reply from the agent at {self.endpoint} within {timeout:.1f}s")
+            raise AgentUnavailable(
+                f"no reply from the agent at {self.endpoint} within {timeout:.1f}s"
+            )
 
     def send_raw(self, frame: bytes, *, timeout_s: float | None = None) -> m.Reply:
         """Send an arbitrary frame (tests of malformed input); the first reply."""
         with self._lock:
             sock = self._socket()
             sock.send(frame)
-            if not sock.poll(int((self.timeout_s if timeout_s is None else timeout_s) * 1000), zmq.POLLIN):
+            if not sock.poll(
+                int((self.timeout_s if timeout_s is None else timeout_s) * 1000), zmq.POLLIN
+            ):
                 self.close()
                 raise AgentUnavailable(f"no reply from the agent at {self.endpoint}")
             return self._decode_reply(sock.recv())

@@ -21,6 +21,8 @@ import atexit
 import logging
 import os
 
+from bana_sglang import envs
+
 logger = logging.getLogger(__name__)
 
 _DISABLED = object()
@@ -55,7 +57,7 @@ def _handles(runner, scheduler=None):
 
 
 def _start(scheduler):
-    endpoint = os.environ.get("BANA_AGENT_ENDPOINT")
+    endpoint = envs.BANA_AGENT_ENDPOINT.get()
     if not endpoint:
         return _DISABLED
     from sglang.srt.runtime_context import get_parallel
@@ -74,14 +76,20 @@ def _start(scheduler):
         MigrationAgent,
     )
 
-    host = os.environ.get("BANA_AGENT_HOST") or endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+    host = envs.BANA_AGENT_HOST.get() or endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
     role = getattr(scheduler.server_args, "disaggregation_mode", "null")
     try:
-        agent = MigrationAgent(os.environ.get("BANA_WORKER_NAME", f"{role}-{os.getpid()}"), role, layers, endpoint,
-                               te_host=host, protocol=os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
-                               worker=_handles(runner, scheduler),
-                               step_timeout_s=float(os.environ.get("BANA_MIGRATE_STEP_TIMEOUT_S", STEP_TIMEOUT_S)),
-                               peer_timeout_s=float(os.environ.get("BANA_MIGRATE_PEER_TIMEOUT_S", PEER_TIMEOUT_S)))
+        agent = MigrationAgent(
+            envs.BANA_WORKER_NAME.get() or f"{role}-{os.getpid()}",
+            role,
+            layers,
+            endpoint,
+            te_host=host,
+            protocol=os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
+            worker=_handles(runner, scheduler),
+            step_timeout_s=envs.BANA_MIGRATE_STEP_TIMEOUT_S.get() or STEP_TIMEOUT_S,
+            peer_timeout_s=envs.BANA_MIGRATE_PEER_TIMEOUT_S.get() or PEER_TIMEOUT_S,
+        )
     except Exception:
         logger.exception("migration agent disabled: could not start it on %s", endpoint)
         return _DISABLED

@@ -21,7 +21,9 @@ class TransferEngine:
         self._te = _TE()
         rc = self._te.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
-            raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, {protocol!r}) returned {rc}")
+            raise RuntimeError(
+                f"Mooncake TransferEngine.initialize({host!r}, {protocol!r}) returned {rc}"
+            )
         self.session = f"{host}:{self._te.get_rpc_port()}"
         self._registered: dict[int, int] = {}  # address -> bytes
         self._inflight: dict[int, int] = {}  # destination address -> reads still running
@@ -44,13 +46,21 @@ class TransferEngine:
             n = self._registered.get(ptr)
             if n is None:
                 return
-            if any(ptr <= p < ptr + n for p in self._inflight):  # a timed-out read may still land here
+            if any(
+                ptr <= p < ptr + n for p in self._inflight
+            ):  # a timed-out read may still land here
                 self._deferred.add(ptr)
                 return
             del self._registered[ptr]
             self._te.unregister_memory(ptr)
 
-    def read(self, session: str, dst: list[torch.Tensor], src_addrs: list[int], timeout_s: float | None = None) -> None:
+    def read(
+        self,
+        session: str,
+        dst: list[torch.Tensor],
+        src_addrs: list[int],
+        timeout_s: float | None = None,
+    ) -> None:
         """Read ``src_addrs`` of the engine at ``session`` into ``dst`` (registered).
 
         Without ``timeout_s`` this blocks until the engine gives up (Mooncake's
@@ -75,8 +85,11 @@ class TransferEngine:
                         self._inflight[p] -= 1
                         if not self._inflight[p]:
                             del self._inflight[p]
-                    ready = [b for b in self._deferred if not any(b <= p < b + self._registered[b]
-                                                                  for p in self._inflight)]
+                    ready = [
+                        b
+                        for b in self._deferred
+                        if not any(b <= p < b + self._registered[b] for p in self._inflight)
+                    ]
                     for b in ready:
                         self._deferred.discard(b)
                         del self._registered[b]
@@ -88,13 +101,17 @@ class TransferEngine:
                 self._inflight[p] = self._inflight.get(p, 0) + 1
         threading.Thread(target=run, name="bana-te-read", daemon=True).start()
         if not done.wait(timeout_s):
-            raise TimeoutError(f"no data from the transfer engine at {session} within {timeout_s:.1f}s")
+            raise TimeoutError(
+                f"no data from the transfer engine at {session} within {timeout_s:.1f}s"
+            )
         if errors:
             raise errors[0]
 
     def _read(self, session: str, dst: list[torch.Tensor], src_addrs: list[int]) -> None:
         lens = [t.numel() * t.element_size() for t in dst]
-        rc = self._te.batch_transfer_sync_read(session, [t.data_ptr() for t in dst], src_addrs, lens)
+        rc = self._te.batch_transfer_sync_read(
+            session, [t.data_ptr() for t in dst], src_addrs, lens
+        )
         if rc != 0:
             raise RuntimeError(f"batch_transfer_sync_read from {session} returned {rc}")
 

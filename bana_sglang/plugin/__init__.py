@@ -34,19 +34,31 @@ def register() -> None:
     if multiprocessing.parent_process() is None:
         # The HTTP server's process (SGLang children are spawned, so they have a
         # parent): add the extension's routes before uvicorn starts.
-        HookRegistry.register("sglang.srt.entrypoints.http_server.launch_server",
-                              server_routes.before_launch_server, HookType.BEFORE)
+        HookRegistry.register(
+            "sglang.srt.entrypoints.http_server.launch_server",
+            server_routes.before_launch_server,
+            HookType.BEFORE,
+        )
     # The global store's linker needs SGLang's linker wrapper extended (the parent
     # page of each offloaded node); installed for our linker only.
-    HookRegistry.register("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.init_cache_linker",
-                          init_cache_linker_hook, HookType.AROUND)
-    HookRegistry.register("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue",
-                          decode_queue_hook, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.init_cache_linker",
+        init_cache_linker_hook,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue",
+        decode_queue_hook,
+        HookType.AROUND,
+    )
     # The migration agent answers its ZMQ requests at every batch boundary.
     from bana_sglang.migrate.hooks import scheduler_hook
 
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.process_input_requests",
-                          scheduler_hook, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.process_input_requests",
+        scheduler_hook,
+        HookType.AROUND,
+    )
     if compat.cpu_mode():
         # The CPU attention backend: its name must pass argparse and reach the model runner.
         try:

@@ -23,16 +23,27 @@ from bana_sglang.radix_global.store import PageStore, StoreConfig
 def _layout(page_bytes: int) -> KVLayout:
     # float32, 1 layer, K+V, 16 tokens, 8 heads: head_dim sets the size
     head_dim = page_bytes // (4 * 2 * 16 * 8)
-    return KVLayout(f"bench-{page_bytes}", "float32", page_size=16, num_kv_heads=8,
-                    head_dim=head_dim, num_layers=1)
+    return KVLayout(
+        f"bench-{page_bytes}",
+        "float32",
+        page_size=16,
+        num_kv_heads=8,
+        head_dim=head_dim,
+        num_layers=1,
+    )
 
 
-def run(master: str, sizes: Sequence[int], total_bytes: int, batch: int) -> list[tuple[str, int, float, float]]:
+def run(
+    master: str, sizes: Sequence[int], total_bytes: int, batch: int
+) -> list[tuple[str, int, float, float]]:
     rows = []
     for page_bytes in sizes:
         layout = _layout(page_bytes)
-        cfg = StoreConfig(master_addr=master, staging_bytes=max(32 << 20, batch * layout.page_nbytes),
-                          max_batch=batch)
+        cfg = StoreConfig(
+            master_addr=master,
+            staging_bytes=max(32 << 20, batch * layout.page_nbytes),
+            max_batch=batch,
+        )
         store = PageStore.connect(layout, cfg)
         n = max(batch, total_bytes // layout.page_nbytes)
         pool = torch.randn((2 * n, *layout.page_shape))
@@ -44,13 +55,15 @@ def run(master: str, sizes: Sequence[int], total_bytes: int, batch: int) -> list
             src = [pool[i] for i in range(n)]
             t0 = time.perf_counter()
             for lo in range(0, n, batch):
-                res = store.put_pages(chain[lo:lo + batch], src[lo:lo + batch])
+                res = store.put_pages(chain[lo : lo + batch], src[lo : lo + batch])
                 assert res.failed is None, res.failed
             put_s = time.perf_counter() - t0
             dst = [pool[n + i] for i in range(n)] if path == "registered" else None
             t0 = time.perf_counter()
             for lo in range(0, n, batch):
-                res = store.get_pages(chain[lo:lo + batch], None if dst is None else dst[lo:lo + batch])
+                res = store.get_pages(
+                    chain[lo : lo + batch], None if dst is None else dst[lo : lo + batch]
+                )
                 assert res.miss is None, res.miss
             get_s = time.perf_counter() - t0
             mb = n * layout.page_nbytes / 1e6
@@ -62,7 +75,9 @@ def run(master: str, sizes: Sequence[int], total_bytes: int, batch: int) -> list
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bana_sglang.radix_global.bench_store", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m bana_sglang.radix_global.bench_store", description=__doc__
+    )
     p.add_argument("--master", required=True)
     p.add_argument("--total-mb", type=int, default=16, help="bytes moved per size and path")
     p.add_argument("--batch", type=int, default=8, help="pages per native batch call")

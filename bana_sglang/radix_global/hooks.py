@@ -4,9 +4,10 @@ the launcher plans command lines without loading SGLang)."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
+
+from bana_sglang import envs
 
 LINKER_NAME = "BanaGlobalLinker"
 LINKER_MODULE = "bana_sglang.radix_global.linker"
@@ -19,9 +20,13 @@ def linker_args(index_endpoint: str, master_addr: str, *, owner: str | None = No
     if owner:
         extra["owner"] = owner
     cfg = {"linker": LINKER_NAME, "linker_module_path": LINKER_MODULE, "linker_extra_config": extra}
-    return ["--enable-unified-cache-external-linker",
-            "--unified-cache-external-linker-backend", "dynamic",
-            "--unified-cache-external-linker-config", json.dumps(cfg, separators=(",", ":"))]
+    return [
+        "--enable-unified-cache-external-linker",
+        "--unified-cache-external-linker-backend",
+        "dynamic",
+        "--unified-cache-external-linker-config",
+        json.dumps(cfg, separators=(",", ":")),
+    ]
 
 
 def decode_queue_hook(original, scheduler, *args, **kwargs):
@@ -33,8 +38,9 @@ def decode_queue_hook(original, scheduler, *args, **kwargs):
     their tree nodes stay locked and the decode KV pool fills until every new
     request waits forever (seen: 92% KV usage, 24 requests stuck in
     pre-allocation). Poll them here, once per decode-queue pass."""
-    if getattr(scheduler, "enable_unified_cache_external_linker", False) and \
-            not getattr(scheduler, "enable_decode_hicache", False):
+    if getattr(scheduler, "enable_unified_cache_external_linker", False) and not getattr(
+        scheduler, "enable_decode_hicache", False
+    ):
         scheduler.tree_cache.check_hicache_events()
     return original(scheduler, *args, **kwargs)
 
@@ -61,11 +67,17 @@ class LinkerConfig:
         extra = dict(extra or {})
         unknown = set(extra) - {"index", "master", "owner"}
         if unknown:
-            raise ValueError(f"{LINKER_NAME}: unknown linker_extra_config keys {sorted(unknown)}; "
-                             "known: index, master, owner")
-        index = extra.get("index") or os.environ.get("BANA_INDEX_ENDPOINT")
-        master = extra.get("master") or os.environ.get("BANA_STORE_MASTER")
+            raise ValueError(
+                f"{LINKER_NAME}: unknown linker_extra_config keys {sorted(unknown)}; "
+                "known: index, master, owner"
+            )
+        index = extra.get("index") or envs.BANA_INDEX_ENDPOINT.get() or None
+        master = extra.get("master") or (
+            envs.BANA_STORE_MASTER.get() if envs.BANA_STORE_MASTER.is_set else None
+        )
         if not index or not master:
-            raise ValueError(f"{LINKER_NAME} needs linker_extra_config.index (tcp://host:port of "
-                             "the index service) and .master (host:port of mooncake_master)")
+            raise ValueError(
+                f"{LINKER_NAME} needs linker_extra_config.index (tcp://host:port of "
+                "the index service) and .master (host:port of mooncake_master)"
+            )
         return cls(str(index), str(master), str(extra.get("owner") or default_owner))

@@ -43,11 +43,11 @@ class PageInfo:
 
     page: PageHash
     parent: PageHash | None
-    depth: int          # position in its chain (0 = first page)
-    size: int           # bytes the page takes in the store (header + payload)
-    owner: OwnerId      # who published it
-    last_use: int       # logical clock of the last lookup/insert that touched it
-    hits: int           # lookups that matched it
+    depth: int  # position in its chain (0 = first page)
+    size: int  # bytes the page takes in the store (header + payload)
+    owner: OwnerId  # who published it
+    last_use: int  # logical clock of the last lookup/insert that touched it
+    hits: int  # lookups that matched it
 
 
 class Match(NamedTuple):
@@ -77,18 +77,35 @@ class IndexStats(NamedTuple):
     used_bytes: int
     capacity_bytes: int
     lookups: int
-    lookup_pages: int        # pages asked for by lookups
-    hit_pages: int           # pages matched by lookups
+    lookup_pages: int  # pages asked for by lookups
+    hit_pages: int  # pages matched by lookups
     inserted: int
     evicted: int
     forgotten: int
 
 
 class _Node:
-    __slots__ = ("children", "depth", "hits", "last_use", "owner", "page", "parent", "size", "stamp")
+    __slots__ = (
+        "children",
+        "depth",
+        "hits",
+        "last_use",
+        "owner",
+        "page",
+        "parent",
+        "size",
+        "stamp",
+    )
 
-    def __init__(self, page: PageHash, parent: PageHash | None, depth: int, size: int,
-                 owner: OwnerId, tick: int):
+    def __init__(
+        self,
+        page: PageHash,
+        parent: PageHash | None,
+        depth: int,
+        size: int,
+        owner: OwnerId,
+        tick: int,
+    ):
         self.page = page
         self.parent = parent
         self.depth = depth
@@ -100,8 +117,9 @@ class _Node:
         self.stamp = -1  # sequence number of this node's valid leaf-heap entry; -1: none
 
     def info(self) -> PageInfo:
-        return PageInfo(self.page, self.parent, self.depth, self.size, self.owner,
-                        self.last_use, self.hits)
+        return PageInfo(
+            self.page, self.parent, self.depth, self.size, self.owner, self.last_use, self.hits
+        )
 
 
 class GlobalPrefixIndex:
@@ -136,12 +154,22 @@ class GlobalPrefixIndex:
         return self.capacity_bytes - self.used_bytes
 
     def stats(self) -> IndexStats:
-        return IndexStats(len(self._nodes), self._leaves, self.used_bytes, self.capacity_bytes,
-                          self._lookups, self._lookup_pages, self._hit_pages,
-                          self._inserted, self._evicted, self._forgotten)
+        return IndexStats(
+            len(self._nodes),
+            self._leaves,
+            self.used_bytes,
+            self.capacity_bytes,
+            self._lookups,
+            self._lookup_pages,
+            self._hit_pages,
+            self._inserted,
+            self._evicted,
+            self._forgotten,
+        )
 
-    def _prefix(self, chain: Sequence[PageHash], parent: PageHash | None = None,
-                any_parent: bool = False) -> list[_Node]:
+    def _prefix(
+        self, chain: Sequence[PageHash], parent: PageHash | None = None, any_parent: bool = False
+    ) -> list[_Node]:
         """Nodes of the longest indexed prefix of ``chain`` (parents must match;
         ``chain[0]``'s parent must be ``parent`` unless ``any_parent``)."""
         out: list[_Node] = []
@@ -153,8 +181,15 @@ class GlobalPrefixIndex:
             parent = page
         return out
 
-    def longest_prefix(self, chain: Sequence[PageHash], *, touch: bool = True, hit: bool = True,
-                       parent: PageHash | None = None, any_parent: bool = False) -> Match:
+    def longest_prefix(
+        self,
+        chain: Sequence[PageHash],
+        *,
+        touch: bool = True,
+        hit: bool = True,
+        parent: PageHash | None = None,
+        any_parent: bool = False,
+    ) -> Match:
         """How many leading pages of ``chain`` are indexed. ``chain`` starts at the
         root, or after ``parent`` (a chain continuing a known prefix), or, with
         ``any_parent``, wherever ``chain[0]`` is (safe with chained hashes: a
@@ -171,8 +206,14 @@ class GlobalPrefixIndex:
         return Match(len(nodes), tuple(n.info() for n in nodes))
 
     # ------------------------------------------------------------------ updates
-    def insert(self, chain: Sequence[PageHash], sizes: Sequence[int], owner: OwnerId, *,
-               parent: PageHash | None = None) -> InsertResult:
+    def insert(
+        self,
+        chain: Sequence[PageHash],
+        sizes: Sequence[int],
+        owner: OwnerId,
+        *,
+        parent: PageHash | None = None,
+    ) -> InsertResult:
         """Index the pages of ``chain`` that are not indexed yet. ``chain`` starts
         at the root (page 0), or right after ``parent``, which must be indexed.
         ``sizes[i]`` is page i's size in bytes (ignored for pages already
@@ -212,8 +253,14 @@ class GlobalPrefixIndex:
                 if size > self.free_bytes:
                     reason = "capacity: page does not fit even after eviction"
                     break
-            node = _Node(page, parent_node.page if parent_node else None, base_depth + i, size,
-                         owner, self._tick)
+            node = _Node(
+                page,
+                parent_node.page if parent_node else None,
+                base_depth + i,
+                size,
+                owner,
+                self._tick,
+            )
             self._nodes[page] = node
             self.used_bytes += size
             if parent_node is not None:
@@ -312,8 +359,9 @@ class GlobalPrefixIndex:
             self._compact()
 
     def _compact(self) -> None:
-        self._heap = [e for e in self._heap
-                      if (n := self._nodes.get(e[2])) is not None and n.stamp == e[1]]
+        self._heap = [
+            e for e in self._heap if (n := self._nodes.get(e[2])) is not None and n.stamp == e[1]
+        ]
         heapq.heapify(self._heap)
 
     def _remove_leaf(self, node: _Node) -> None:

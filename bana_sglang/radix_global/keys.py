@@ -47,8 +47,14 @@ _HEX_RE = re.compile(r"^[0-9a-f]{32}$")
 
 #: dtype names a layout may carry (torch spelling without the ``torch.`` prefix).
 DTYPE_SIZES: dict[str, int] = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
 }
 
 
@@ -75,10 +81,10 @@ class KVLayout:
     head_dim)``: K then V for every layer, tokens in order.
     """
 
-    model: str          # model identity: path/name plus revision or weights digest
-    dtype: str          # e.g. "bfloat16" (torch name without "torch.")
-    page_size: int      # tokens per page
-    num_kv_heads: int   # KV heads on this rank
+    model: str  # model identity: path/name plus revision or weights digest
+    dtype: str  # e.g. "bfloat16" (torch name without "torch.")
+    page_size: int  # tokens per page
+    num_kv_heads: int  # KV heads on this rank
     head_dim: int
     num_layers: int
     tp_rank: int = 0
@@ -113,10 +119,15 @@ class KVLayout:
     def digest(self) -> LayoutDigest:
         """Stable namespace digest of this layout (same in every process)."""
         canon = "|".join(
-            f"{k}={v}" for k, v in (
-                ("model", self.model), ("dtype", self.dtype), ("page_size", self.page_size),
-                ("num_kv_heads", self.num_kv_heads), ("head_dim", self.head_dim),
-                ("num_layers", self.num_layers), ("tp_rank", self.tp_rank),
+            f"{k}={v}"
+            for k, v in (
+                ("model", self.model),
+                ("dtype", self.dtype),
+                ("page_size", self.page_size),
+                ("num_kv_heads", self.num_kv_heads),
+                ("head_dim", self.head_dim),
+                ("num_layers", self.num_layers),
+                ("tp_rank", self.tp_rank),
                 ("tp_size", self.tp_size),
             )
         )
@@ -168,7 +179,7 @@ def page_chain(
     p = layout.page_size
     out: list[PageHash] = []
     for start in range(0, len(tokens) - p + 1, p):
-        prev = _h(_PAGE_TAG, ns, prev, _token_bytes(tokens[start:start + p]))
+        prev = _h(_PAGE_TAG, ns, prev, _token_bytes(tokens[start : start + p]))
         out.append(PageHash(prev.hex()))
     return out
 
@@ -183,7 +194,9 @@ def namespaced(foreign_hash: str, layout: KVLayout, salt: str | bytes | None = N
     them safe to share across models, layouts and TP ranks. Equal inputs give
     equal outputs in every process; the chain structure is preserved.
     """
-    return PageHash(_h(_PAGE_TAG, namespace(layout, salt), b"foreign", foreign_hash.encode("utf-8")).hex())
+    return PageHash(
+        _h(_PAGE_TAG, namespace(layout, salt), b"foreign", foreign_hash.encode("utf-8")).hex()
+    )
 
 
 def model_identity(model_path: str) -> str:
@@ -191,8 +204,11 @@ def model_identity(model_path: str) -> str:
     or of the same name with other weights, can never be served."""
     root = Path(model_path)
     h = hashlib.blake2b(digest_size=16)
-    files = sorted(p for p in root.glob("*") if p.suffix in (".json", ".safetensors", ".bin")) \
-        if root.is_dir() else []
+    files = (
+        sorted(p for p in root.glob("*") if p.suffix in (".json", ".safetensors", ".bin"))
+        if root.is_dir()
+        else []
+    )
     for p in files:
         if p.name.startswith("tokenizer") or p.name in ("special_tokens_map.json",):
             continue
@@ -209,8 +225,13 @@ def model_identity(model_path: str) -> str:
     return f"{root.name or model_path}@{h.hexdigest()}"
 
 
-def sglang_page_hashes(token_ids: Sequence[int], page_size: int, *, extra_key: str | None = None,
-                       cache_salt: str | None = None) -> list[str]:
+def sglang_page_hashes(
+    token_ids: Sequence[int],
+    page_size: int,
+    *,
+    extra_key: str | None = None,
+    cache_salt: str | None = None,
+) -> list[str]:
     """SGLang 0.5.23's chained storage hashes of the full pages of ``token_ids``
     (``mem_cache/utils.py: get_storage_hash_str`` from the root): SHA-256 of the
     previous page's digest and the page's token ids as little-endian uint32,
@@ -234,6 +255,8 @@ def sglang_page_hashes(token_ids: Sequence[int], page_size: int, *, extra_key: s
         raise ValueError("token ids must fit in uint32")
     out: list[str] = []
     for start in range(0, len(ids) - page_size + 1, page_size):
-        prev = hashlib.sha256(prev + array.array("I", ids[start:start + page_size]).tobytes()).digest()
+        prev = hashlib.sha256(
+            prev + array.array("I", ids[start : start + page_size]).tobytes()
+        ).digest()
         out.append(prev.hex())
     return out

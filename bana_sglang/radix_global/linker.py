@@ -79,6 +79,7 @@ logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------- metrics
 
+
 class _Metrics(CounterSet):
     """The store's per-worker counters (``bana_store_*_total`` on the worker's
     ``/metrics``; plain numbers always, logged at close)."""
@@ -106,10 +107,12 @@ class _Metrics(CounterSet):
     def summary(self) -> str:
         v = self.values
         hidden = 1.0 - v["load_wait_seconds"] / v["load_seconds"] if v["load_seconds"] else 0.0
-        return (f"lookups={v['lookups']:.0f} local_hit_tokens={v['local_hit_tokens']:.0f} "
-                f"global_hit_tokens={v['global_hit_tokens']:.0f} loaded={v['loaded_bytes'] / 1e6:.1f}MB "
-                f"in {v['load_seconds']:.2f}s (hidden {hidden:.0%}) published={v['published_pages']:.0f} pages "
-                f"{v['published_bytes'] / 1e6:.1f}MB failures={v['load_failures']:.0f}")
+        return (
+            f"lookups={v['lookups']:.0f} local_hit_tokens={v['local_hit_tokens']:.0f} "
+            f"global_hit_tokens={v['global_hit_tokens']:.0f} loaded={v['loaded_bytes'] / 1e6:.1f}MB "
+            f"in {v['load_seconds']:.2f}s (hidden {hidden:.0%}) published={v['published_pages']:.0f} pages "
+            f"{v['published_bytes'] / 1e6:.1f}MB failures={v['load_failures']:.0f}"
+        )
 
 
 class _TimedCounter(LayerWiseLoadCounter):
@@ -129,6 +132,7 @@ class _TimedCounter(LayerWiseLoadCounter):
 
 
 # ---------------------------------------------------------------------- linker
+
 
 class _Load(NamedTuple):
     chain: list[PageHash]
@@ -165,17 +169,23 @@ class BanaGlobalLinker(UnifiedCacheLinker):
 
         unsupported = set(components) - {ComponentType.FULL}
         if unsupported:
-            raise ValueError(f"{LINKER_NAME} supports full-attention KV only, not "
-                             f"{sorted(c.name for c in unsupported)}")
+            raise ValueError(
+                f"{LINKER_NAME} supports full-attention KV only, not "
+                f"{sorted(c.name for c in unsupported)}"
+            )
         self.forward_stream = forward_stream
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         k, v = getattr(kvcache, "k_buffer", None), getattr(kvcache, "v_buffer", None)
         if not k or not v or len(k) != len(v):
-            raise ValueError(f"{LINKER_NAME} needs an MHA KV pool with k_buffer/v_buffer, "
-                             f"got {type(kvcache).__name__}")
+            raise ValueError(
+                f"{LINKER_NAME} needs an MHA KV pool with k_buffer/v_buffer, "
+                f"got {type(kvcache).__name__}"
+            )
         if k[0].device.type != "cpu":
-            raise ValueError(f"{LINKER_NAME} in this version reads into CPU KV pools only "
-                             f"(the pool is on {k[0].device}); run the worker with --device cpu")
+            raise ValueError(
+                f"{LINKER_NAME} in this version reads into CPU KV pools only "
+                f"(the pool is on {k[0].device}); run the worker with --device cpu"
+            )
         if k[0].shape[1:] != v[0].shape[1:] or k[0].dtype != v[0].dtype:
             raise ValueError(f"{LINKER_NAME} needs K and V of the same shape and dtype")
         self.k_buffer, self.v_buffer = list(k), list(v)
@@ -183,15 +193,29 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         self.num_layers = len(k)
         tp_rank, tp_size = 0, 1
         group = params.attn_tp_cache_group or params.tp_cache_group
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and group is not None:
-            tp_rank, tp_size = torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and group is not None
+        ):
+            tp_rank, tp_size = (
+                torch.distributed.get_rank(group=group),
+                torch.distributed.get_world_size(group=group),
+            )
         self.layout = KVLayout(
-            model=model_identity(server_args.model_path), dtype=str(k[0].dtype),
-            page_size=self.page_size, num_kv_heads=int(k[0].shape[1]), head_dim=int(k[0].shape[2]),
-            num_layers=self.num_layers, tp_rank=tp_rank, tp_size=tp_size,
+            model=model_identity(server_args.model_path),
+            dtype=str(k[0].dtype),
+            page_size=self.page_size,
+            num_kv_heads=int(k[0].shape[1]),
+            head_dim=int(k[0].shape[2]),
+            num_layers=self.num_layers,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
         )
         role = getattr(server_args, "disaggregation_mode", "null")
-        self.cfg = LinkerConfig.from_extra(extra_config, f"{role}@{server_args.host}:{server_args.port}")
+        self.cfg = LinkerConfig.from_extra(
+            extra_config, f"{role}@{server_args.host}:{server_args.port}"
+        )
         self.metrics = _Metrics()
         self.pools = {PoolName.KV: kvcache}
         self.layer_done_counter = _TimedCounter(self.num_layers, self.metrics)
@@ -207,8 +231,12 @@ class BanaGlobalLinker(UnifiedCacheLinker):
             self.store.register(buf)
             publish_store.register(buf)
         self.index = IndexClient(self.cfg.index, name=f"{self.cfg.owner}/lookup")
-        self._publisher = GlobalKVCache(self.layout, IndexClient(self.cfg.index, name=f"{self.cfg.owner}/publish"),
-                                        publish_store, self.cfg.owner)
+        self._publisher = GlobalKVCache(
+            self.layout,
+            IndexClient(self.cfg.index, name=f"{self.cfg.owner}/publish"),
+            publish_store,
+            self.cfg.owner,
+        )
         self._loss_index = IndexClient(self.cfg.index, name=f"{self.cfg.owner}/load")
 
         self.pending_loads: dict[str, _Load] = {}
@@ -217,16 +245,31 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         self.offload_results: queue.Queue[bool] = queue.Queue()
         self.next_offload_parent: str | None = None  # set by BanaLinkerWrapper per node
         self._threads = [
-            threading.Thread(target=self._serve, args=(self.load_queue, self._load_task), daemon=True,
-                             name="bana-store-load"),
-            threading.Thread(target=self._serve, args=(self.offload_queue, self._offload_task), daemon=True,
-                             name="bana-store-publish"),
+            threading.Thread(
+                target=self._serve,
+                args=(self.load_queue, self._load_task),
+                daemon=True,
+                name="bana-store-load",
+            ),
+            threading.Thread(
+                target=self._serve,
+                args=(self.offload_queue, self._offload_task),
+                daemon=True,
+                name="bana-store-publish",
+            ),
         ]
         for t in self._threads:
             t.start()
-        logger.info("global KV store linker: index %s, master %s, layout %s (digest %s), %d-token pages "
-                    "of %d bytes", self.cfg.index, self.cfg.master, self.layout.model,
-                    self.layout.digest[:12], self.page_size, self.store.object_size)
+        logger.info(
+            "global KV store linker: index %s, master %s, layout %s (digest %s), %d-token pages "
+            "of %d bytes",
+            self.cfg.index,
+            self.cfg.master,
+            self.layout.model,
+            self.layout.digest[:12],
+            self.page_size,
+            self.store.object_size,
+        )
 
     # -- helpers
     def _chain(self, sglang_hashes: Sequence[str]) -> list[PageHash]:
@@ -269,8 +312,12 @@ class BanaGlobalLinker(UnifiedCacheLinker):
     def _report(self, miss, index: IndexClient) -> None:
         if miss.reason in ("unavailable",):
             return
-        logger.info("page %s listed by the index but unusable in the store (%s %s); reporting it",
-                    miss.page, miss.reason, miss.detail)
+        logger.info(
+            "page %s listed by the index but unusable in the store (%s %s); reporting it",
+            miss.page,
+            miss.reason,
+            miss.detail,
+        )
         index.report_loss([miss.page], self.cfg.owner)
 
     # -- loads
@@ -366,8 +413,11 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         if got is None:
             return False
         kv, slots = got
-        self.offload_queue.put(_Offload(self._chain(kv.keys),
-                                        namespaced(parent, self.layout) if parent else None, slots))
+        self.offload_queue.put(
+            _Offload(
+                self._chain(kv.keys), namespaced(parent, self.layout) if parent else None, slots
+            )
+        )
         return True
 
     def _offload_task(self, task: _Offload) -> None:
@@ -387,7 +437,9 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         self.metrics.add("publish_skipped_pages", len(task.chain) - res.committed)
         self.metrics.add("publish_seconds", time.perf_counter() - t0)
         if res.note and res.note != "present":
-            logger.debug("publish of %d pages: %d committed (%s)", len(task.chain), res.committed, res.note)
+            logger.debug(
+                "publish of %d pages: %d committed (%s)", len(task.chain), res.committed, res.note
+            )
         return res.complete
 
     def num_completed_offloads(self) -> int:
@@ -422,6 +474,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
 
 
 # ---------------------------------------------------------------------- wrapper
+
 
 class BanaLinkerWrapper(UnifiedCacheLinkerWrapper):
     """SGLang's wrapper plus two things the linker interface does not carry:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bana_sglang import envs
 from bana_sglang.mooncake_env import apply_defaults
 from bana_sglang.radix_global.errors import StoreError
 from bana_sglang.radix_global.keys import PageHash
@@ -75,31 +76,22 @@ def page_key(page: PageHash) -> str:
 
 # ---------------------------------------------------------------------- config
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    return int(raw) if raw else default
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    return float(raw) if raw else default
-
 
 @dataclass(frozen=True)
 class StoreConfig:
     """How to reach the store. ``global_segment_size`` is 0 for workers and the
     index service: only the storage process contributes memory."""
 
-    master_addr: str                      # "host:port" of mooncake_master's RPC
+    master_addr: str  # "host:port" of mooncake_master's RPC
     local_hostname: str = "127.0.0.1"
     metadata_server: str = "P2PHANDSHAKE"
     protocol: str = "tcp"
-    rdma_devices: str = ""                # with protocol "rdma", e.g. "mlx5_0"; "": Mooncake picks
+    rdma_devices: str = ""  # with protocol "rdma", e.g. "mlx5_0"; "": Mooncake picks
     global_segment_size: int = 0
     local_buffer_size: int = 16 << 20
-    staging_bytes: int = 32 << 20         # registered staging buffer for unregistered tensors
-    max_batch: int = 256                  # header-arena slots = pages per native batch call
-    probe_interval_s: float = 0.5         # how often a closed outage gate probes the master
+    staging_bytes: int = 32 << 20  # registered staging buffer for unregistered tensors
+    max_batch: int = 256  # header-arena slots = pages per native batch call
+    probe_interval_s: float = 0.5  # how often a closed outage gate probes the master
 
     def __post_init__(self) -> None:
         host, _, port = self.master_addr.rpartition(":")
@@ -114,12 +106,12 @@ class StoreConfig:
         ``BANA_STORE_RDMA_DEVICES``, ``BANA_STORE_STAGING_BYTES``, ``BANA_STORE_PROBE_INTERVAL_S``
         (explicit arguments win)."""
         kw: dict[str, object] = {
-            "master_addr": master_addr or os.environ.get("BANA_STORE_MASTER", "127.0.0.1:50051"),
-            "local_hostname": os.environ.get("BANA_STORE_HOST", "127.0.0.1"),
-            "protocol": os.environ.get("BANA_STORE_PROTOCOL", "tcp"),
-            "rdma_devices": os.environ.get("BANA_STORE_RDMA_DEVICES", ""),
-            "staging_bytes": _env_int("BANA_STORE_STAGING_BYTES", 32 << 20),
-            "probe_interval_s": _env_float("BANA_STORE_PROBE_INTERVAL_S", 0.5),
+            "master_addr": master_addr or envs.BANA_STORE_MASTER.get(),
+            "local_hostname": envs.BANA_STORE_HOST.get(),
+            "protocol": envs.BANA_STORE_PROTOCOL.get(),
+            "rdma_devices": envs.BANA_STORE_RDMA_DEVICES.get(),
+            "staging_bytes": envs.BANA_STORE_STAGING_BYTES.get(),
+            "probe_interval_s": envs.BANA_STORE_PROBE_INTERVAL_S.get(),
         }
         kw.update(overrides)
         return cls(**kw)  # type: ignore[arg-type]
@@ -136,6 +128,7 @@ def tcp_open(addr: str, timeout: float = 0.2) -> bool:
 
 
 # ---------------------------------------------------------------------- binding
+
 
 class MooncakeKV:
     """The Mooncake binding: native calls, return codes -> :class:`StoreError`,
@@ -166,8 +159,15 @@ class MooncakeKV:
                 self._enter_outage("setup", "master not accepting connections")
                 return False
             c = self.config
-            rc = self._store.setup(c.local_hostname, c.metadata_server, c.global_segment_size,
-                                   c.local_buffer_size, c.protocol, c.rdma_devices, c.master_addr)
+            rc = self._store.setup(
+                c.local_hostname,
+                c.metadata_server,
+                c.global_segment_size,
+                c.local_buffer_size,
+                c.protocol,
+                c.rdma_devices,
+                c.master_addr,
+            )
             if rc != 0:
                 self._enter_outage("setup", f"setup returned {rc}")
                 return False
@@ -199,7 +199,9 @@ class MooncakeKV:
     def _register_native(self, ptr: int, size: int) -> None:
         rc = self._store.register_buffer(ptr, size)
         if rc != 0:
-            raise StoreError("register_buffer", describe(rc), target=f"{size} bytes at {ptr:#x}", code=rc)
+            raise StoreError(
+                "register_buffer", describe(rc), target=f"{size} bytes at {ptr:#x}", code=rc
+            )
 
     def is_registered(self, ptr: int, size: int) -> bool:
         return any(p <= ptr and ptr + size <= p + n for p, n in self._registered)
@@ -219,20 +221,30 @@ class MooncakeKV:
                 raise StoreError(op, "store unavailable (setup failed)", code=UNAVAILABLE)
             return
         if not tcp_open(self.config.master_addr):
-            raise StoreError(op, "store unavailable (master not accepting connections)", code=UNAVAILABLE)
+            raise StoreError(
+                op, "store unavailable (master not accepting connections)", code=UNAVAILABLE
+            )
         # master is accepting again: let this call through as the probe
 
     def _enter_outage(self, op: str, why: str) -> None:
         if self._down_since is None:
             self._down_since = time.monotonic()
-            logger.warning("Mooncake store at %s unavailable (%s: %s); loads are misses and "
-                           "publishing is skipped until it returns", self.config.master_addr, op, why)
+            logger.warning(
+                "Mooncake store at %s unavailable (%s: %s); loads are misses and "
+                "publishing is skipped until it returns",
+                self.config.master_addr,
+                op,
+                why,
+            )
         self._next_probe = time.monotonic() + self.config.probe_interval_s
 
     def _leave_outage(self) -> None:
         if self._down_since is not None:
-            logger.warning("Mooncake store at %s reachable again after %.1fs",
-                           self.config.master_addr, time.monotonic() - self._down_since)
+            logger.warning(
+                "Mooncake store at %s reachable again after %.1fs",
+                self.config.master_addr,
+                time.monotonic() - self._down_since,
+            )
             self._down_since = None
 
     def _check(self, op: str, target: str, rc: int) -> int:
@@ -299,22 +311,26 @@ class MooncakeKV:
             self._gate("batch_remove")
             return self._codes("batch_remove", self._store.batch_remove(list(keys), force))
 
-    def put_multi(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
-                  sizes: Sequence[Sequence[int]]) -> list[int]:
+    def put_multi(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
         """Zero-copy batch put of objects scattered over registered buffers; per-key codes."""
         with self._lock:
             self._gate("batch_put_from_multi_buffers")
             rcs = self._store.batch_put_from_multi_buffers(
-                list(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
+                list(keys), [list(p) for p in ptrs], [list(s) for s in sizes]
+            )
             return self._codes("batch_put_from_multi_buffers", rcs)
 
-    def get_multi(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
-                  sizes: Sequence[Sequence[int]]) -> list[int]:
+    def get_multi(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
         """Zero-copy batch get into registered buffers; per-key bytes read or code."""
         with self._lock:
             self._gate("batch_get_into_multi_buffers")
             rcs = self._store.batch_get_into_multi_buffers(
-                list(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
+                list(keys), [list(p) for p in ptrs], [list(s) for s in sizes]
+            )
             return self._codes("batch_get_into_multi_buffers", rcs)
 
     # -- ranged reads (layer-wise loading)
@@ -322,16 +338,27 @@ class MooncakeKV:
         """Open a read session over ``keys`` (needed by :meth:`get_ranges`); per-key codes."""
         with self._lock:
             self._gate("batch_get_session_start")
-            return self._codes("batch_get_session_start", self._store.batch_get_session_start(list(keys)))
+            return self._codes(
+                "batch_get_session_start", self._store.batch_get_session_start(list(keys))
+            )
 
-    def get_ranges(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
-                   offsets: Sequence[Sequence[int]]) -> list[int]:
+    def get_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
         """Zero-copy ranged read: object ``keys[i]`` from byte ``offsets[i][j]``, ``sizes[i][j]``
         bytes, into ``ptrs[i][j]`` (registered memory). Per-key bytes read or code."""
         with self._lock:
             self._gate("batch_get_into_multi_buffer_ranges")
             rcs = self._store.batch_get_into_multi_buffer_ranges(
-                list(keys), [list(p) for p in ptrs], [list(s) for s in sizes], [list(o) for o in offsets])
+                list(keys),
+                [list(p) for p in ptrs],
+                [list(s) for s in sizes],
+                [list(o) for o in offsets],
+            )
             if isinstance(rcs, int):  # a whole-call failure
                 rcs = [rcs] * len(keys)
             return self._codes("batch_get_into_multi_buffer_ranges", rcs)

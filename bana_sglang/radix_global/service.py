@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import os
 import queue
 import signal
 import sys
@@ -45,10 +44,11 @@ from typing import NamedTuple
 import msgspec
 import zmq
 
-from bana_sglang.wire import index as m
+from bana_sglang import envs
 from bana_sglang.radix_global.errors import IndexUnavailable, StoreError
 from bana_sglang.radix_global.index import GlobalPrefixIndex
 from bana_sglang.radix_global.keys import OwnerId, PageHash
+from bana_sglang.wire import index as m
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +60,10 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 0
     capacity_bytes: int = 1 << 30
-    master_addr: str | None = None      # Mooncake master "host:port"; None: index only
-    intent_ttl_s: float = 30.0          # how long a publish intent may stay uncommitted
-    epoch_check_s: float = 1.0          # how often the janitor checks the store sentinel
-    remove_retry_s: float = 2.0         # retry delay for removals refused by a lease
+    master_addr: str | None = None  # Mooncake master "host:port"; None: index only
+    intent_ttl_s: float = 30.0  # how long a publish intent may stay uncommitted
+    epoch_check_s: float = 1.0  # how often the janitor checks the store sentinel
+    remove_retry_s: float = 2.0  # retry delay for removals refused by a lease
     force_remove_after_s: float = 10.0  # then remove even if leased (a hot page renews its lease)
 
     def __post_init__(self) -> None:
@@ -89,6 +89,7 @@ class _Intent:
 
 
 # ---------------------------------------------------------------------- janitor
+
 
 class _Janitor(threading.Thread):
     """Store housekeeping off the serving thread: removals (with lease retries)
@@ -150,8 +151,14 @@ class _Janitor(threading.Thread):
             due = [p for p, (_, nxt) in self._retry.items() if nxt <= now]
             pages = list(dict.fromkeys(batch + due))
             if pages:
-                force = [p for p in pages if p in urgent or (
-                    p in self._retry and now - self._retry[p][0] > self.cfg.force_remove_after_s)]
+                force = [
+                    p
+                    for p in pages
+                    if p in urgent
+                    or (
+                        p in self._retry and now - self._retry[p][0] > self.cfg.force_remove_after_s
+                    )
+                ]
                 forced_set = set(force)
                 gentle = [p for p in pages if p not in forced_set]
                 for group, forced in ((gentle, False), (force, True)):
@@ -186,8 +193,10 @@ class _Janitor(threading.Thread):
                 if self.kv.get_bytes(self._sentinel) is not None:
                     return
                 self.resets += 1
-                logger.warning("the Mooncake store lost its contents (restarted?); "
-                               "the index forgets every page")
+                logger.warning(
+                    "the Mooncake store lost its contents (restarted?); "
+                    "the index forgets every page"
+                )
                 self.events.put("reset")
                 self._retry.clear()  # every page is gone already
                 try:
@@ -203,6 +212,7 @@ class _Janitor(threading.Thread):
 
 
 # ---------------------------------------------------------------------- service
+
 
 class IndexService:
     """The serving loop. ``run()`` blocks until :meth:`stop` (or SIGTERM in main)."""
@@ -261,8 +271,11 @@ class IndexService:
     def _serve(self, frames: list[bytes]) -> None:
         ident = frames[0]
         if len(frames) != 2:
-            reply: m.Reply = m.Error(id=0, reason="malformed",
-                                     detail=f"expected one frame per request, got {len(frames) - 1}")
+            reply: m.Reply = m.Error(
+                id=0,
+                reason="malformed",
+                detail=f"expected one frame per request, got {len(frames) - 1}",
+            )
         else:
             req = m.decode_request(frames[1])
             if isinstance(req, m.Error):
@@ -279,11 +292,18 @@ class IndexService:
     # -- handlers (pure with respect to I/O except janitor queueing)
     def handle(self, req: m.Request) -> m.Reply:
         if isinstance(req, m.Lookup):
-            match = self.index.longest_prefix([PageHash(p) for p in req.chain], touch=req.touch,
-                                              parent=PageHash(req.parent) if req.parent else None,
-                                              any_parent=req.any_parent)
-            return m.LookupResult(id=req.id, length=match.length,
-                                  sizes=[p.size for p in match.pages], hits=[p.hits for p in match.pages])
+            match = self.index.longest_prefix(
+                [PageHash(p) for p in req.chain],
+                touch=req.touch,
+                parent=PageHash(req.parent) if req.parent else None,
+                any_parent=req.any_parent,
+            )
+            return m.LookupResult(
+                id=req.id,
+                length=match.length,
+                sizes=[p.size for p in match.pages],
+                hits=[p.hits for p in match.pages],
+            )
         if isinstance(req, m.PublishIntent):
             return self._publish_intent(req)
         if isinstance(req, m.Commit):
@@ -292,32 +312,54 @@ class IndexService:
             dropped = self.index.forget([PageHash(p) for p in req.pages])
             self._remove([d.page for d in dropped] + list(req.pages), force=True)
             if dropped:
-                logger.info("%s reported %d lost pages; %d forgotten with descendants",
-                            req.reporter, len(req.pages), len(dropped))
+                logger.info(
+                    "%s reported %d lost pages; %d forgotten with descendants",
+                    req.reporter,
+                    len(req.pages),
+                    len(dropped),
+                )
             return m.Ok(id=req.id, count=len(dropped))
         if isinstance(req, m.Stats):
             s = self.index.stats()
             return m.StatsResult(
-                id=req.id, pages=s.pages, leaves=s.leaves, used_bytes=s.used_bytes,
-                capacity_bytes=s.capacity_bytes, pending_pages=len(self._pending),
-                pending_bytes=self._pending_bytes, lookups=s.lookups, hit_pages=s.hit_pages,
-                lookup_pages=s.lookup_pages, inserted=s.inserted, evicted=s.evicted,
+                id=req.id,
+                pages=s.pages,
+                leaves=s.leaves,
+                used_bytes=s.used_bytes,
+                capacity_bytes=s.capacity_bytes,
+                pending_pages=len(self._pending),
+                pending_bytes=self._pending_bytes,
+                lookups=s.lookups,
+                hit_pages=s.hit_pages,
+                lookup_pages=s.lookup_pages,
+                inserted=s.inserted,
+                evicted=s.evicted,
                 forgotten=s.forgotten,
                 store_removals_queued=self._janitor.queued if self._janitor else 0,
                 store_resets=self._janitor.resets if self._janitor else 0,
-                store_attached=self._janitor is not None)
+                store_attached=self._janitor is not None,
+            )
         raise AssertionError(f"unhandled request {type(req).__name__}")
 
     def _publish_intent(self, req: m.PublishIntent) -> m.Reply:
         if len(req.sizes) != len(req.chain):
-            return m.Error(id=req.id, reason="invalid",
-                           detail=f"{len(req.chain)} pages but {len(req.sizes)} sizes")
+            return m.Error(
+                id=req.id,
+                reason="invalid",
+                detail=f"{len(req.chain)} pages but {len(req.sizes)} sizes",
+            )
         chain = [PageHash(p) for p in req.chain]
         parent = PageHash(req.parent) if req.parent else None
         now = time.time()
         if parent is not None and parent not in self.index:
-            return m.IntentResult(id=req.id, intent=0, start=0, stop=0,
-                                  lease_deadline=now + self.cfg.intent_ttl_s, note="parent not indexed")
+            return m.IntentResult(
+                id=req.id,
+                intent=0,
+                start=0,
+                stop=0,
+                lease_deadline=now + self.cfg.intent_ttl_s,
+                note="parent not indexed",
+            )
         # a use of the existing prefix (protects it from eviction), not a hit
         start = self.index.longest_prefix(chain, touch=True, hit=False, parent=parent).length
         stop, note = start, ""
@@ -341,41 +383,52 @@ class IndexService:
             note = "no room for the whole chain"
         deadline = now + self.cfg.intent_ttl_s
         if stop == start:
-            return m.IntentResult(id=req.id, intent=0, start=start, stop=stop, lease_deadline=deadline,
-                                  note=note or ("present" if start == len(chain) else "no room"))
+            return m.IntentResult(
+                id=req.id,
+                intent=0,
+                start=start,
+                stop=stop,
+                lease_deadline=deadline,
+                note=note or ("present" if start == len(chain) else "no room"),
+            )
         iid = next(self._intent_ids)
-        self._intents[iid] = _Intent(OwnerId(req.owner), chain[:stop], list(req.sizes[:stop]),
-                                     start, stop, deadline, parent)
+        self._intents[iid] = _Intent(
+            OwnerId(req.owner), chain[:stop], list(req.sizes[:stop]), start, stop, deadline, parent
+        )
         for page in chain[start:stop]:
             self._pending[page] = iid
         self._pending_bytes += sum(req.sizes[start:stop])
-        return m.IntentResult(id=req.id, intent=iid, start=start, stop=stop,
-                              lease_deadline=deadline, note=note)
+        return m.IntentResult(
+            id=req.id, intent=iid, start=start, stop=stop, lease_deadline=deadline, note=note
+        )
 
     def _release(self, iid: int) -> _Intent | None:
         it = self._intents.pop(iid, None)
         if it is None:
             return None
-        for page in it.chain[it.start:it.stop]:
+        for page in it.chain[it.start : it.stop]:
             if self._pending.get(page) == iid:
                 del self._pending[page]
-        self._pending_bytes -= sum(it.sizes[it.start:it.stop])
+        self._pending_bytes -= sum(it.sizes[it.start : it.stop])
         return it
 
     def _commit(self, req: m.Commit) -> m.Reply:
         it = self._release(req.intent)
         if it is None:
-            return m.Error(id=req.id, reason="unknown_intent",
-                           detail=f"intent {req.intent} unknown or expired")
+            return m.Error(
+                id=req.id, reason="unknown_intent", detail=f"intent {req.intent} unknown or expired"
+            )
         upto = it.start + min(req.written, it.stop - it.start)
         # only the written range is new; it hangs below the page before it, which
         # must still be indexed (it may have been evicted since the intent: then
         # nothing is accepted, never pages whose bytes already left the store)
         anchor = it.chain[it.start - 1] if it.start else it.parent
-        res = self.index.insert(it.chain[it.start:upto], it.sizes[it.start:upto], it.owner, parent=anchor)
+        res = self.index.insert(
+            it.chain[it.start : upto], it.sizes[it.start : upto], it.owner, parent=anchor
+        )
         self._remove([p.page for p in res.evicted])
         # written-but-refused and never-committed pages must not linger in the store
-        self._remove(list(res.rejected) + it.chain[upto:it.stop])
+        self._remove(list(res.rejected) + it.chain[upto : it.stop])
         return m.Ok(id=req.id, count=len(res.accepted), note=res.reason or "")
 
     def _remove(self, pages: Sequence[PageHash], *, force: bool = False) -> None:
@@ -387,8 +440,10 @@ class IndexService:
         for iid in [i for i, it in self._intents.items() if it.deadline < now]:
             it = self._release(iid)
             if it:
-                logger.info("intent %d of %s expired uncommitted; removing its pages", iid, it.owner)
-                self._remove(it.chain[it.start:it.stop])
+                logger.info(
+                    "intent %d of %s expired uncommitted; removing its pages", iid, it.owner
+                )
+                self._remove(it.chain[it.start : it.stop])
         while True:
             try:
                 event = self._events.get_nowait()
@@ -401,6 +456,7 @@ class IndexService:
 
 # ---------------------------------------------------------------------- client
 
+
 class IndexMatch(NamedTuple):
     """A lookup answer. ``available`` is False when the service could not be asked
     (then ``length`` is 0: a miss)."""
@@ -410,23 +466,25 @@ class IndexMatch(NamedTuple):
     available: bool
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    return float(raw) if raw else default
-
-
 class IndexClient:
     """Talks to the index service over a DEALER socket. Not thread-safe: one per
     thread. High-level calls never raise for an unavailable service."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float | None = None,
-                 retry_interval_s: float | None = None, name: str = "client"):
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float | None = None,
+        retry_interval_s: float | None = None,
+        name: str = "client",
+    ):
         self.endpoint = endpoint
         self.name = name
         # BANA_INDEX_TIMEOUT_S / BANA_INDEX_RETRY_S, read once here
-        self.timeout_s = timeout_s if timeout_s is not None else _env_float("BANA_INDEX_TIMEOUT_S", 0.5)
-        self.retry_interval_s = (retry_interval_s if retry_interval_s is not None
-                                 else _env_float("BANA_INDEX_RETRY_S", 1.0))
+        self.timeout_s = timeout_s if timeout_s is not None else envs.BANA_INDEX_TIMEOUT_S.get()
+        self.retry_interval_s = (
+            retry_interval_s if retry_interval_s is not None else envs.BANA_INDEX_RETRY_S.get()
+        )
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._ids = itertools.count(1)
@@ -462,7 +520,9 @@ class IndexClient:
         on timeout (or while failing fast after one)."""
         now = time.monotonic()
         if self._down_since is not None and now < self._next_try:
-            raise IndexUnavailable("call", "index service unavailable (failing fast)", target=self.endpoint)
+            raise IndexUnavailable(
+                "call", "index service unavailable (failing fast)", target=self.endpoint
+            )
         sock = self._socket()
         rid = getattr(req, "id", 0)
         try:
@@ -485,8 +545,12 @@ class IndexClient:
             if reply.id != rid and not (isinstance(reply, m.Error) and reply.id == 0):
                 continue  # a late reply to an earlier, timed-out request
             if self._down_since is not None:
-                logger.warning("%s: index service %s reachable again after %.1fs",
-                               self.name, self.endpoint, time.monotonic() - self._down_since)
+                logger.warning(
+                    "%s: index service %s reachable again after %.1fs",
+                    self.name,
+                    self.endpoint,
+                    time.monotonic() - self._down_since,
+                )
                 self._down_since = None
             return reply
 
@@ -495,8 +559,12 @@ class IndexClient:
         self.close()
         if self._down_since is None:
             self._down_since = time.monotonic()
-            logger.warning("%s: index service %s unavailable (%s); treating lookups as misses",
-                           self.name, self.endpoint, why)
+            logger.warning(
+                "%s: index service %s unavailable (%s); treating lookups as misses",
+                self.name,
+                self.endpoint,
+                why,
+            )
         self._next_try = time.monotonic() + self.retry_interval_s
         raise IndexUnavailable("call", why, target=self.endpoint)
 
@@ -506,34 +574,72 @@ class IndexClient:
         except IndexUnavailable:
             return None
         if isinstance(reply, m.Error):
-            logger.warning("%s: index service refused %s: %s (%s)", self.name,
-                           type(req).__name__, reply.reason, reply.detail)
+            logger.warning(
+                "%s: index service refused %s: %s (%s)",
+                self.name,
+                type(req).__name__,
+                reply.reason,
+                reply.detail,
+            )
             return None
         return reply
 
     # -- high level (never raise for an unavailable service)
-    def lookup(self, chain: Sequence[PageHash], *, touch: bool = True, parent: PageHash | None = None,
-               any_parent: bool = False) -> IndexMatch:
-        reply = self._ask(m.Lookup(id=self.next_id(), deadline=self.deadline(), chain=list(chain), touch=touch,
-                                   parent=parent, any_parent=any_parent))
+    def lookup(
+        self,
+        chain: Sequence[PageHash],
+        *,
+        touch: bool = True,
+        parent: PageHash | None = None,
+        any_parent: bool = False,
+    ) -> IndexMatch:
+        reply = self._ask(
+            m.Lookup(
+                id=self.next_id(),
+                deadline=self.deadline(),
+                chain=list(chain),
+                touch=touch,
+                parent=parent,
+                any_parent=any_parent,
+            )
+        )
         if not isinstance(reply, m.LookupResult):
             return IndexMatch(0, (), False)
         return IndexMatch(reply.length, tuple(reply.sizes), True)
 
-    def publish_intent(self, chain: Sequence[PageHash], sizes: Sequence[int], owner: str, *,
-                       parent: PageHash | None = None) -> m.IntentResult | None:
-        reply = self._ask(m.PublishIntent(id=self.next_id(), deadline=self.deadline(), chain=list(chain),
-                                          sizes=list(sizes), owner=owner, parent=parent))
+    def publish_intent(
+        self,
+        chain: Sequence[PageHash],
+        sizes: Sequence[int],
+        owner: str,
+        *,
+        parent: PageHash | None = None,
+    ) -> m.IntentResult | None:
+        reply = self._ask(
+            m.PublishIntent(
+                id=self.next_id(),
+                deadline=self.deadline(),
+                chain=list(chain),
+                sizes=list(sizes),
+                owner=owner,
+                parent=parent,
+            )
+        )
         return reply if isinstance(reply, m.IntentResult) else None
 
     def commit(self, intent: int, written: int) -> int | None:
         """Pages made visible, or None if the service could not be asked."""
-        reply = self._ask(m.Commit(id=self.next_id(), deadline=self.deadline(), intent=intent, written=written))
+        reply = self._ask(
+            m.Commit(id=self.next_id(), deadline=self.deadline(), intent=intent, written=written)
+        )
         return reply.count if isinstance(reply, m.Ok) else None
 
     def report_loss(self, pages: Sequence[PageHash], reporter: str) -> int | None:
-        reply = self._ask(m.ReportLoss(id=self.next_id(), deadline=self.deadline(), pages=list(pages),
-                                       reporter=reporter))
+        reply = self._ask(
+            m.ReportLoss(
+                id=self.next_id(), deadline=self.deadline(), pages=list(pages), reporter=reporter
+            )
+        )
         return reply.count if isinstance(reply, m.Ok) else None
 
     def stats(self) -> m.StatsResult | None:
@@ -543,23 +649,44 @@ class IndexClient:
 
 # ---------------------------------------------------------------------- entry point
 
+
 def _parse(argv: Sequence[str] | None) -> ServiceConfig:
     p = argparse.ArgumentParser(
         prog="python -m bana_sglang.radix_global.service",
-        description="The global KV prefix index service (ZMQ ROUTER, msgpack messages).")
+        description="The global KV prefix index service (ZMQ ROUTER, msgpack messages).",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, required=True, help="TCP port to bind")
-    p.add_argument("--capacity-bytes", type=int, default=1 << 30,
-                   help="store bytes the index may fill; keep below ~0.85 x the storage segment")
-    p.add_argument("--master", default=None,
-                   help="Mooncake master host:port; enables store housekeeping (removal of evicted pages)")
-    p.add_argument("--intent-ttl", type=float, default=30.0, help="seconds a publish intent may stay open")
-    p.add_argument("--epoch-check", type=float, default=1.0, help="seconds between store-reset checks")
+    p.add_argument(
+        "--capacity-bytes",
+        type=int,
+        default=1 << 30,
+        help="store bytes the index may fill; keep below ~0.85 x the storage segment",
+    )
+    p.add_argument(
+        "--master",
+        default=None,
+        help="Mooncake master host:port; enables store housekeeping (removal of evicted pages)",
+    )
+    p.add_argument(
+        "--intent-ttl", type=float, default=30.0, help="seconds a publish intent may stay open"
+    )
+    p.add_argument(
+        "--epoch-check", type=float, default=1.0, help="seconds between store-reset checks"
+    )
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return ServiceConfig(host=a.host, port=a.port, capacity_bytes=a.capacity_bytes, master_addr=a.master,
-                         intent_ttl_s=a.intent_ttl, epoch_check_s=a.epoch_check)
+    logging.basicConfig(
+        level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return ServiceConfig(
+        host=a.host,
+        port=a.port,
+        capacity_bytes=a.capacity_bytes,
+        master_addr=a.master,
+        intent_ttl_s=a.intent_ttl,
+        epoch_check_s=a.epoch_check,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -567,9 +694,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     service = IndexService(cfg)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     signal.signal(signal.SIGINT, lambda *_: service.stop())
-    service.run(on_ready=lambda: print(
-        f"{READY_LINE} on tcp://{cfg.host}:{service.port} capacity={cfg.capacity_bytes} "
-        f"store={cfg.master_addr or 'none'}", flush=True))
+    service.run(
+        on_ready=lambda: print(
+            f"{READY_LINE} on tcp://{cfg.host}:{service.port} capacity={cfg.capacity_bytes} "
+            f"store={cfg.master_addr or 'none'}",
+            flush=True,
+        )
+    )
     logger.info("index service stopped")
     return 0
 

@@ -40,17 +40,35 @@ READY_LINE = "bana-storage ready"
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bana_sglang.radix_global.storage_server",
-        description="Contribute one global memory segment to the Mooncake store and keep it alive.")
+        description="Contribute one global memory segment to the Mooncake store and keep it alive.",
+    )
     p.add_argument("--master", required=True, help="Mooncake master RPC address host:port")
-    p.add_argument("--segment-bytes", type=_cli.byte_size, default=1 << 30, help="segment size, e.g. 512M or 4G")
-    p.add_argument("--host", default="127.0.0.1", help="local hostname/address Mooncake binds (default 127.0.0.1)")
+    p.add_argument(
+        "--segment-bytes",
+        type=_cli.byte_size,
+        default=1 << 30,
+        help="segment size, e.g. 512M or 4G",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="local hostname/address Mooncake binds (default 127.0.0.1)",
+    )
     p.add_argument("--metadata-server", default="P2PHANDSHAKE")
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"], help="Mooncake transport")
-    p.add_argument("--rdma-devices", default="", help="with --protocol rdma, e.g. mlx5_0 (default: Mooncake picks)")
-    p.add_argument("--setup-timeout", type=float, default=60.0, help="give up if the master never answers")
+    p.add_argument(
+        "--rdma-devices",
+        default="",
+        help="with --protocol rdma, e.g. mlx5_0 (default: Mooncake picks)",
+    )
+    p.add_argument(
+        "--setup-timeout", type=float, default=60.0, help="give up if the master never answers"
+    )
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", a.host)
     apply_defaults()
 
@@ -67,10 +85,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     deadline, next_note = start + a.setup_timeout, start + 5.0
     while True:
         if time.monotonic() > next_note:
-            logger.warning("waiting for the Mooncake master at %s (%.0fs so far)", a.master, time.monotonic() - start)
+            logger.warning(
+                "waiting for the Mooncake master at %s (%.0fs so far)",
+                a.master,
+                time.monotonic() - start,
+            )
             next_note += 10.0
         if tcp_open(a.master):
-            rc = store.setup(a.host, a.metadata_server, a.segment_bytes, 0, a.protocol, a.rdma_devices, a.master)
+            rc = store.setup(
+                a.host, a.metadata_server, a.segment_bytes, 0, a.protocol, a.rdma_devices, a.master
+            )
             if rc == 0:
                 break
             logger.warning("setup against %s returned %s; retrying", a.master, rc)

@@ -115,8 +115,10 @@ class PageStore:
         self._payload = layout.page_nbytes
         cfg = kv.config
         if self._payload > cfg.staging_bytes:
-            raise ValueError(f"a page ({self._payload} bytes) is larger than the staging buffer "
-                             f"({cfg.staging_bytes} bytes); raise BANA_STORE_STAGING_BYTES")
+            raise ValueError(
+                f"a page ({self._payload} bytes) is larger than the staging buffer "
+                f"({cfg.staging_bytes} bytes); raise BANA_STORE_STAGING_BYTES"
+            )
         self._batch = max(1, min(cfg.max_batch, cfg.staging_bytes // self._payload))
         self._headers = torch.zeros(self._batch * HEADER_SIZE, dtype=torch.uint8)
         self._staging = torch.empty(self._batch * self._payload, dtype=torch.uint8)
@@ -146,13 +148,23 @@ class PageStore:
     # -- header
     def _header(self, page: PageHash, payload_crc: int) -> bytes:
         dims = list(self._shape) + [0] * (_MAX_DIMS - len(self._shape))
-        body = _HDR.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, self._digest, bytes.fromhex(page),
-                         self._dtype_field, len(self._shape), *dims, self._payload, payload_crc)
+        body = _HDR.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_SIZE,
+            self._digest,
+            bytes.fromhex(page),
+            self._dtype_field,
+            len(self._shape),
+            *dims,
+            self._payload,
+            payload_crc,
+        )
         return body + _HDR_CRC.pack(zlib.crc32(body))
 
     def _verify_header(self, page: PageHash, header: bytes) -> tuple[Miss | None, int]:
         """Every header field but the payload checksum; (miss, stored payload CRC32)."""
-        body = header[:_HDR.size]
+        body = header[: _HDR.size]
         (crc,) = _HDR_CRC.unpack_from(header, _HDR.size)
         if zlib.crc32(body) != crc:
             return Miss(page, "bad_header", "header checksum mismatch"), 0
@@ -165,9 +177,13 @@ class PageStore:
         if phash != bytes.fromhex(page):
             return Miss(page, "page_mismatch", f"stored page {phash.hex()}"), 0
         if dtype != self._dtype_field or tuple(dims[:ndim]) != self._shape:
-            return Miss(page, "shape_mismatch", f"{dtype.rstrip(bytes(1)).decode()} {dims[:ndim]}"), 0
+            return Miss(
+                page, "shape_mismatch", f"{dtype.rstrip(bytes(1)).decode()} {dims[:ndim]}"
+            ), 0
         if length != self._payload:
-            return Miss(page, "size_mismatch", f"stored {length} bytes, expected {self._payload}"), 0
+            return Miss(
+                page, "size_mismatch", f"stored {length} bytes, expected {self._payload}"
+            ), 0
         return None, pcrc
 
     def _verify(self, page: PageHash, header: bytes, payload: memoryview) -> Miss | None:
@@ -175,7 +191,9 @@ class PageStore:
         if miss is not None:
             return miss
         if len(payload) != self._payload:
-            return Miss(page, "size_mismatch", f"read {len(payload)} bytes, expected {self._payload}")
+            return Miss(
+                page, "size_mismatch", f"read {len(payload)} bytes, expected {self._payload}"
+            )
         if zlib.crc32(payload) != pcrc:
             return Miss(page, "checksum", "payload checksum mismatch")
         return None
@@ -186,8 +204,10 @@ class PageStore:
         layout's dtype whose concatenation (in order) is the page's bytes."""
         if isinstance(payload, torch.Tensor):
             if payload.dtype != self._dtype or tuple(payload.shape) != self._shape:
-                raise ValueError(f"page tensor must be {self.layout.dtype} {self._shape}, "
-                                 f"got {payload.dtype} {tuple(payload.shape)}")
+                raise ValueError(
+                    f"page tensor must be {self.layout.dtype} {self._shape}, "
+                    f"got {payload.dtype} {tuple(payload.shape)}"
+                )
             return [payload if payload.is_contiguous() else payload.contiguous()]
         parts = [t if t.is_contiguous() else t.contiguous() for t in payload]
         if any(t.dtype != self._dtype for t in parts):
@@ -197,8 +217,9 @@ class PageStore:
             raise ValueError(f"page parts hold {total} bytes, a page is {self._payload}")
         return parts
 
-    def put_pages(self, pages: Sequence[PageHash],
-                  payloads: Sequence[torch.Tensor | Sequence[torch.Tensor]]) -> PutResult:
+    def put_pages(
+        self, pages: Sequence[PageHash], payloads: Sequence[torch.Tensor | Sequence[torch.Tensor]]
+    ) -> PutResult:
         """Store pages in order; stop at the first failure. Never raises for store
         trouble (a wrong shape/dtype is a caller bug and raises ValueError).
 
@@ -221,9 +242,13 @@ class PageStore:
         return self.put_pages([page], [tensor]).written == 1
 
     def _registered(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and self.kv.is_registered(t.data_ptr(), t.numel() * t.element_size())
+        return t.device.type == "cpu" and self.kv.is_registered(
+            t.data_ptr(), t.numel() * t.element_size()
+        )
 
-    def _payload_ptrs(self, parts: list[torch.Tensor], slot: int) -> tuple[list[int], list[int], int]:
+    def _payload_ptrs(
+        self, parts: list[torch.Tensor], slot: int
+    ) -> tuple[list[int], list[int], int]:
         """(pointers, sizes, payload CRC32) of one page's payload for a native put."""
         if all(self._registered(t) for t in parts):
             crc = 0
@@ -231,39 +256,46 @@ class PageStore:
                 crc = zlib.crc32(_as_bytes_view(t).numpy(), crc)
             return [t.data_ptr() for t in parts], [t.numel() * t.element_size() for t in parts], crc
         nbytes = self._payload
-        stage = self._staging[slot * nbytes:(slot + 1) * nbytes]
+        stage = self._staging[slot * nbytes : (slot + 1) * nbytes]
         stage_np = stage.numpy()
         # numpy, not torch: a single-threaded memcpy (torch's copy_ of a small
         # tensor cost ~15 ms under CPU contention on the shared 2-core machine)
         pos = 0
         for t in parts:
             view = _as_bytes_view(t.cpu() if t.device.type != "cpu" else t).numpy()
-            stage_np[pos:pos + len(view)] = view
+            stage_np[pos : pos + len(view)] = view
             pos += len(view)
         return [stage.data_ptr()], [nbytes], zlib.crc32(stage_np)
 
-    def _put_batch(self, pages: Sequence[PageHash], payloads: Sequence[list[torch.Tensor]]
-                   ) -> tuple[int, Miss | None]:
+    def _put_batch(
+        self, pages: Sequence[PageHash], payloads: Sequence[list[torch.Tensor]]
+    ) -> tuple[int, Miss | None]:
         keys, ptrs, sizes = [], [], []
         for slot, (page, parts) in enumerate(zip(pages, payloads)):
             pptrs, psizes, crc = self._payload_ptrs(parts, slot)
             hdr = self._header(page, crc)
-            hslot = self._headers[slot * HEADER_SIZE:(slot + 1) * HEADER_SIZE]
-            self._headers_np[slot * HEADER_SIZE:slot * HEADER_SIZE + len(hdr)] = memoryview(hdr)
+            hslot = self._headers[slot * HEADER_SIZE : (slot + 1) * HEADER_SIZE]
+            self._headers_np[slot * HEADER_SIZE : slot * HEADER_SIZE + len(hdr)] = memoryview(hdr)
             keys.append(page_key(page))
             ptrs.append([hslot.data_ptr(), *pptrs])
             sizes.append([HEADER_SIZE, *psizes])
         try:
             rcs = self.kv.put_multi(keys, ptrs, sizes)
         except StoreError as e:
-            return 0, Miss(pages[0], "unavailable" if e.code in (UNAVAILABLE, RPC_FAIL) else "store_error", str(e))
+            return 0, Miss(
+                pages[0],
+                "unavailable" if e.code in (UNAVAILABLE, RPC_FAIL) else "store_error",
+                str(e),
+            )
         for i, rc in enumerate(rcs):
             if rc != 0:
                 return i, Miss(pages[i], "store_error", f"put: {describe(rc)}")
         return len(pages), None
 
     # -- gets
-    def get_pages(self, pages: Sequence[PageHash], out: Sequence[torch.Tensor] | None = None) -> LoadResult:
+    def get_pages(
+        self, pages: Sequence[PageHash], out: Sequence[torch.Tensor] | None = None
+    ) -> LoadResult:
         """Load pages in order, stopping at the first miss. With ``out``, page i is
         written into ``out[i]`` (which must match the layout) and returned; a
         miss may leave garbage in the ``out`` tensors from the missing page on."""
@@ -285,26 +317,35 @@ class PageStore:
         res = self.get_pages([page], None if out is None else [out])
         return res.tensors[0] if res.tensors else res.miss  # type: ignore[return-value]
 
-    def _get_batch(self, pages: Sequence[PageHash], dests: Sequence[torch.Tensor] | None
-                   ) -> tuple[list[torch.Tensor], Miss | None]:
+    def _get_batch(
+        self, pages: Sequence[PageHash], dests: Sequence[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], Miss | None]:
         keys, ptrs, sizes, views, direct = [], [], [], [], []
         for slot, page in enumerate(pages):
             d = dests[slot] if dests else None
-            if d is not None and d.device.type == "cpu" and self.kv.is_registered(d.data_ptr(), self._payload):
+            if (
+                d is not None
+                and d.device.type == "cpu"
+                and self.kv.is_registered(d.data_ptr(), self._payload)
+            ):
                 pptr, view = d.data_ptr(), memoryview(_as_bytes_view(d).numpy())
                 direct.append(True)
             else:
-                stage = self._staging[slot * self._payload:(slot + 1) * self._payload]
+                stage = self._staging[slot * self._payload : (slot + 1) * self._payload]
                 pptr, view = stage.data_ptr(), memoryview(stage.numpy())
                 direct.append(False)
             keys.append(page_key(page))
-            ptrs.append([self._headers[slot * HEADER_SIZE:].data_ptr(), pptr])
+            ptrs.append([self._headers[slot * HEADER_SIZE :].data_ptr(), pptr])
             sizes.append([HEADER_SIZE, self._payload])
             views.append(view)
         try:
             rcs = self.kv.get_multi(keys, ptrs, sizes)
         except StoreError as e:
-            return [], Miss(pages[0], "unavailable" if e.code in (UNAVAILABLE, RPC_FAIL) else "store_error", str(e))
+            return [], Miss(
+                pages[0],
+                "unavailable" if e.code in (UNAVAILABLE, RPC_FAIL) else "store_error",
+                str(e),
+            )
         out: list[torch.Tensor] = []
         for slot, (page, rc) in enumerate(zip(pages, rcs)):
             if rc == NOT_FOUND:
@@ -314,15 +355,17 @@ class PageStore:
             if rc < 0:
                 return out, self._diagnose(page, rc)
             if rc != self.object_size:
-                return out, Miss(page, "size_mismatch", f"object is {rc} bytes, expected {self.object_size}")
-            header = self._headers_np[slot * HEADER_SIZE:(slot + 1) * HEADER_SIZE].tobytes()
+                return out, Miss(
+                    page, "size_mismatch", f"object is {rc} bytes, expected {self.object_size}"
+                )
+            header = self._headers_np[slot * HEADER_SIZE : (slot + 1) * HEADER_SIZE].tobytes()
             miss = self._verify(page, header, views[slot])
             if miss is not None:
                 return out, miss
             if direct[slot]:
                 out.append(dests[slot])  # type: ignore[index]
             else:
-                stage = self._staging[slot * self._payload:(slot + 1) * self._payload]
+                stage = self._staging[slot * self._payload : (slot + 1) * self._payload]
                 if dests is not None:
                     dest = dests[slot]
                     if dest.device.type == "cpu":
@@ -331,7 +374,11 @@ class PageStore:
                         dest.copy_(stage.view(self._dtype).reshape(self._shape))
                     out.append(dest)
                 else:
-                    out.append(torch.from_numpy(stage.numpy().copy()).view(self._dtype).reshape(self._shape))
+                    out.append(
+                        torch.from_numpy(stage.numpy().copy())
+                        .view(self._dtype)
+                        .reshape(self._shape)
+                    )
         return out, None
 
     def _diagnose(self, page: PageHash, rc: int) -> Miss:
@@ -340,10 +387,15 @@ class PageStore:
         try:
             size = self.kv.size_of(page_key(page))
         except StoreError as e:
-            return Miss(page, "unavailable" if e.code in (UNAVAILABLE, RPC_FAIL) else "store_error",
-                        describe(rc))
+            return Miss(
+                page,
+                "unavailable" if e.code in (UNAVAILABLE, RPC_FAIL) else "store_error",
+                describe(rc),
+            )
         if size != self.object_size:
-            return Miss(page, "size_mismatch", f"object is {size} bytes, expected {self.object_size}")
+            return Miss(
+                page, "size_mismatch", f"object is {size} bytes, expected {self.object_size}"
+            )
         return Miss(page, "store_error", describe(rc))
 
     def layerwise(self, pages: Sequence[PageHash]) -> LayerwiseRead:
@@ -358,7 +410,6 @@ class PageStore:
 
     def exists_many(self, pages: Sequence[PageHash]) -> list[bool]:
         return self.kv.exists_many([page_key(p) for p in pages])
-
 
 
 class LayerwiseRead:
@@ -411,25 +462,34 @@ class LayerwiseRead:
         for i, rc in enumerate(codes):
             if rc != 0:
                 keep = i
-                miss = Miss(self.pages[i], "missing" if rc == NOT_FOUND else "store_error",
-                            f"session: {describe(rc)}")
+                miss = Miss(
+                    self.pages[i],
+                    "missing" if rc == NOT_FOUND else "store_error",
+                    f"session: {describe(rc)}",
+                )
                 break
         with st._lock:
             for lo in range(0, keep, st._batch):
                 hi = min(keep, lo + st._batch)
                 keys = self._keys[lo:hi]
-                ptrs = [[st._headers[i * HEADER_SIZE:].data_ptr()] for i in range(hi - lo)]
+                ptrs = [[st._headers[i * HEADER_SIZE :].data_ptr()] for i in range(hi - lo)]
                 try:
-                    rcs = st.kv.get_ranges(keys, ptrs, [[HEADER_SIZE]] * len(keys), [[0]] * len(keys))
+                    rcs = st.kv.get_ranges(
+                        keys, ptrs, [[HEADER_SIZE]] * len(keys), [[0]] * len(keys)
+                    )
                 except StoreError as e:
                     keep, miss = lo, Miss(self.pages[lo], _reason(e), str(e))
                     break
                 for i, rc in enumerate(rcs):
                     page = self.pages[lo + i]
                     if rc != HEADER_SIZE:
-                        bad = Miss(page, "missing" if rc == NOT_FOUND else "store_error", f"header read: {rc}")
+                        bad = Miss(
+                            page,
+                            "missing" if rc == NOT_FOUND else "store_error",
+                            f"header read: {rc}",
+                        )
                     else:
-                        header = st._headers_np[i * HEADER_SIZE:(i + 1) * HEADER_SIZE].tobytes()
+                        header = st._headers_np[i * HEADER_SIZE : (i + 1) * HEADER_SIZE].tobytes()
                         bad, crc = st._verify_header(page, header)
                     if bad is not None:
                         keep, miss = lo + i, bad
@@ -467,7 +527,9 @@ class LayerwiseRead:
                 p_offs.append(pos)
                 pos += n
             if pos - off != self.layer_bytes:
-                raise ValueError(f"destinations hold {pos - off} bytes, a layer of a page is {self.layer_bytes}")
+                raise ValueError(
+                    f"destinations hold {pos - off} bytes, a layer of a page is {self.layer_bytes}"
+                )
             ptrs.append(p_ptrs)
             sizes.append(p_sizes)
             offsets.append(p_offs)
@@ -477,8 +539,11 @@ class LayerwiseRead:
             return Miss(self.pages[0], _reason(e), str(e))
         for i, rc in enumerate(rcs):
             if rc != self.layer_bytes:
-                return Miss(self.pages[i], "missing" if rc == NOT_FOUND else "store_error",
-                            f"layer {layer} read: {rc if rc < 0 else f'{rc} bytes'}")
+                return Miss(
+                    self.pages[i],
+                    "missing" if rc == NOT_FOUND else "store_error",
+                    f"layer {layer} read: {rc if rc < 0 else f'{rc} bytes'}",
+                )
         for i, parts in enumerate(dests):
             crc = self._running[i]
             for t in parts:

@@ -28,7 +28,9 @@ def parse(text: str) -> dict[str, float]:
         if not key.endswith("_total"):
             continue
         try:
-            out[key.removesuffix("_total")] = out.get(key.removesuffix("_total"), 0.0) + float(value)
+            out[key.removesuffix("_total")] = out.get(key.removesuffix("_total"), 0.0) + float(
+                value
+            )
         except ValueError:
             continue
     return out
@@ -44,8 +46,10 @@ def scrape(url: str, timeout: float = 5.0) -> dict[str, float] | None:
 
 
 def table(rows: Sequence[tuple[str, dict[str, float] | None]]) -> str:
-    head = (f"{'worker':<12} {'local hit tok':>13} {'global hit tok':>14} {'loaded MB':>9} "
-            f"{'load s':>7} {'hidden':>6} {'published pages':>15} {'published MB':>12} {'failures':>8}")
+    head = (
+        f"{'worker':<12} {'local hit tok':>13} {'global hit tok':>14} {'loaded MB':>9} "
+        f"{'load s':>7} {'hidden':>6} {'published pages':>15} {'published MB':>12} {'failures':>8}"
+    )
     lines = [head]
     for name, m in rows:
         if m is None:
@@ -57,13 +61,16 @@ def table(rows: Sequence[tuple[str, dict[str, float] | None]]) -> str:
             f"{name:<12} {m.get('local_hit_tokens', 0):>13.0f} {m.get('global_hit_tokens', 0):>14.0f} "
             f"{m.get('loaded_bytes', 0) / 1e6:>9.2f} {load:>7.2f} {hidden:>6} "
             f"{m.get('published_pages', 0):>15.0f} {m.get('published_bytes', 0) / 1e6:>12.2f} "
-            f"{m.get('load_failures', 0):>8.0f}")
+            f"{m.get('load_failures', 0):>8.0f}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bana_sglang.radix_global.summary",
-                                description="Print the global store's counters of each worker.")
+    p = argparse.ArgumentParser(
+        prog="python -m bana_sglang.radix_global.summary",
+        description="Print the global store's counters of each worker.",
+    )
     p.add_argument("urls", nargs="+", help="worker base URLs, e.g. http://127.0.0.1:30206")
     p.add_argument("--log-level", default="WARNING")
     args, _ = _cli.parse(p, list(argv) if argv is not None else None, lambda a: None)

@@ -63,20 +63,32 @@ class GlobalKVCache:
     def chain(self, token_ids: Sequence[int], salt: str | None = None) -> list[PageHash]:
         return page_chain(token_ids, self.layout, salt)
 
-    def load_prefix(self, chain: Sequence[PageHash], out: Sequence[torch.Tensor] | None = None) -> LoadResult:
+    def load_prefix(
+        self, chain: Sequence[PageHash], out: Sequence[torch.Tensor] | None = None
+    ) -> LoadResult:
         """Load the longest cached prefix of ``chain`` (into ``out`` if given)."""
         match = self.index.lookup(chain)
         if match.length == 0:
             return LoadResult((), None)
-        res = self.store.get_pages(chain[:match.length], None if out is None else out[:match.length])
+        res = self.store.get_pages(
+            chain[: match.length], None if out is None else out[: match.length]
+        )
         if res.miss is not None and res.miss.reason not in _NOT_LOSS:
-            logger.info("page %s listed by the index but %s in the store; reporting it",
-                        res.miss.page, res.miss.reason)
+            logger.info(
+                "page %s listed by the index but %s in the store; reporting it",
+                res.miss.page,
+                res.miss.reason,
+            )
             self.index.report_loss([res.miss.page], self.owner)
         return res
 
-    def publish(self, chain: Sequence[PageHash], payloads: Sequence[torch.Tensor | Sequence[torch.Tensor]],
-                *, parent: PageHash | None = None) -> PublishResult:
+    def publish(
+        self,
+        chain: Sequence[PageHash],
+        payloads: Sequence[torch.Tensor | Sequence[torch.Tensor]],
+        *,
+        parent: PageHash | None = None,
+    ) -> PublishResult:
         """Publish ``payloads[i]`` as page ``chain[i]`` (pages already cached are skipped).
 
         A payload is a page tensor or its parts (see :meth:`PageStore.put_pages`);
@@ -87,12 +99,16 @@ class GlobalKVCache:
             raise ValueError(f"{n} pages but {len(payloads)} payloads")
         if not chain:
             return PublishResult(0, 0, "empty")
-        grant = self.index.publish_intent(chain, [self.store.object_size] * n, self.owner, parent=parent)
+        grant = self.index.publish_intent(
+            chain, [self.store.object_size] * n, self.owner, parent=parent
+        )
         if grant is None:
             return PublishResult(0, 0, "index unavailable", 0, n)
         if grant.start == grant.stop:
             return PublishResult(0, 0, grant.note, grant.start, n)
-        put = self.store.put_pages(chain[grant.start:grant.stop], payloads[grant.start:grant.stop])
+        put = self.store.put_pages(
+            chain[grant.start : grant.stop], payloads[grant.start : grant.stop]
+        )
         committed = self.index.commit(grant.intent, put.written)
         note = grant.note or (f"store: {put.failed.reason}" if put.failed else "")
         if committed is None:

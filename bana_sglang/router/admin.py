@@ -40,10 +40,10 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from bana_sglang.wire import agent as m
-from bana_sglang.types import split_speeds
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
 from bana_sglang.router.errors import error_response
+from bana_sglang.types import split_speeds
+from bana_sglang.wire import agent as m
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,9 @@ PROBE_WAIT_S = 0.2
 SPEED_REFRESH_S = 1.0  # placements are read this often while a layer migration may be out
 
 
-def layer_split_speeds(statuses: Mapping[str, m.StatusResult], busy: Mapping[str, float]) -> dict[str, float]:
+def layer_split_speeds(
+    statuses: Mapping[str, m.StatusResult], busy: Mapping[str, float]
+) -> dict[str, float]:
     """Each agent's worker (by URL) -> its prefill speed, from the placements: a donor
     with ``k`` of its layers on a peer, and that peer, get ``split_speeds`` (the
     donor's ``busy`` fraction sets the peer's share); 1.0 for everyone else. A peer
@@ -81,19 +83,26 @@ def layer_split_speeds(statuses: Mapping[str, m.StatusResult], busy: Mapping[str
 
 def _layers_settled(st: m.StatusResult) -> bool:
     """No layer of this worker runs elsewhere and none of its migrations is in flight."""
-    return (all(p.executor == st.worker for p in st.placement)
-            and all(i.state in m.TERMINAL for i in st.migrations if i.side == "source"))
+    return all(p.executor == st.worker for p in st.placement) and all(
+        i.state in m.TERMINAL for i in st.migrations if i.side == "source"
+    )
 
 
 class AdminAPI:
     def __init__(self, agents: tuple[tuple[str, str], ...], is_down=lambda url: False):
-        self.agents = {url.rstrip("/"): AgentClient(ep, timeout_s=AGENT_TIMEOUT_S) for url, ep in agents}
+        self.agents = {
+            url.rstrip("/"): AgentClient(ep, timeout_s=AGENT_TIMEOUT_S) for url, ep in agents
+        }
         self.endpoints = {url.rstrip("/"): ep for url, ep in agents}
         self.names: dict[str, str] = {}  # worker name -> url, learnt from the agents' pongs
         self.silent: set[str] = set()  # agents whose last status call got no answer
         self.is_down = is_down  # the router's view: a worker marked down gets the short timeout too
-        self._probes: dict[str, asyncio.Future] = {}  # url -> its status probe in flight (silent or down agents)
-        self._pool = ThreadPoolExecutor(max(1, min(8, len(self.agents))), thread_name_prefix="bana-admin")
+        self._probes: dict[
+            str, asyncio.Future
+        ] = {}  # url -> its status probe in flight (silent or down agents)
+        self._pool = ThreadPoolExecutor(
+            max(1, min(8, len(self.agents))), thread_name_prefix="bana-admin"
+        )
         self.layers_out = False  # a layer migration was started here and may not be settled yet
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
@@ -115,8 +124,9 @@ class AdminAPI:
 
     async def _call(self, url: str, make, timeout_s: float | None = None, **fields) -> m.Reply:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool,
-                                          lambda: self.agents[url].call(make, timeout_s=timeout_s, **fields))
+        return await loop.run_in_executor(
+            self._pool, lambda: self.agents[url].call(make, timeout_s=timeout_s, **fields)
+        )
 
     async def _statuses(self) -> dict[str, m.StatusResult | str]:
         async def one(url: str):
@@ -144,11 +154,15 @@ class AdminAPI:
         listing takes the probe's answer."""
         fut = self._probes.get(url)
         if fut is None:
-            fut = self._probes[url] = asyncio.ensure_future(self._call(url, m.Status, SILENT_AGENT_TIMEOUT_S))
+            fut = self._probes[url] = asyncio.ensure_future(
+                self._call(url, m.Status, SILENT_AGENT_TIMEOUT_S)
+            )
         done, _ = await asyncio.wait({fut}, timeout=PROBE_WAIT_S)  # neither cancels nor raises
         if not done:
-            return (f"agent {self.endpoints[url]} has not answered yet (worker marked down or silent; probing "
-                    f"with a {SILENT_AGENT_TIMEOUT_S:g} s timeout)")
+            return (
+                f"agent {self.endpoints[url]} has not answered yet (worker marked down or silent; probing "
+                f"with a {SILENT_AGENT_TIMEOUT_S:g} s timeout)"
+            )
         del self._probes[url]
         return fut.result()  # its answer, or raises its AgentUnavailable
 
@@ -161,8 +175,9 @@ class AdminAPI:
             await self._statuses()
         return self.names.get(who)
 
-    async def speed_loop(self, busy: Callable[[], Mapping[str, float]],
-                         apply: Callable[[Mapping[str, float]], None]) -> None:
+    async def speed_loop(
+        self, busy: Callable[[], Mapping[str, float]], apply: Callable[[Mapping[str, float]], None]
+    ) -> None:
         """While ``layers_out``: every ``SPEED_REFRESH_S``, the agents' placements become
         ``apply({url: prefill speed})``; once every agent answers with its layers home
         and nothing in flight, it idles again (and the last ``apply`` gave all 1.0)."""
@@ -174,7 +189,9 @@ class AdminAPI:
                 statuses = await self._statuses()
                 ok = {url: st for url, st in statuses.items() if isinstance(st, m.StatusResult)}
                 apply(layer_split_speeds(ok, busy()))
-            except Exception:  # never let one bad answer stop the loop (the speeds stay as they were)
+            except (
+                Exception
+            ):  # never let one bad answer stop the loop (the speeds stay as they were)
                 logger.exception("reading the agents' placements failed")
                 continue
             if len(ok) == len(statuses) and all(_layers_settled(st) for st in ok.values()):
@@ -202,33 +219,64 @@ class AdminAPI:
             return await self._migrate_request(body, request_)
         if pages is not None:  # KV-block migration
             if layers is not None:
-                return error_response(400, "give either 'layers' (layer migration) or 'kv_pages' (KV-block "
-                                           "migration), not both")
+                return error_response(
+                    400,
+                    "give either 'layers' (layer migration) or 'kv_pages' (KV-block "
+                    "migration), not both",
+                )
             min_pages = body.get("min_pages", 1)
-            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (pages, min_pages)):
+            if not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 1
+                for x in (pages, min_pages)
+            ):
                 return error_response(400, "'kv_pages' and 'min_pages' must be integers >= 1")
-        elif not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) for x in layers)):
-            return error_response(400, "'layers' must be [start, stop] (integers; layers start..stop-1), "
-                                       "or give 'kv_pages' for a KV-block migration")
+        elif not (
+            isinstance(layers, list)
+            and len(layers) == 2
+            and all(isinstance(x, int) for x in layers)
+        ):
+            return error_response(
+                400,
+                "'layers' must be [start, stop] (integers; layers start..stop-1), "
+                "or give 'kv_pages' for a KV-block migration",
+            )
         src, dst = await self._resolve(body.get("worker")), await self._resolve(body.get("peer"))
         for field, url in (("worker", src), ("peer", dst)):
             if url is None:
                 known = sorted(self.names) or sorted(self.agents)
-                return error_response(404, f"{field} {body.get(field)!r} is not a worker with a migration agent "
-                                           f"(known: {', '.join(known)})")
+                return error_response(
+                    404,
+                    f"{field} {body.get(field)!r} is not a worker with a migration agent "
+                    f"(known: {', '.join(known)})",
+                )
         if src == dst:
             return error_response(400, "worker and peer must differ")
         mid = body.get("id") or f"mig-{uuid.uuid4().hex[:12]}"
         switch = body.get("switch", True)
         if not isinstance(switch, bool):
-            return error_response(400, "'switch' must be true (the peer executes the layers) or false (stage only)")
+            return error_response(
+                400, "'switch' must be true (the peer executes the layers) or false (stage only)"
+            )
         try:
             if pages is not None:
-                reply = await self._call(src, m.MigrateKV, migration=mid, peer=self.endpoints[dst], pages=pages,
-                                         min_pages=min_pages)
+                reply = await self._call(
+                    src,
+                    m.MigrateKV,
+                    migration=mid,
+                    peer=self.endpoints[dst],
+                    pages=pages,
+                    min_pages=min_pages,
+                )
             else:
-                reply = await self._call(src, m.MigrateLayers, migration=mid, start=layers[0], stop=layers[1],
-                                         peer=self.endpoints[dst], switch=switch)
+                reply = await self._call(
+                    src,
+                    m.MigrateLayers,
+                    migration=mid,
+                    start=layers[0],
+                    stop=layers[1],
+                    peer=self.endpoints[dst],
+                    switch=switch,
+                )
                 self.layers_out = self.layers_out or isinstance(reply, m.Accepted)
         except AgentUnavailable as e:
             return error_response(502, str(e))
@@ -238,25 +286,33 @@ class AdminAPI:
 
     async def _migrate_request(self, body: dict, rid: object) -> web.Response:
         if not (rid is True or (isinstance(rid, str) and rid)):
-            return error_response(400, "'request' must be a request id or true (the one with the most tokens left)")
+            return error_response(
+                400, "'request' must be a request id or true (the one with the most tokens left)"
+            )
         if body.get("layers") is not None or body.get("kv_pages") is not None:
             return error_response(400, "give one of 'layers', 'kv_pages' or 'request'")
         src = await self._resolve(body.get("worker"))
         if src is None:
-            return error_response(404, f"worker {body.get('worker')!r} is not a worker with a migration agent "
-                                       f"(known: {', '.join(sorted(self.names) or sorted(self.agents))})")
+            return error_response(
+                404,
+                f"worker {body.get('worker')!r} is not a worker with a migration agent "
+                f"(known: {', '.join(sorted(self.names) or sorted(self.agents))})",
+            )
         peer = ""
         if body.get("peer") is not None:
             dst = await self._resolve(body.get("peer"))
             if dst is None:
-                return error_response(404, f"peer {body.get('peer')!r} is not a worker with a migration agent")
+                return error_response(
+                    404, f"peer {body.get('peer')!r} is not a worker with a migration agent"
+                )
             if dst == src:
                 return error_response(400, "worker and peer must differ")
             peer = self.endpoints[dst]
         mid = body.get("id") or f"req-{uuid.uuid4().hex[:12]}"
         try:
-            reply = await self._call(src, m.MigrateRequest, migration=mid, peer=peer,
-                                     rid="" if rid is True else rid)
+            reply = await self._call(
+                src, m.MigrateRequest, migration=mid, peer=peer, rid="" if rid is True else rid
+            )
         except AgentUnavailable as e:
             return error_response(502, str(e))
         except (msgspec.ValidationError, TypeError, ValueError) as e:
@@ -270,8 +326,11 @@ class AdminAPI:
             return error_response(400, f"body is not JSON: {e}")
         who = await self._resolve(body.get("worker") if isinstance(body, dict) else None)
         if who is None:
-            return error_response(404, f"worker {body.get('worker') if isinstance(body, dict) else body!r} is not a "
-                                       "worker with a migration agent")
+            return error_response(
+                404,
+                f"worker {body.get('worker') if isinstance(body, dict) else body!r} is not a "
+                "worker with a migration agent",
+            )
         try:
             return self._reply(await self._call(who, m.Reclaim, reason="asked through the router"))
         except AgentUnavailable as e:
@@ -280,7 +339,8 @@ class AdminAPI:
     async def _source_of(self, mid: str) -> str | None:
         for url, st in (await self._statuses()).items():
             if isinstance(st, m.StatusResult) and any(
-                    x.migration == mid and x.side == "source" for x in st.migrations):
+                x.migration == mid and x.side == "source" for x in st.migrations
+            ):
                 return url
         return None
 
@@ -315,7 +375,9 @@ class AdminAPI:
     @staticmethod
     def _reply(reply: m.Reply, accepted: int = 200) -> web.Response:
         if isinstance(reply, m.Error):
-            return error_response(400 if reply.reason == "invalid" else 502, f"{reply.reason}: {reply.detail}")
+            return error_response(
+                400 if reply.reason == "invalid" else 502, f"{reply.reason}: {reply.detail}"
+            )
         status = accepted if isinstance(reply, m.Accepted) else 200
         data = {"kind": type(reply).__name__.lower(), **msgspec.to_builtins(reply)}
         data.pop("id", None)

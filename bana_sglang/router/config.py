@@ -51,4 +51,6 @@ class RouterConfig:
             if not url.startswith("http") or not endpoint.startswith("tcp://"):
                 raise ValueError(f"--agent {url}={endpoint}: expected WORKER_URL=tcp://HOST:PORT")
         if self.global_index and not self.model_path:
-            raise ValueError("--global-index needs --model-path (the store's keys depend on the model)")
+            raise ValueError(
+                "--global-index needs --model-path (the store's keys depend on the model)"
+            )

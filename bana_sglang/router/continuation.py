@@ -16,14 +16,14 @@ import time
 
 from aiohttp import web
 
-from bana_sglang.wire import agent as m
 from bana_sglang.migrate.client import AgentUnavailable
-from bana_sglang.wire.agent import describe
 from bana_sglang.router.errors import sse_error
 from bana_sglang.router.policy import RouteRequest
 from bana_sglang.router.splice import Splicer
 from bana_sglang.router.upstream import Upstream
 from bana_sglang.router.workers import Worker
+from bana_sglang.wire import agent as m
+from bana_sglang.wire.agent import describe
 
 logger = logging.getLogger("bana_sglang.router.server")
 
@@ -37,7 +37,9 @@ class ContinuationMixin:
     """The router supplies ``admin``, ``metrics``, ``global_index``, ``decode``,
     ``_open_stream`` and ``_route_request``."""
 
-    async def _continue(self, splice: Splicer, up: Upstream, route: RouteRequest) -> Upstream | bytes:
+    async def _continue(
+        self, splice: Splicer, up: Upstream, route: RouteRequest
+    ) -> Upstream | bytes:
         """The decode worker ``up.d`` handed the request off: continue it on
         another pair. Returns the new upstream, or the error events to end the
         client's stream with."""
@@ -52,17 +54,29 @@ class ContinuationMixin:
         await self._await_published(ids)
         nroute = await self._route_request(ids, splice.tokens_left())
         prefer = self._decode_by_agent(info.peer)
-        nxt = await self._open_stream(path, body, nroute, avoid_d=frozenset({up.d.url}), prefer_d=prefer)
+        nxt = await self._open_stream(
+            path, body, nroute, avoid_d=frozenset({up.d.url}), prefer_d=prefer
+        )
         if isinstance(nxt, web.Response):
-            return self._migration_failed(mid, f"the continuation was refused ({nxt.status}): "
-                                               f"{nxt.body[:200]!r}")
+            return self._migration_failed(
+                mid, f"the continuation was refused ({nxt.status}): {nxt.body[:200]!r}"
+            )
         if isinstance(nxt, str):
             return self._migration_failed(mid, f"no worker pair could continue it: {nxt}")
         stall = time.perf_counter() - t0
         self.metrics.request_migrations.labels("continued").inc()
         self.metrics.migration_stall_seconds.observe(stall)
-        logger.info("request migration %s: %s continues on %s (via %s) after %d tokens on %s; client stall "
-                    "%.0f ms", mid, rid, nxt.d.url, nxt.p.url, splice.done_tokens, up.d.url, 1e3 * stall)
+        logger.info(
+            "request migration %s: %s continues on %s (via %s) after %d tokens on %s; client stall "
+            "%.0f ms",
+            mid,
+            rid,
+            nxt.d.url,
+            nxt.p.url,
+            splice.done_tokens,
+            up.d.url,
+            1e3 * stall,
+        )
         return nxt
 
     async def _handoff(self, d: Worker, rid: str):
@@ -77,7 +91,11 @@ class ContinuationMixin:
                 return f"the agent of {d.url} did not answer: {e}"
             if isinstance(reply, m.HandoffInfo):
                 return reply
-            if isinstance(reply, m.Error) and reply.reason == "busy" and time.monotonic() < deadline:
+            if (
+                isinstance(reply, m.Error)
+                and reply.reason == "busy"
+                and time.monotonic() < deadline
+            ):
                 await asyncio.sleep(0.02)
                 continue
             return f"the agent of {d.url} answered {describe(reply)}"
@@ -108,4 +126,6 @@ class ContinuationMixin:
         self.metrics.request_migrations.labels("failed").inc()
         self.metrics.stream_errors.inc()
         logger.warning("request migration %s could not continue the request: %s", mid, why)
-        return sse_error(f"the request moved to another decode worker and could not continue there: {why}")
+        return sse_error(
+            f"the request moved to another decode worker and could not continue there: {why}"
+        )

@@ -22,14 +22,20 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from bana_sglang.wire.agent import PREFIX as MIGRATABLE
-from bana_sglang.router.errors import ClientError, UpstreamError, error_body, error_response, sse_error
+from bana_sglang.router.errors import (
+    ClientError,
+    UpstreamError,
+    error_body,
+    error_response,
+    sse_error,
+)
 from bana_sglang.router.generate import fix_logprob_window, merge_input_logprobs
 from bana_sglang.router.policy import RouteRequest, RoutingError
-from bana_sglang.types import Tier
 from bana_sglang.router.splice import Splicer, mark, migratable
 from bana_sglang.router.upstream import Upstream
 from bana_sglang.router.workers import Worker
+from bana_sglang.types import Tier
+from bana_sglang.wire.agent import PREFIX as MIGRATABLE
 
 logger = logging.getLogger("bana_sglang.router.server")  # one logger for the router's lines
 
@@ -38,8 +44,11 @@ _JSON = "application/json"
 
 # SGLang 0.5.23's decode-side errors when its prefill peer cannot be reached or
 # its KV never arrives (disaggregation/mooncake/conn.py, decode.py).
-_KV_TRANSFER_FAILURE = re.compile(r"KVTransferError|bootstrap|Prefill instance could be dead|"
-                                  r"remote mooncake session .* is not alive", re.IGNORECASE)
+_KV_TRANSFER_FAILURE = re.compile(
+    r"KVTransferError|bootstrap|Prefill instance could be dead|"
+    r"remote mooncake session .* is not alive",
+    re.IGNORECASE,
+)
 # bana's decode-side error when the peer holding a request's KV pages (KV-block
 # migration) failed: the worker is fine, the request is recomputed elsewhere or there.
 _KV_BLOCKS_LOST = re.compile(r"KV blocks lost")
@@ -59,13 +68,17 @@ class PDDispatchMixin:
         now = time.monotonic()
         loads = [w.load(now) for w in cands]
         try:
-            wid = (self.policy.pick_prefill if tier is Tier.PREFILL else self.policy.pick_decode)(route, loads)
+            wid = (self.policy.pick_prefill if tier is Tier.PREFILL else self.policy.pick_decode)(
+                route, loads
+            )
         except RoutingError as e:
             logger.error("policy %s failed: %s", self.cfg.policy, e)
             return cands[0]
         return self.by_id[wid]
 
-    def _pairs(self, route: RouteRequest, tried_p: set, tried_d: set, prefer_d: Worker | None = None):
+    def _pairs(
+        self, route: RouteRequest, tried_p: set, tried_d: set, prefer_d: Worker | None = None
+    ):
         """Up to ``max_attempts`` (prefill, decode) pairs, skipping workers that
         already failed this request (the caller adds them to ``tried_*``);
         ``prefer_d``, while healthy and untried, is the decode worker."""
@@ -79,8 +92,9 @@ class PDDispatchMixin:
                 return
             yield p, d
 
-    def _start_pair(self, p: Worker, d: Worker, path: str, body: dict,
-                    route: RouteRequest) -> tuple[dict, int, asyncio.Task]:
+    def _start_pair(
+        self, p: Worker, d: Worker, path: str, body: dict, route: RouteRequest
+    ) -> tuple[dict, int, asyncio.Task]:
         """Count the pair, add the bootstrap fields and send the prefill half;
         returns (body sent, decode tokens to release, prefill task)."""
         bp = self._bootstrap(body, p)
@@ -100,8 +114,12 @@ class PDDispatchMixin:
         return tokens
 
     def _bootstrap(self, body: dict, p: Worker, *, fake: bool = False) -> dict:
-        return dict(body, bootstrap_host=FAKE_BOOTSTRAP_HOST if fake else p.host,
-                    bootstrap_port=p.bootstrap_port, bootstrap_room=self._rooms.getrandbits(63))
+        return dict(
+            body,
+            bootstrap_host=FAKE_BOOTSTRAP_HOST if fake else p.host,
+            bootstrap_port=p.bootstrap_port,
+            bootstrap_room=self._rooms.getrandbits(63),
+        )
 
     async def _post(self, w: Worker, path: str, body: dict) -> bytes:
         """POST and read the whole answer; raises UpstreamError / ClientError."""
@@ -110,12 +128,18 @@ class PDDispatchMixin:
             async with self.session.post(w.url + path, json=body) as resp:
                 data = await resp.read()
                 if resp.status >= 500:
-                    raise UpstreamError(w, f"answered {resp.status}: {data[:200]!r}", resp.status, data)
+                    raise UpstreamError(
+                        w, f"answered {resp.status}: {data[:200]!r}", resp.status, data
+                    )
                 if resp.status >= 400:
                     raise ClientError(resp.status, data, resp.content_type)
                 return data
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError,
-                asyncio.TimeoutError) as e:
+        except (
+            TimeoutError,
+            aiohttp.ClientConnectionError,
+            aiohttp.ClientPayloadError,
+            ConnectionError,
+        ) as e:
             raise UpstreamError(w, f"{type(e).__name__}: {e}") from None
 
     def _fail(self, w: Worker, why: str) -> None:
@@ -148,14 +172,18 @@ class PDDispatchMixin:
                 p.end(route.uncached_tokens)
             if body.get("return_logprob"):
                 out = orjson.loads(data)
-                fix_logprob_window(out.get("meta_info", {}), shift=shift,
-                                    from_start=not shift and start in (0, None))
+                fix_logprob_window(
+                    out.get("meta_info", {}),
+                    shift=shift,
+                    from_start=not shift and start in (0, None),
+                )
                 data = orjson.dumps(out)
             return 200, data
         return 502, error_body(502, f"no prefill worker could serve the request: {last}")
 
-    async def _pd_once_json(self, path: str, body: dict, route: RouteRequest, *,
-                            merge_logprobs: bool) -> tuple[int, bytes]:
+    async def _pd_once_json(
+        self, path: str, body: dict, route: RouteRequest, *, merge_logprobs: bool
+    ) -> tuple[int, bytes]:
         """Non-streaming PD request with retries; (status, body)."""
         tried_p: set = set()
         tried_d: set = set()
@@ -172,14 +200,20 @@ class PDDispatchMixin:
                 d_data = await d_task
             except UpstreamError as e:
                 d_task.cancel()
-                if e.worker is d and e.status is not None and _KV_BLOCKS_LOST.search(e.body.decode(errors="replace")):
+                if (
+                    e.worker is d
+                    and e.status is not None
+                    and _KV_BLOCKS_LOST.search(e.body.decode(errors="replace"))
+                ):
                     # the decode worker is healthy; nothing of this request was returned yet: recompute it
                     self.metrics.retries.labels("kv_blocks_lost").inc()
                     last = str(e)
                     continue
                 culprit = e.worker if e.worker is p else await self._blame(p, p_task, e)
                 (tried_p if culprit is p else tried_d).add(culprit.id)
-                self._fail(culprit, e.reason if culprit is e.worker else culprit.down_reason or e.reason)
+                self._fail(
+                    culprit, e.reason if culprit is e.worker else culprit.down_reason or e.reason
+                )
                 self.metrics.retries.labels(f"{culprit.tier.value}_failed").inc()
                 last = str(e)
                 continue
@@ -212,8 +246,11 @@ class PDDispatchMixin:
         KV transfer or bootstrap error) is alive: the prefill side is blamed, even
         before its own request fails (an unreachable host only fails at the
         connect timeout); a healthy prefill is readmitted by its next probe."""
-        if err.worker is not p and err.status is not None and _KV_TRANSFER_FAILURE.search(
-                err.body.decode(errors="replace") or err.reason):
+        if (
+            err.worker is not p
+            and err.status is not None
+            and _KV_TRANSFER_FAILURE.search(err.body.decode(errors="replace") or err.reason)
+        ):
             if not p_task.done():
                 p_task.cancel()
             p.down_reason = f"its decode peer could not receive the KV: {err.reason[:200]}"
@@ -223,23 +260,42 @@ class PDDispatchMixin:
         except UpstreamError as pe:
             p.down_reason = pe.reason
             return p
-        except (asyncio.TimeoutError, ClientError, asyncio.CancelledError):
+        except (TimeoutError, ClientError, asyncio.CancelledError):
             pass
         finally:
             if not p_task.done():
                 p_task.cancel()
         return p if not p.healthy else err.worker
 
-    async def _pd(self, request: web.Request, path: str, body: dict, route: RouteRequest, label: str,
-                  t0: float, *, stream: bool, merge_logprobs: bool) -> web.StreamResponse:
+    async def _pd(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict,
+        route: RouteRequest,
+        label: str,
+        t0: float,
+        *,
+        stream: bool,
+        merge_logprobs: bool,
+    ) -> web.StreamResponse:
         if not stream:
-            status, data = await self._pd_once_json(path, body, route, merge_logprobs=merge_logprobs)
+            status, data = await self._pd_once_json(
+                path, body, route, merge_logprobs=merge_logprobs
+            )
             self._count(label, status, t0)
             return web.Response(status=status, body=data, content_type=_JSON)
         return await self._pd_stream(request, path, body, route, label, t0)
 
-    async def _open_stream(self, path: str, body: dict, route: RouteRequest, *, avoid_d: frozenset = frozenset(),
-                           prefer_d: Worker | None = None) -> Upstream | web.Response | str:
+    async def _open_stream(
+        self,
+        path: str,
+        body: dict,
+        route: RouteRequest,
+        *,
+        avoid_d: frozenset = frozenset(),
+        prefer_d: Worker | None = None,
+    ) -> Upstream | web.Response | str:
         """Send a streamed PD request and wait for its first byte, retrying other
         pairs on failures before it. Returns the open upstream, a worker's 4xx
         answer (the client's problem), or why no pair could serve it."""
@@ -257,15 +313,19 @@ class PDDispatchMixin:
             try:
                 try:
                     resp = await self.session.post(d.url + path, json=bp)
-                except (aiohttp.ClientConnectionError, ConnectionError, asyncio.TimeoutError) as e:
+                except (TimeoutError, aiohttp.ClientConnectionError, ConnectionError) as e:
                     raise UpstreamError(d, f"{type(e).__name__}: {e}") from None
                 if resp.status >= 400:
                     data = await resp.read()
                     if resp.status < 500:
                         p_task.cancel()
                         d.end(d_tok)
-                        return web.Response(status=resp.status, body=data, content_type=resp.content_type or _JSON)
-                    raise UpstreamError(d, f"answered {resp.status}: {data[:200]!r}", resp.status, data)
+                        return web.Response(
+                            status=resp.status, body=data, content_type=resp.content_type or _JSON
+                        )
+                    raise UpstreamError(
+                        d, f"answered {resp.status}: {data[:200]!r}", resp.status, data
+                    )
                 first = asyncio.ensure_future(resp.content.readany())
                 while True:
                     waiting = {first} if p_task.done() else {first, p_task}
@@ -280,12 +340,20 @@ class PDDispatchMixin:
                         first.cancel()
                         resp.close()
                         d.end(d_tok)
-                        return web.Response(status=exc.status, body=exc.body, content_type=exc.content_type or _JSON)
+                        return web.Response(
+                            status=exc.status, body=exc.body, content_type=exc.content_type or _JSON
+                        )
                 try:
                     chunk = first.result()
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
-                        asyncio.TimeoutError) as e:
-                    raise UpstreamError(d, f"stream broke before the first byte: {type(e).__name__}") from None
+                except (
+                    TimeoutError,
+                    aiohttp.ClientPayloadError,
+                    aiohttp.ClientConnectionError,
+                    ConnectionError,
+                ) as e:
+                    raise UpstreamError(
+                        d, f"stream broke before the first byte: {type(e).__name__}"
+                    ) from None
                 if not chunk:
                     raise UpstreamError(d, "stream ended before the first byte")
             except UpstreamError as e:
@@ -307,8 +375,15 @@ class PDDispatchMixin:
             return Upstream(p, d, resp, chunk, p_task, d_tok, rid=str(body.get("rid", "")))
         return last
 
-    async def _pd_stream(self, request: web.Request, path: str, body: dict, route: RouteRequest,
-                         label: str, t0: float) -> web.StreamResponse:
+    async def _pd_stream(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict,
+        route: RouteRequest,
+        label: str,
+        t0: float,
+    ) -> web.StreamResponse:
         splice = None
         if self.cfg.request_migration and self.admin.agents and migratable(label, body):
             body = mark(body, self._rooms)
@@ -321,9 +396,14 @@ class PDDispatchMixin:
             self._count(label, 502, t0)
             return error_response(502, f"no worker pair could serve the request: {up}")
         # ---- committed: relay chunk by chunk
-        out = web.StreamResponse(status=200, headers={
-            "Content-Type": up.resp.headers.get("Content-Type", "text/event-stream"),
-            "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        out = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": up.resp.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            },
+        )
         chunk = up.first
         try:
             await out.prepare(request)
@@ -344,8 +424,12 @@ class PDDispatchMixin:
                         continue
                 try:
                     chunk = await up.resp.content.readany()
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError,
-                        asyncio.TimeoutError) as e:
+                except (
+                    TimeoutError,
+                    aiohttp.ClientPayloadError,
+                    aiohttp.ClientConnectionError,
+                    ConnectionError,
+                ) as e:
                     why = f"decode worker {up.d.url} failed mid-stream: {type(e).__name__}"
                     logger.warning("%s", why)
                     self.metrics.stream_errors.inc()

@@ -29,16 +29,25 @@ class ClientError(Exception):
         self.status, self.body, self.content_type = status, body, content_type
 
 
-def error_body(status: int, message: str, *, type_: str | None = None, param: str | None = None,
-               code: str | int | None = None) -> bytes:
+def error_body(
+    status: int,
+    message: str,
+    *,
+    type_: str | None = None,
+    param: str | None = None,
+    code: str | int | None = None,
+) -> bytes:
     """OpenAI's error format."""
     type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code or status}})
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code or status}}
+    )
 
 
 def error_response(status: int, message: str, *, headers: dict | None = None, **kw) -> web.Response:
-    return web.Response(status=status, body=error_body(status, message, **kw), content_type=JSON,
-                        headers=headers)
+    return web.Response(
+        status=status, body=error_body(status, message, **kw), content_type=JSON, headers=headers
+    )
 
 
 def sse_error(message: str, status: int = 502) -> bytes:

@@ -17,10 +17,23 @@ import orjson
 
 from bana_sglang.router.requests import BadRequest, check_max_tokens
 
-PER_ITEM_FIELDS = frozenset({"rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                             "token_ids_logprob", "stream", "lora_path", "custom_logit_processor",
-                             "return_hidden_states", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-                             "data_parallel_rank"})
+PER_ITEM_FIELDS = frozenset(
+    {
+        "rid",
+        "return_logprob",
+        "logprob_start_len",
+        "top_logprobs_num",
+        "token_ids_logprob",
+        "stream",
+        "lora_path",
+        "custom_logit_processor",
+        "return_hidden_states",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "data_parallel_rank",
+    }
+)
 
 
 def split_generate(body: dict, max_tokens_limit: int) -> list[dict] | None:
@@ -30,8 +43,9 @@ def split_generate(body: dict, max_tokens_limit: int) -> list[dict] | None:
         raise BadRequest("give exactly one of 'text' and 'input_ids'")
     sp = body.get("sampling_params")
     if sp is not None and not isinstance(sp, (dict, list)):
-        raise BadRequest("'sampling_params' must be an object (or a list of them)",
-                         param="sampling_params")
+        raise BadRequest(
+            "'sampling_params' must be an object (or a list of them)", param="sampling_params"
+        )
     batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
     if isinstance(text, list) and not all(isinstance(t, str) for t in text):
         raise BadRequest("'text' must be a string or a list of strings", param="text")
@@ -46,17 +60,24 @@ def split_generate(body: dict, max_tokens_limit: int) -> list[dict] | None:
     for s in sps:
         if not isinstance(s, dict):
             raise BadRequest("each sampling_params must be an object", param="sampling_params")
-        check_max_tokens(s.get("max_new_tokens"), name="max_new_tokens",
-                         limit=max_tokens_limit, allow_zero=True)
+        check_max_tokens(
+            s.get("max_new_tokens"), name="max_new_tokens", limit=max_tokens_limit, allow_zero=True
+        )
     if not batch:
         return None
     if body.get("stream"):
-        raise BadRequest("streaming a batch of prompts is not supported by this router; "
-                         "send one request per prompt", param="stream")
+        raise BadRequest(
+            "streaming a batch of prompts is not supported by this router; "
+            "send one request per prompt",
+            param="stream",
+        )
     out = []
     for i in range(n):
-        item = {k: (v[i] if isinstance(v, list) and k in PER_ITEM_FIELDS else v)
-                for k, v in body.items() if k not in ("text", "input_ids", "sampling_params")}
+        item = {
+            k: (v[i] if isinstance(v, list) and k in PER_ITEM_FIELDS else v)
+            for k, v in body.items()
+            if k not in ("text", "input_ids", "sampling_params")
+        }
         if text is not None:
             item["text"] = text[i]
         else:
@@ -73,7 +94,13 @@ def fix_logprob_window(meta: dict, *, shift: bool, from_start: bool) -> None:
         if shift and isinstance(vals, list) and vals:
             meta[key] = vals[1:]
     vals = meta.get("input_token_logprobs")
-    if from_start and isinstance(vals, list) and vals and isinstance(vals[0], list) and vals[0][0] is None:
+    if (
+        from_start
+        and isinstance(vals, list)
+        and vals
+        and isinstance(vals[0], list)
+        and vals[0][0] is None
+    ):
         vals[0][0] = 0.0
 
 

@@ -36,8 +36,14 @@ from bana_sglang.radix_global.service import IndexClient
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "fp32": "float32",
-           "fp16": "float16", "bf16": "bfloat16"}
+_DTYPES = {
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+}
 
 
 def layout_for(model_path: str | Path, page_size: int, dtype: str | None = None) -> KVLayout:
@@ -46,9 +52,17 @@ def layout_for(model_path: str | Path, page_size: int, dtype: str | None = None)
     cfg = json.loads((path / "config.json").read_text())
     heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    dt = _DTYPES.get(str(dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), "float32")
-    return KVLayout(model=model_identity(str(path)), dtype=dt, page_size=page_size, num_kv_heads=heads,
-                    head_dim=head_dim, num_layers=int(cfg["num_hidden_layers"]))
+    dt = _DTYPES.get(
+        str(dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), "float32"
+    )
+    return KVLayout(
+        model=model_identity(str(path)),
+        dtype=dt,
+        page_size=page_size,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        num_layers=int(cfg["num_hidden_layers"]),
+    )
 
 
 class GlobalIndexView:
@@ -58,7 +72,9 @@ class GlobalIndexView:
         self.page_size = layout.page_size
         self._client = IndexClient(endpoint, timeout_s=timeout_s, name="router")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="global-index")
-        logger.info("global index %s for layout %s (digest %s)", endpoint, layout.model, layout.digest[:12])
+        logger.info(
+            "global index %s for layout %s (digest %s)", endpoint, layout.model, layout.digest[:12]
+        )
 
     def _lookup(self, ids: Sequence[int]) -> int | None:
         try:
@@ -78,9 +94,13 @@ class GlobalIndexView:
         if len(ids) < self.page_size:
             cached: int | None = 0
         else:
-            cached = await asyncio.get_running_loop().run_in_executor(self._pool, self._lookup, list(ids))
+            cached = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._lookup, list(ids)
+            )
         if self.metrics is not None:
-            self.metrics.global_lookups.labels("unknown" if cached is None else "hit" if cached else "miss").inc()
+            self.metrics.global_lookups.labels(
+                "unknown" if cached is None else "hit" if cached else "miss"
+            ).inc()
             if cached:
                 self.metrics.global_cached_tokens.inc(cached)
         return cached

@@ -16,46 +16,107 @@ _SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("bana_router_requests_total", "Requests answered, by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        self.routed = Counter("bana_router_worker_requests_total", "Requests sent to each worker",
-                              ["worker", "role"], registry=r)
-        self.retries = Counter("bana_router_retries_total", "Requests retried on another worker, by cause",
-                               ["reason"], registry=r)
-        self.worker_failures = Counter("bana_router_worker_failures_total",
-                                       "Connection errors and 5xx answers per worker", ["worker", "role"],
-                                       registry=r)
-        self.stream_errors = Counter("bana_router_stream_errors_total",
-                                     "Streams ended with an error event after the first byte", registry=r)
-        self.inflight = Gauge("bana_router_worker_inflight", "Requests in flight per worker (router's count)",
-                              ["worker", "role"], registry=r)
-        self.healthy = Gauge("bana_router_worker_healthy", "1 if the worker is routable", ["worker", "role"],
-                             registry=r)
-        self.kv_usage = Gauge("bana_router_worker_kv_usage", "KV token usage reported by the worker",
-                              ["worker", "role"], registry=r)
-        self.queued = Gauge("bana_router_worker_queued_requests", "Waiting requests reported by the worker",
-                            ["worker", "role"], registry=r)
-        self.part_up = Gauge("bana_router_part_up", "1 if a watched cluster part (--watch) accepts TCP connections",
-                             ["part"], registry=r)
-        self.global_lookups = Counter("bana_router_global_lookups_total",
-                                      "Prompts looked up in the global KV index, by outcome (hit, miss, unknown)",
-                                      ["outcome"], registry=r)
-        self.global_cached_tokens = Counter("bana_router_global_cached_tokens_total",
-                                            "Prompt tokens the global KV index reported cached", registry=r)
-        self.request_migrations = Counter("bana_router_request_migrations_total",
-                                          "Streams whose request moved to another decode worker, by outcome "
-                                          "(continued, failed, published_late: continued before the index "
-                                          "listed every handed-off page)", ["result"], registry=r)
-        self.migration_stall_seconds = Histogram("bana_router_request_migration_stall_seconds",
-                                                 "Handoff seen to the continuation's first byte (the client's "
-                                                 "stall)", buckets=_SLOW, registry=r)
-        self.route_seconds = Histogram("bana_router_routing_seconds", "Time to pick a worker pair",
-                                       buckets=_FAST, registry=r)
-        self.ttfb_seconds = Histogram("bana_router_first_byte_seconds",
-                                      "Request arrival to first byte sent to the client", ["endpoint"],
-                                      buckets=_SLOW, registry=r)
-        self.e2e_seconds = Histogram("bana_router_request_seconds", "Request arrival to last byte",
-                                     ["endpoint"], buckets=_SLOW, registry=r)
+        self.requests = Counter(
+            "bana_router_requests_total",
+            "Requests answered, by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.routed = Counter(
+            "bana_router_worker_requests_total",
+            "Requests sent to each worker",
+            ["worker", "role"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "bana_router_retries_total",
+            "Requests retried on another worker, by cause",
+            ["reason"],
+            registry=r,
+        )
+        self.worker_failures = Counter(
+            "bana_router_worker_failures_total",
+            "Connection errors and 5xx answers per worker",
+            ["worker", "role"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "bana_router_stream_errors_total",
+            "Streams ended with an error event after the first byte",
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "bana_router_worker_inflight",
+            "Requests in flight per worker (router's count)",
+            ["worker", "role"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "bana_router_worker_healthy",
+            "1 if the worker is routable",
+            ["worker", "role"],
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "bana_router_worker_kv_usage",
+            "KV token usage reported by the worker",
+            ["worker", "role"],
+            registry=r,
+        )
+        self.queued = Gauge(
+            "bana_router_worker_queued_requests",
+            "Waiting requests reported by the worker",
+            ["worker", "role"],
+            registry=r,
+        )
+        self.part_up = Gauge(
+            "bana_router_part_up",
+            "1 if a watched cluster part (--watch) accepts TCP connections",
+            ["part"],
+            registry=r,
+        )
+        self.global_lookups = Counter(
+            "bana_router_global_lookups_total",
+            "Prompts looked up in the global KV index, by outcome (hit, miss, unknown)",
+            ["outcome"],
+            registry=r,
+        )
+        self.global_cached_tokens = Counter(
+            "bana_router_global_cached_tokens_total",
+            "Prompt tokens the global KV index reported cached",
+            registry=r,
+        )
+        self.request_migrations = Counter(
+            "bana_router_request_migrations_total",
+            "Streams whose request moved to another decode worker, by outcome "
+            "(continued, failed, published_late: continued before the index "
+            "listed every handed-off page)",
+            ["result"],
+            registry=r,
+        )
+        self.migration_stall_seconds = Histogram(
+            "bana_router_request_migration_stall_seconds",
+            "Handoff seen to the continuation's first byte (the client's stall)",
+            buckets=_SLOW,
+            registry=r,
+        )
+        self.route_seconds = Histogram(
+            "bana_router_routing_seconds", "Time to pick a worker pair", buckets=_FAST, registry=r
+        )
+        self.ttfb_seconds = Histogram(
+            "bana_router_first_byte_seconds",
+            "Request arrival to first byte sent to the client",
+            ["endpoint"],
+            buckets=_SLOW,
+            registry=r,
+        )
+        self.e2e_seconds = Histogram(
+            "bana_router_request_seconds",
+            "Request arrival to last byte",
+            ["endpoint"],
+            buckets=_SLOW,
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

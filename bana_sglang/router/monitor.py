@@ -31,11 +31,20 @@ PROBE_TIMEOUT_S = 5.0  # /health of a worker marked down
 class WorkerMonitor:
     """Keeps every :class:`Worker`'s load and health fresh, and the model list."""
 
-    def __init__(self, workers: list[Worker], metrics: RouterMetrics, *, poll_interval_s: float,
-                 model_names: tuple[str, ...] = (), watch: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self,
+        workers: list[Worker],
+        metrics: RouterMetrics,
+        *,
+        poll_interval_s: float,
+        model_names: tuple[str, ...] = (),
+        watch: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.workers = workers
         self.watch = watch
-        self.watched_up: dict[str, bool] = {name: False for name, _ in watch}  # until the first check
+        self.watched_up: dict[str, bool] = {
+            name: False for name, _ in watch
+        }  # until the first check
         self.metrics = metrics
         self.poll_interval_s = poll_interval_s
         self.models_json: bytes | None = None  # a worker's /v1/models answer, once known
@@ -45,23 +54,34 @@ class WorkerMonitor:
     def start(self, session: aiohttp.ClientSession) -> list[asyncio.Task]:
         """Start the pollers on ``session``; the caller cancels the returned tasks."""
         self.session = session
-        return [asyncio.create_task(self._poll_loop(), name="bana-router-gauges"),
-                *(asyncio.create_task(self._watch_loop(n, a), name=f"bana-router-watch {n}") for n, a in self.watch),
-                *(asyncio.create_task(self._worker_loop(w), name=f"bana-router-poll {w.url}")
-                  for w in self.workers)]
+        return [
+            asyncio.create_task(self._poll_loop(), name="bana-router-gauges"),
+            *(
+                asyncio.create_task(self._watch_loop(n, a), name=f"bana-router-watch {n}")
+                for n, a in self.watch
+            ),
+            *(
+                asyncio.create_task(self._worker_loop(w), name=f"bana-router-poll {w.url}")
+                for w in self.workers
+            ),
+        ]
 
     async def _watch_loop(self, name: str, addr: str) -> None:
         """TCP reachability of a watched part; changes are logged once."""
         host, _, port = addr.rpartition(":")
         while True:
             try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), WATCH_TIMEOUT_S)
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(host, int(port)), WATCH_TIMEOUT_S
+                )
                 writer.close()
                 up = True
-            except (OSError, asyncio.TimeoutError):
+            except (TimeoutError, OSError):
                 up = False
             if up != self.watched_up[name]:
-                (logger.info if up else logger.warning)("%s at %s is %s", name, addr, "up" if up else "unreachable")
+                (logger.info if up else logger.warning)(
+                    "%s at %s is %s", name, addr, "up" if up else "unreachable"
+                )
             self.watched_up[name] = up
             self.metrics.part_up.labels(name).set(1 if up else 0)
             await asyncio.sleep(WATCH_INTERVAL_S)
@@ -77,7 +97,10 @@ class WorkerMonitor:
                 self.metrics.inflight.labels(*labels).set(w.inflight)
                 self.metrics.queued.labels(*labels).set(w.reported.waiting)
                 self.metrics.kv_usage.labels(*labels).set(
-                    w.reported.used_tokens / w.reported.total_tokens if w.reported.total_tokens else 0)
+                    w.reported.used_tokens / w.reported.total_tokens
+                    if w.reported.total_tokens
+                    else 0
+                )
             await asyncio.sleep(self.poll_interval_s)
 
     async def _worker_loop(self, w: Worker) -> None:
@@ -97,10 +120,11 @@ class WorkerMonitor:
             if not w.due_for_probe(now):
                 return
             try:
-                async with self.session.get(w.url + "/health",
-                                            timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
+                async with self.session.get(
+                    w.url + "/health", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+                ) as resp:
                     ok = resp.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 ok = False
                 reason = f"health probe failed: {type(e).__name__}"
             else:
@@ -111,13 +135,16 @@ class WorkerMonitor:
                 w.mark_down(reason, now)
             return
         try:
-            async with self.session.get(w.url + "/v1/loads", params={"include": "core"},
-                                        timeout=aiohttp.ClientTimeout(total=LOADS_TIMEOUT_S)) as resp:
+            async with self.session.get(
+                w.url + "/v1/loads",
+                params={"include": "core"},
+                timeout=aiohttp.ClientTimeout(total=LOADS_TIMEOUT_S),
+            ) as resp:
                 if resp.status != 200:
                     return  # an old worker without /v1/loads: the router's own counts remain
                 body = await resp.json(loads=orjson.loads)
             w.reported = Reported.from_loads_json(body, time.monotonic())
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             # Slow is not dead: a CPU worker deep in a long prefill answers late.
             # (Caught before connection errors: aiohttp's socket timeouts are both.)
             logger.debug("load poll of %s timed out: %s", w.url, e)
@@ -133,14 +160,15 @@ class WorkerMonitor:
             if not w.healthy:
                 continue
             try:
-                async with self.session.get(w.url + "/v1/models",
-                                            timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                async with self.session.get(
+                    w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)
+                ) as resp:
                     if resp.status != 200:
                         continue
                     raw = await resp.read()
                 data = orjson.loads(raw)
                 names = {m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m}
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+            except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError):
                 continue
             if names:
                 self.models_json = raw

@@ -102,9 +102,14 @@ class RoutingPolicy(abc.ABC):
 
     name: str = "base"
 
-    def __init__(self, *, seed: int = 0, oracle: CacheOracle | None = None,
-                 prefill_time: PrefillTime | None = None,
-                 transfer_time: TransferTime | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        oracle: CacheOracle | None = None,
+        prefill_time: PrefillTime | None = None,
+        transfer_time: TransferTime | None = None,
+    ) -> None:
         self.rng = random.Random(seed)
         self.oracle = oracle
         # Time models for cost-based policies (unused by the others).
@@ -120,8 +125,13 @@ class RoutingPolicy(abc.ABC):
         cands = _of_tier(loads, Tier.DECODE, self.name, req)
         need = req.num_tokens + req.max_new_tokens
         fits = [w for w in cands if w.kv_free_tokens >= need] or cands
-        best = min(fits, key=lambda w: ((w.kv_used_tokens + w.inflight_tokens + need)
-                                        / max(1, w.kv_total_tokens), w.num_requests))
+        best = min(
+            fits,
+            key=lambda w: (
+                (w.kv_used_tokens + w.inflight_tokens + need) / max(1, w.kv_total_tokens),
+                w.num_requests,
+            ),
+        )
         return best.worker_id
 
     def on_finish(self, req: RouteRequest, worker: WorkerId) -> None:  # noqa: B027
@@ -135,12 +145,16 @@ class RoutingPolicy(abc.ABC):
         return req.num_tokens
 
 
-def _of_tier(loads: Sequence[WorkerLoad], tier: Tier, policy: str,
-             req: RouteRequest) -> list[WorkerLoad]:
+def _of_tier(
+    loads: Sequence[WorkerLoad], tier: Tier, policy: str, req: RouteRequest
+) -> list[WorkerLoad]:
     cands = [w for w in loads if w.serves(tier)]
     if not cands:
-        raise RoutingError(f"no {tier.value} worker among {len(loads)} loads",
-                           policy=policy, request=req.request_id)
+        raise RoutingError(
+            f"no {tier.value} worker among {len(loads)} loads",
+            policy=policy,
+            request=req.request_id,
+        )
     return cands
 
 
@@ -160,9 +174,15 @@ class BanaPolicy(RoutingPolicy):
         uncached = self._global_uncached(req)
         n = len(cands)
         self._cursor = (self._cursor + 1) % n
-        best = min(range(n), key=lambda i: (cands[i].prefill_backlog_tokens + uncached,
-                                            cands[i].running_requests, cands[i].busy_fraction,
-                                            (i - self._cursor) % n))
+        best = min(
+            range(n),
+            key=lambda i: (
+                cands[i].prefill_backlog_tokens + uncached,
+                cands[i].running_requests,
+                cands[i].busy_fraction,
+                (i - self._cursor) % n,
+            ),
+        )
         return cands[best].worker_id
 
 
@@ -199,8 +219,9 @@ class PowerOfTwoPolicy(RoutingPolicy):
         return (a if key(a) <= key(b) else b).worker_id
 
     def pick_prefill(self, req, loads):
-        return self._pick(Tier.PREFILL, req, loads,
-                          lambda w: (w.num_requests, w.queued_prefill_tokens))
+        return self._pick(
+            Tier.PREFILL, req, loads, lambda w: (w.num_requests, w.queued_prefill_tokens)
+        )
 
     def pick_decode(self, req, loads):
         return self._pick(Tier.DECODE, req, loads, lambda w: (w.kv_usage, w.num_requests))
@@ -258,8 +279,9 @@ class CacheAwarePolicy(RoutingPolicy):
             if req.page_hashes and matches[best] / n_pages > cfg.cache_threshold:
                 chosen = cands[best].worker_id
             else:
-                chosen = min(cands, key=lambda w: (self._tree(w.worker_id).size,
-                                                   w.num_requests)).worker_id
+                chosen = min(
+                    cands, key=lambda w: (self._tree(w.worker_id).size, w.num_requests)
+                ).worker_id
         if req.page_hashes:
             self._tree(chosen).insert(req.page_hashes)
         return chosen
@@ -282,16 +304,19 @@ class GlobalCacheAwarePolicy(RoutingPolicy):
         if self.oracle is None or not req.page_hashes:
             return min(cands, key=lambda w: w.prefill_backlog_tokens).worker_id
         n = req.num_tokens
-        g_tok = req.cached_tokens(self.oracle.global_match(req.page_hashes)) \
-            if self.global_store else 0
+        g_tok = (
+            req.cached_tokens(self.oracle.global_match(req.page_hashes)) if self.global_store else 0
+        )
         best_w, best_t = cands[0].worker_id, float("inf")
         for w in cands:
             queue = self.prefill_time(round(w.prefill_backlog_tokens), 0)
             l_tok = req.cached_tokens(self.oracle.local_match(w.worker_id, req.page_hashes))
             t = queue + self.prefill_time(n - l_tok, l_tok)
             if g_tok > l_tok:
-                t = min(t, queue + self.transfer_time(g_tok - l_tok)
-                        + self.prefill_time(n - g_tok, g_tok))
+                t = min(
+                    t,
+                    queue + self.transfer_time(g_tok - l_tok) + self.prefill_time(n - g_tok, g_tok),
+                )
             if t < best_t:
                 best_w, best_t = w.worker_id, t
         return best_w
@@ -329,9 +354,19 @@ class RandomPolicy(RoutingPolicy):
 
 POLICIES: Registry[RoutingPolicy] = Registry(
     "routing policy",
-    (BanaPolicy, RoundRobinPolicy, PowerOfTwoPolicy, CacheAwarePolicy, GlobalCacheAwarePolicy,
-     LocalCacheAwarePolicy, LoadOnlyPolicy, RandomPolicy),
-    error=RoutingError, error_kwargs=lambda name: {"policy": name})
+    (
+        BanaPolicy,
+        RoundRobinPolicy,
+        PowerOfTwoPolicy,
+        CacheAwarePolicy,
+        GlobalCacheAwarePolicy,
+        LocalCacheAwarePolicy,
+        LoadOnlyPolicy,
+        RandomPolicy,
+    ),
+    error=RoutingError,
+    error_kwargs=lambda name: {"policy": name},
+)
 DEFAULT_POLICY = "bana"
 #: Policies the live router can run (the *_cache_aware ones need the simulator's cache oracle).
 LIVE_POLICIES = ("bana", "round_robin", "power_of_two", "cache_aware", "load_only", "random")

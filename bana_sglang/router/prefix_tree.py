@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Sequence
-from typing import Hashable
+from collections.abc import Hashable, Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -30,14 +30,33 @@ BYTES_PER_TOKEN = 4  # estimate when no tokenizer is loaded
 class BadRequest(Exception):
     """A request the router refuses; ``status`` is the HTTP code to answer."""
 
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 code: str | None = None, type_: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ):
         super().__init__(message)
-        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type_
+        self.message, self.status, self.param, self.code, self.type = (
+            message,
+            status,
+            param,
+            code,
+            type_,
+        )
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code or self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code or self.status,
+            }
+        }
 
 
 class PromptView:
@@ -53,6 +72,7 @@ class PromptView:
             f = path / "tokenizer.json" if path.is_dir() else path
             if f.is_file():
                 from tokenizers import Tokenizer
+
                 self._tok = Tokenizer.from_file(str(f))
             else:
                 logger.warning("no tokenizer.json at %s: routing estimates tokens from bytes", path)
@@ -66,8 +86,10 @@ class PromptView:
         if self._tok is not None:
             return self._tok.encode(text, add_special_tokens=False).ids
         b = text.encode("utf-8", "surrogatepass")
-        return [int.from_bytes(b[i:i + BYTES_PER_TOKEN], "little")
-                for i in range(0, len(b), BYTES_PER_TOKEN)]
+        return [
+            int.from_bytes(b[i : i + BYTES_PER_TOKEN], "little")
+            for i in range(0, len(b), BYTES_PER_TOKEN)
+        ]
 
     def page_hashes(self, ids: Sequence[int]) -> tuple[PageHash, ...]:
         """Chained 64-bit hashes of full pages: hash i determines pages 0..i."""
@@ -76,7 +98,7 @@ class PromptView:
         prev = b"\0" * 8
         for i in range(0, len(ids) - p + 1, p):
             h = hashlib.blake2b(prev, digest_size=8)
-            h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in ids[i:i + p]))
+            h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in ids[i : i + p]))
             prev = h.digest()
             out.append(PageHash(int.from_bytes(prev, "little")))
         return tuple(out)
@@ -109,6 +131,8 @@ def check_max_tokens(value: object, *, name: str, limit: int, allow_zero: bool) 
     if value < low:
         raise BadRequest(f"'{name}' must be >= {low}, got {value}", param=name)
     if value > limit:
-        raise BadRequest(f"'{name}' is {value}, above this router's limit of {limit} "
-                         "(--max-tokens-limit)", param=name)
+        raise BadRequest(
+            f"'{name}' is {value}, above this router's limit of {limit} (--max-tokens-limit)",
+            param=name,
+        )
     return value

@@ -47,16 +47,16 @@ from aiohttp import web
 
 from bana_sglang.router.admin import AdminAPI
 from bana_sglang.router.config import RouterConfig
-from bana_sglang.router.metrics import RouterMetrics
-from bana_sglang.router.policy import RouteRequest, get_policy
-from bana_sglang.types import RequestId, Tier
-from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
-from bana_sglang.router.errors import error_response
-from bana_sglang.router.generate import split_generate
-from bana_sglang.router.monitor import WorkerMonitor
 from bana_sglang.router.continuation import ContinuationMixin
 from bana_sglang.router.dispatch import PDDispatchMixin
+from bana_sglang.router.errors import error_response
+from bana_sglang.router.generate import split_generate
+from bana_sglang.router.metrics import RouterMetrics
+from bana_sglang.router.monitor import WorkerMonitor
+from bana_sglang.router.policy import RouteRequest, get_policy
+from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
 from bana_sglang.router.workers import Worker
+from bana_sglang.types import RequestId, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +68,20 @@ class Router(PDDispatchMixin, ContinuationMixin):
 
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
-        self.prefill = [Worker(u, Tier.PREFILL, bootstrap_port=b, probe_min_s=cfg.probe_min_s,
-                               probe_max_s=cfg.probe_max_s) for u, b in cfg.prefill]
-        self.decode = [Worker(u, Tier.DECODE, probe_min_s=cfg.probe_min_s, probe_max_s=cfg.probe_max_s)
-                       for u in cfg.decode]
+        self.prefill = [
+            Worker(
+                u,
+                Tier.PREFILL,
+                bootstrap_port=b,
+                probe_min_s=cfg.probe_min_s,
+                probe_max_s=cfg.probe_max_s,
+            )
+            for u, b in cfg.prefill
+        ]
+        self.decode = [
+            Worker(u, Tier.DECODE, probe_min_s=cfg.probe_min_s, probe_max_s=cfg.probe_max_s)
+            for u in cfg.decode
+        ]
         self.workers = self.prefill + self.decode
         self.by_id = {w.id: w for w in self.workers}
         if len(self.by_id) != len(self.workers):
@@ -83,12 +93,22 @@ class Router(PDDispatchMixin, ContinuationMixin):
         if cfg.global_index:
             from bana_sglang.router.global_index import GlobalIndexView, layout_for
 
-            self.global_index = GlobalIndexView(cfg.global_index, layout_for(cfg.model_path, cfg.store_page_size),
-                                                metrics=self.metrics)
+            self.global_index = GlobalIndexView(
+                cfg.global_index,
+                layout_for(cfg.model_path, cfg.store_page_size),
+                metrics=self.metrics,
+            )
         by_url = {w.url.rstrip("/"): w for w in self.workers}
-        self.admin = AdminAPI(cfg.agents, is_down=lambda url: url in by_url and not by_url[url].healthy)
-        self.monitor = WorkerMonitor(self.workers, self.metrics, poll_interval_s=cfg.poll_interval_s,
-                                     model_names=cfg.model_names, watch=cfg.watch)
+        self.admin = AdminAPI(
+            cfg.agents, is_down=lambda url: url in by_url and not by_url[url].healthy
+        )
+        self.monitor = WorkerMonitor(
+            self.workers,
+            self.metrics,
+            poll_interval_s=cfg.poll_interval_s,
+            model_names=cfg.model_names,
+            watch=cfg.watch,
+        )
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         self._rooms = random.Random()
@@ -96,8 +116,9 @@ class Router(PDDispatchMixin, ContinuationMixin):
 
     # ------------------------------------------------------------------ app
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes,
-                              middlewares=[self._auth_middleware])
+        app = web.Application(
+            client_max_size=self.cfg.max_body_bytes, middlewares=[self._auth_middleware]
+        )
         r = app.router
         r.add_post("/v1/chat/completions", self.handle_chat)
         r.add_post("/v1/completions", self.handle_completions)
@@ -117,18 +138,30 @@ class Router(PDDispatchMixin, ContinuationMixin):
     async def _on_startup(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
-                                          sock_read=self.cfg.read_timeout_s),
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                sock_connect=self.cfg.connect_timeout_s,
+                sock_read=self.cfg.read_timeout_s,
+            ),
             json_serialize=lambda o: orjson.dumps(o).decode(),
             auto_decompress=False,  # bytes are relayed as they come
         )
         self._tasks += self.monitor.start(self.session)
         if self.admin.agents:
-            self._tasks.append(asyncio.create_task(self.admin.speed_loop(self._busy, self._set_speeds),
-                                                   name="bana-router-speeds"))
-        logger.info("router on http://%s:%d: policy %s, %d prefill + %d decode workers, tokenizer %s",
-                    self.cfg.host, self.cfg.port, self.cfg.policy, len(self.prefill), len(self.decode),
-                    "exact" if self.prompts.exact else "estimated from bytes")
+            self._tasks.append(
+                asyncio.create_task(
+                    self.admin.speed_loop(self._busy, self._set_speeds), name="bana-router-speeds"
+                )
+            )
+        logger.info(
+            "router on http://%s:%d: policy %s, %d prefill + %d decode workers, tokenizer %s",
+            self.cfg.host,
+            self.cfg.port,
+            self.cfg.policy,
+            len(self.prefill),
+            len(self.decode),
+            "exact" if self.prompts.exact else "estimated from bytes",
+        )
 
     def _busy(self) -> dict[str, float]:
         return {w.url: w.load().busy_fraction for w in self.workers}
@@ -155,10 +188,16 @@ class Router(PDDispatchMixin, ContinuationMixin):
         key = self.cfg.api_key
         if key:
             got = request.headers.get("Authorization", "")
-            token = got[7:] if got[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+            token = (
+                got[7:] if got[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+            )
             if not hmac.compare_digest(token.encode(), key.encode()):
-                return error_response(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                                      type_="authentication_error", code="invalid_api_key")
+                return error_response(
+                    401,
+                    "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                    type_="authentication_error",
+                    code="invalid_api_key",
+                )
         return await handler(request)
 
     # ------------------------------------------------------------------ simple endpoints
@@ -170,17 +209,35 @@ class Router(PDDispatchMixin, ContinuationMixin):
         p = sum(w.healthy for w in self.prefill)
         d = sum(w.healthy for w in self.decode)
         serving = p > 0 and d > 0 and self.monitor.models_json is not None
-        parts = {f"{w.tier.value} {w.url}": {"up": w.healthy, **({} if w.healthy else {"reason": w.down_reason})}
-                 for w in self.workers}
-        parts.update({name: {"up": up, "address": addr}
-                      for name, addr in self.cfg.watch for up in [self.monitor.watched_up[name]]})
+        parts = {
+            f"{w.tier.value} {w.url}": {
+                "up": w.healthy,
+                **({} if w.healthy else {"reason": w.down_reason}),
+            }
+            for w in self.workers
+        }
+        parts.update(
+            {
+                name: {"up": up, "address": addr}
+                for name, addr in self.cfg.watch
+                for up in [self.monitor.watched_up[name]]
+            }
+        )
         missing = [name for name, v in parts.items() if not v["up"]]
         if self.monitor.models_json is None:
             missing.append("model list (no worker answered /v1/models yet)")
         status = "unavailable" if not serving else "degraded" if missing else "ok"
-        return web.json_response({"status": status, "healthy_prefill": p, "healthy_decode": d,
-                                  "parts": parts, "missing": missing},
-                                 status=200 if serving else 503, dumps=_dumps)
+        return web.json_response(
+            {
+                "status": status,
+                "healthy_prefill": p,
+                "healthy_decode": d,
+                "parts": parts,
+                "missing": missing,
+            },
+            status=200 if serving else 503,
+            dumps=_dumps,
+        )
 
     async def handle_models(self, request: web.Request) -> web.Response:
         if self.monitor.models_json is None:
@@ -188,24 +245,31 @@ class Router(PDDispatchMixin, ContinuationMixin):
         return web.Response(body=self.monitor.models_json, content_type=_JSON)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        return web.Response(
+            body=self.metrics.render(),
+            content_type="text/plain",
+            headers={"X-Content-Type-Options": "nosniff"},
+        )
 
     async def handle_workers(self, request: web.Request) -> web.Response:
-        return web.json_response({"policy": self.cfg.policy, "workers": [w.snapshot() for w in self.workers]},
-                                 dumps=_dumps)
+        return web.json_response(
+            {"policy": self.cfg.policy, "workers": [w.snapshot() for w in self.workers]},
+            dumps=_dumps,
+        )
 
     async def handle_info(self, request: web.Request) -> web.Response:
         """Model/server info GETs (the frontend's RuntimeEndpoint asks ``/get_model_info``)."""
         assert self.session is not None
         for w in sorted(self.prefill, key=lambda w: not w.healthy):
             try:
-                async with self.session.get(w.url + request.path,
-                                            timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                async with self.session.get(
+                    w.url + request.path, timeout=aiohttp.ClientTimeout(total=10)
+                ) as resp:
                     body = await resp.read()
-                    return web.Response(status=resp.status, body=body,
-                                        content_type=resp.content_type or _JSON)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+                    return web.Response(
+                        status=resp.status, body=body, content_type=resp.content_type or _JSON
+                    )
+            except (TimeoutError, aiohttp.ClientError):
                 continue
         return error_response(503, "no prefill worker answered")
 
@@ -214,8 +278,10 @@ class Router(PDDispatchMixin, ContinuationMixin):
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise BadRequest(f"request body is larger than {self.cfg.max_body_bytes} bytes "
-                             "(--max-body-bytes)", status=413) from None
+            raise BadRequest(
+                f"request body is larger than {self.cfg.max_body_bytes} bytes (--max-body-bytes)",
+                status=413,
+            ) from None
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
@@ -233,18 +299,26 @@ class Router(PDDispatchMixin, ContinuationMixin):
         if not isinstance(model, str):
             raise BadRequest("'model' must be a string", param="model")
         if self.monitor.model_names and model not in self.monitor.model_names:
-            raise BadRequest(f"The model '{model}' does not exist; served: "
-                             f"{', '.join(sorted(self.monitor.model_names))}", status=404, param="model",
-                             code="model_not_found")
+            raise BadRequest(
+                f"The model '{model}' does not exist; served: "
+                f"{', '.join(sorted(self.monitor.model_names))}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
 
     async def _route_request(self, ids: Sequence[int], max_new: int | None) -> RouteRequest:
         cached = None
         if self.global_index is not None and self.prompts.exact:
             cached = await self.global_index.cached_tokens(ids)
-        return RouteRequest(request_id=RequestId(f"r{self._rooms.getrandbits(32):08x}"),
-                            num_tokens=max(1, len(ids)), page_hashes=self.prompts.page_hashes(ids),
-                            max_new_tokens=max_new or 0, page_size=self.prompts.page_tokens,
-                            global_cached_tokens=cached)
+        return RouteRequest(
+            request_id=RequestId(f"r{self._rooms.getrandbits(32):08x}"),
+            num_tokens=max(1, len(ids)),
+            page_hashes=self.prompts.page_hashes(ids),
+            max_new_tokens=max_new or 0,
+            page_size=self.prompts.page_tokens,
+            global_cached_tokens=cached,
+        )
 
     # ------------------------------------------------------------------ OpenAI endpoints
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
@@ -259,29 +333,49 @@ class Router(PDDispatchMixin, ContinuationMixin):
             body = await self._read_json(request)
             self._check_model(body)
             limit = self.cfg.max_tokens_limit
-            max_new = check_max_tokens(body.get("max_tokens"), name="max_tokens", limit=limit,
-                                       allow_zero=False)
+            max_new = check_max_tokens(
+                body.get("max_tokens"), name="max_tokens", limit=limit, allow_zero=False
+            )
             if label == "chat":
-                mc = check_max_tokens(body.get("max_completion_tokens"), name="max_completion_tokens",
-                                      limit=limit, allow_zero=False)
+                mc = check_max_tokens(
+                    body.get("max_completion_tokens"),
+                    name="max_completion_tokens",
+                    limit=limit,
+                    allow_zero=False,
+                )
                 max_new = mc if mc is not None else max_new
                 ids = self.prompts.tokens(chat_text(body.get("messages")))
             else:
                 prompt = body.get("prompt")
                 if isinstance(prompt, str):
                     ids = self.prompts.tokens(prompt)
-                elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                elif (
+                    isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+                ):
                     ids = prompt
                 elif isinstance(prompt, list) and prompt:
-                    ids = self.prompts.tokens(prompt[0]) if isinstance(prompt[0], str) else list(prompt[0])
+                    ids = (
+                        self.prompts.tokens(prompt[0])
+                        if isinstance(prompt[0], str)
+                        else list(prompt[0])
+                    )
                 else:
-                    raise BadRequest("'prompt' must be a string, a list of strings or token ids",
-                                     param="prompt")
+                    raise BadRequest(
+                        "'prompt' must be a string, a list of strings or token ids", param="prompt"
+                    )
         except BadRequest as e:
             return self._refuse(e, label)
         route = await self._route_request(ids, max_new)
-        return await self._pd(request, path, body, route, label, t0,
-                              stream=bool(body.get("stream")), merge_logprobs=False)
+        return await self._pd(
+            request,
+            path,
+            body,
+            route,
+            label,
+            t0,
+            stream=bool(body.get("stream")),
+            merge_logprobs=False,
+        )
 
     # ------------------------------------------------------------------ /generate
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
@@ -304,19 +398,29 @@ class Router(PDDispatchMixin, ContinuationMixin):
             status, payload = await self._prefill_only(body, route)
             self._count(label, status, t0)
             return web.Response(status=status, body=payload, content_type=_JSON)
-        return await self._pd(request, "/generate", body, route, label, t0,
-                              stream=bool(body.get("stream")),
-                              merge_logprobs=bool(body.get("return_logprob")))
+        return await self._pd(
+            request,
+            "/generate",
+            body,
+            route,
+            label,
+            t0,
+            stream=bool(body.get("stream")),
+            merge_logprobs=bool(body.get("return_logprob")),
+        )
 
-    async def _generate_batch(self, request, items: list[dict], label: str, t0: float) -> web.Response:
+    async def _generate_batch(
+        self, request, items: list[dict], label: str, t0: float
+    ) -> web.Response:
         async def one(item: dict) -> tuple[int, bytes]:
             sp = item["sampling_params"]
             ids = item.get("input_ids") or self.prompts.tokens(item.get("text") or "")
             route = await self._route_request(ids, sp.get("max_new_tokens"))
             if sp.get("max_new_tokens") == 0:
                 return await self._prefill_only(item, route)
-            return await self._pd_once_json("/generate", item, route,
-                                            merge_logprobs=bool(item.get("return_logprob")))
+            return await self._pd_once_json(
+                "/generate", item, route, merge_logprobs=bool(item.get("return_logprob"))
+            )
 
         results = await asyncio.gather(*(one(it) for it in items))
         bad = next(((s, b) for s, b in results if s != 200), None)

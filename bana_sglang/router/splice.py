@@ -25,9 +25,22 @@ from bana_sglang.wire.agent import MARK, PREFIX
 
 _DONE = b"data: [DONE]"
 # chat-only fields a /v1/completions continuation cannot take
-_CHAT_ONLY = ("messages", "tools", "tool_choice", "response_format", "chat_template_kwargs", "separate_reasoning",
-              "stream_reasoning", "max_completion_tokens", "logprobs", "top_logprobs", "reasoning_effort",
-              "parallel_tool_calls", "continue_final_message", "input_ids")
+_CHAT_ONLY = (
+    "messages",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "chat_template_kwargs",
+    "separate_reasoning",
+    "stream_reasoning",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "reasoning_effort",
+    "parallel_tool_calls",
+    "continue_final_message",
+    "input_ids",
+)
 _GENERATE_DEFAULT_MAX_NEW = 128  # SGLang's SamplingParams default
 
 
@@ -37,7 +50,11 @@ def migratable(label: str, body: dict) -> bool:
     if not body.get("stream") or body.get("rid") is not None or body.get("n") not in (None, 1):
         return False
     if label == "generate":
-        return not body.get("return_logprob") and not body.get("input_embeds") and not body.get("image_data")
+        return (
+            not body.get("return_logprob")
+            and not body.get("input_embeds")
+            and not body.get("image_data")
+        )
     if body.get("logprobs") or body.get("tools") or body.get("echo"):
         return False
     return label in ("chat", "completions")
@@ -55,13 +72,18 @@ class Splicer:
         self._buf = b""
         self.migrated: str | None = None  # migration id, once the current upstream handed off
         self.moves = 0
-        self.prompt_len: int | None = None  # the client's prompt, in tokens (known at the first handoff)
+        self.prompt_len: int | None = (
+            None  # the client's prompt, in tokens (known at the first handoff)
+        )
         self.done_tokens = 0  # answer tokens produced by earlier upstreams
         # what the client has seen so far
         self.first: dict | None = None  # OpenAI: id/created/model of the first event
         self.first_id: str | None = None  # /generate: meta_info.id of the first upstream
         self.seen_text, self.seen_ids = "", []  # /generate: cumulative text and output ids sent
-        self.prefix_text, self.prefix_ids = "", []  # /generate: what came before the current upstream
+        self.prefix_text, self.prefix_ids = (
+            "",
+            [],
+        )  # /generate: what came before the current upstream
         self._cont = False  # the current upstream is a continuation
 
     # ------------------------------------------------------------------ events
@@ -74,7 +96,7 @@ class Splicer:
             i = self._buf.find(b"\n\n")
             if i < 0:
                 break
-            ev, self._buf = self._buf[:i], self._buf[i + 2:]
+            ev, self._buf = self._buf[:i], self._buf[i + 2 :]
             if ev.strip():
                 fwd = self._event(ev)
                 if fwd is not None:
@@ -99,7 +121,9 @@ class Splicer:
             obj = self._generate_event(obj)
             if migration is not None:
                 self.migrated = migration
-                return None  # its text and ids come back cumulated in the continuation's first event
+                return (
+                    None  # its text and ids come back cumulated in the continuation's first event
+                )
             return b"data: " + orjson.dumps(obj)
         obj = self._openai_event(obj)
         if migration is not None:
@@ -118,7 +142,7 @@ class Splicer:
             choices = obj.get("choices") or [{}]
             matched = choices[0].get("matched_stop")
         if isinstance(matched, str) and matched.startswith(MARK):
-            return matched[len(MARK):]
+            return matched[len(MARK) :]
         return None
 
     def _generate_event(self, obj: dict) -> dict:
@@ -149,10 +173,20 @@ class Splicer:
             return obj
         choices = obj.get("choices") or []
         if self.label == "chat":
-            new = {**self.first, "object": "chat.completion.chunk",
-                   "choices": [{"index": c.get("index", 0), "delta": {"content": c.get("text", "")},
-                                "logprobs": None, "finish_reason": c.get("finish_reason"),
-                                "matched_stop": c.get("matched_stop")} for c in choices]}
+            new = {
+                **self.first,
+                "object": "chat.completion.chunk",
+                "choices": [
+                    {
+                        "index": c.get("index", 0),
+                        "delta": {"content": c.get("text", "")},
+                        "logprobs": None,
+                        "finish_reason": c.get("finish_reason"),
+                        "matched_stop": c.get("matched_stop"),
+                    }
+                    for c in choices
+                ],
+            }
         else:
             new = {**obj, **self.first, "choices": choices}
         usage = obj.get("usage")
@@ -183,8 +217,15 @@ class Splicer:
         all_ids = list(input_ids) + list(output_ids)
         left = self.tokens_left()
         if self.label == "generate":
-            sp = dict(self.body.get("sampling_params") or {}, max_new_tokens=None if left is None else max(0, left))
-            body = {k: v for k, v in self.body.items() if k not in ("text", "input_ids", "sampling_params")}
+            sp = dict(
+                self.body.get("sampling_params") or {},
+                max_new_tokens=None if left is None else max(0, left),
+            )
+            body = {
+                k: v
+                for k, v in self.body.items()
+                if k not in ("text", "input_ids", "sampling_params")
+            }
             return "/generate", dict(body, input_ids=all_ids, sampling_params=sp, rid=rid)
         body = {k: v for k, v in self.body.items() if k not in _CHAT_ONLY and k != "prompt"}
         body.update(prompt=all_ids, rid=rid, stream=True)
@@ -195,7 +236,9 @@ class Splicer:
     def _limit(self) -> int | None:
         """The client's answer budget in tokens (None: up to the context)."""
         if self.label == "generate":
-            return (self.body.get("sampling_params") or {}).get("max_new_tokens", _GENERATE_DEFAULT_MAX_NEW)
+            return (self.body.get("sampling_params") or {}).get(
+                "max_new_tokens", _GENERATE_DEFAULT_MAX_NEW
+            )
         limit = self.body.get("max_completion_tokens") if self.label == "chat" else None
         return limit if limit is not None else self.body.get("max_tokens")
 

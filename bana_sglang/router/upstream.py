@@ -12,9 +12,24 @@ from bana_sglang.router.workers import Worker
 class Upstream:
     """An open streamed PD request: its pair, the decode worker's response, its first bytes."""
 
-    def __init__(self, p: Worker, d: Worker, resp: aiohttp.ClientResponse, first: bytes, p_task: asyncio.Task,
-                 d_tok: int, rid: str = ""):
-        self.p, self.d, self.resp, self.first, self.p_task, self.d_tok = p, d, resp, first, p_task, d_tok
+    def __init__(
+        self,
+        p: Worker,
+        d: Worker,
+        resp: aiohttp.ClientResponse,
+        first: bytes,
+        p_task: asyncio.Task,
+        d_tok: int,
+        rid: str = "",
+    ):
+        self.p, self.d, self.resp, self.first, self.p_task, self.d_tok = (
+            p,
+            d,
+            resp,
+            first,
+            p_task,
+            d_tok,
+        )
         self.rid = rid  # the request id it was sent with (a migratable request's, for its handoff)
         self.drained = False
         self._ended = False

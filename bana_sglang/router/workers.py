@@ -71,7 +71,9 @@ class Reported:
             r.waiting_uncached_tokens += int(d.get("num_waiting_uncached_tokens", 0))
             r.used_tokens += int(d.get("num_used_tokens", 0))
             if "num_total_tokens" in d:
-                r.waiting_tokens += max(0, int(d["num_total_tokens"]) - int(d.get("num_used_tokens", 0)))
+                r.waiting_tokens += max(
+                    0, int(d["num_total_tokens"]) - int(d.get("num_used_tokens", 0))
+                )
             r.total_tokens += int(d.get("max_total_num_tokens", 0) or d.get("num_total_tokens", 0))
             util.append(float(d.get("utilization", 0.0) or 0.0))
             r.gen_throughput += max(0.0, float(d.get("gen_throughput", 0.0) or 0.0))
@@ -82,8 +84,15 @@ class Reported:
 class Worker:
     """One SGLang worker as the router sees it."""
 
-    def __init__(self, url: str, tier: Tier, *, bootstrap_port: int | None = None,
-                 probe_min_s: float = 0.5, probe_max_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        tier: Tier,
+        *,
+        bootstrap_port: int | None = None,
+        probe_min_s: float = 0.5,
+        probe_max_s: float = 10.0,
+    ) -> None:
         url = url.rstrip("/")
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
@@ -131,14 +140,20 @@ class Worker:
         backoff = min(self.probe_max_s, self.probe_min_s * 2 ** (self.failures - 1))
         self.next_probe = now + backoff
         if was:
-            logger.warning("worker %s (%s) marked down: %s; probing /health from %.1fs",
-                           self.url, self.tier.value, reason, backoff)
+            logger.warning(
+                "worker %s (%s) marked down: %s; probing /health from %.1fs",
+                self.url,
+                self.tier.value,
+                reason,
+                backoff,
+            )
         return was
 
     def mark_up(self) -> None:
         if not self.healthy:
-            logger.warning("worker %s (%s) is back (was down: %s)", self.url, self.tier.value,
-                           self.down_reason)
+            logger.warning(
+                "worker %s (%s) is back (was down: %s)", self.url, self.tier.value, self.down_reason
+            )
         self.healthy = True
         self.failures = 0
         self.down_reason = ""
@@ -159,12 +174,17 @@ class Worker:
             queued_tokens = 0
             inflight_tokens = self.inflight_tokens
         return WorkerLoad(
-            worker_id=self.id, tier=self.tier,
-            queued_requests=total_reqs - running, running_requests=running,
-            queued_prefill_tokens=queued_tokens, inflight_tokens=inflight_tokens,
-            kv_used_tokens=r.used_tokens, kv_total_tokens=max(1, r.total_tokens),
+            worker_id=self.id,
+            tier=self.tier,
+            queued_requests=total_reqs - running,
+            running_requests=running,
+            queued_prefill_tokens=queued_tokens,
+            inflight_tokens=inflight_tokens,
+            kv_used_tokens=r.used_tokens,
+            kv_total_tokens=max(1, r.total_tokens),
             busy_fraction=min(1.0, max(0.0, r.utilization)),
-            timestamp=r.at if now is None else now, prefill_speed=self.prefill_speed,
+            timestamp=r.at if now is None else now,
+            prefill_speed=self.prefill_speed,
             decode_step_s=r.decode_step_s if self.tier is not Tier.PREFILL else 0.0,
             kv_waiting_tokens=r.waiting_tokens if self.tier is not Tier.PREFILL else 0,
         )
@@ -173,14 +193,23 @@ class Worker:
         """JSON view for ``/bana/router/workers`` and the logs."""
         r = self.reported
         return {
-            "url": self.url, "role": self.tier.value, "bootstrap_port": self.bootstrap_port,
-            "healthy": self.healthy, "down_reason": self.down_reason or None,
-            "routed": self.routed, "inflight": self.inflight, "inflight_tokens": self.inflight_tokens,
+            "url": self.url,
+            "role": self.tier.value,
+            "bootstrap_port": self.bootstrap_port,
+            "healthy": self.healthy,
+            "down_reason": self.down_reason or None,
+            "routed": self.routed,
+            "inflight": self.inflight,
+            "inflight_tokens": self.inflight_tokens,
             "errors": self.errors,
-            "reported": {"running": r.running, "waiting": r.waiting,
-                         "waiting_uncached_tokens": r.waiting_uncached_tokens,
-                         "kv_used_tokens": r.used_tokens, "kv_total_tokens": r.total_tokens,
-                         "age_s": round(time.monotonic() - r.at, 3) if r.at else None},
+            "reported": {
+                "running": r.running,
+                "waiting": r.waiting,
+                "waiting_uncached_tokens": r.waiting_uncached_tokens,
+                "kv_used_tokens": r.used_tokens,
+                "kv_total_tokens": r.total_tokens,
+                "age_s": round(time.monotonic() - r.at, 3) if r.at else None,
+            },
             "load": load_to_json(self.load()),
         }
 

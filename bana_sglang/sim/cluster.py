@@ -23,10 +23,10 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 
 from bana_sglang.balancer.policy import RunningRequest
-from bana_sglang.types import RequestId, Tier, WorkerId, WorkerLoad
 from bana_sglang.router.prefix_tree import PagePrefixTree
 from bana_sglang.sim.profiles import Profile
 from bana_sglang.sim.workloads import SimRequest
+from bana_sglang.types import RequestId, Tier, WorkerId, WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +40,23 @@ class SimError(RuntimeError):
 class Job:
     """Runtime state of one request."""
 
-    __slots__ = ("req", "rid", "prefill", "decode", "hbm_tokens", "store_tokens", "new_tokens",
-                 "done_tokens", "loaded", "first_token", "join_s", "steps_left", "finish_step",
-                 "finish", "gen")
+    __slots__ = (
+        "req",
+        "rid",
+        "prefill",
+        "decode",
+        "hbm_tokens",
+        "store_tokens",
+        "new_tokens",
+        "done_tokens",
+        "loaded",
+        "first_token",
+        "join_s",
+        "steps_left",
+        "finish_step",
+        "finish",
+        "gen",
+    )
 
     def __init__(self, req: SimRequest) -> None:
         self.req = req
@@ -71,16 +85,52 @@ class Job:
 
 
 class Worker:
-    __slots__ = ("wid", "tier", "profile", "hbm", "dram", "queue", "queued_tokens", "prefilling",
-                 "busy_total", "busy_from", "window_busy", "busy_fraction", "S", "last_t",
-                 "step_time", "batch", "heap", "base_kv", "kv_reserved", "kv_capacity",
-                 "kv_base_capacity", "pending", "pending_tokens", "incoming", "version", "prefill_factor",
-                 "decode_factor", "offload_phi", "colo_stepping", "lent_share", "leases",
-                 "cont_p", "cont_d", "chunk_t", "chunk_left", "chunk_ver", "chunk_arg", "lagged", "stall_until",
-                 "_snap")
+    __slots__ = (
+        "wid",
+        "tier",
+        "profile",
+        "hbm",
+        "dram",
+        "queue",
+        "queued_tokens",
+        "prefilling",
+        "busy_total",
+        "busy_from",
+        "window_busy",
+        "busy_fraction",
+        "S",
+        "last_t",
+        "step_time",
+        "batch",
+        "heap",
+        "base_kv",
+        "kv_reserved",
+        "kv_capacity",
+        "kv_base_capacity",
+        "pending",
+        "pending_tokens",
+        "incoming",
+        "version",
+        "prefill_factor",
+        "decode_factor",
+        "offload_phi",
+        "colo_stepping",
+        "lent_share",
+        "leases",
+        "cont_p",
+        "cont_d",
+        "chunk_t",
+        "chunk_left",
+        "chunk_ver",
+        "chunk_arg",
+        "lagged",
+        "stall_until",
+        "_snap",
+    )
 
-    def __init__(self, wid: WorkerId, tier: Tier, profile: Profile, hbm_pages: int,
-                 dram_pages: int | None) -> None:
+    def __init__(
+        self, wid: WorkerId, tier: Tier, profile: Profile, hbm_pages: int, dram_pages: int | None
+    ) -> None:
         self.wid, self.tier, self.profile = wid, tier, profile
         self.hbm = PagePrefixTree(max(1, hbm_pages))
         self.dram = PagePrefixTree(max(1, dram_pages)) if dram_pages else None
@@ -122,7 +172,9 @@ class Worker:
         self.chunk_left = 0.0
         self.chunk_ver = 0
         self.chunk_arg: tuple | None = None
-        self.lagged: tuple | None = None  # (done jobs, tail) of the chunk before (profile.prefill_result_lag)
+        self.lagged: tuple | None = (
+            None  # (done jobs, tail) of the chunk before (profile.prefill_result_lag)
+        )
         self._snap: WorkerLoad | None = None
 
     # -- busy accounting ----------------------------------------------------------------
@@ -166,8 +218,11 @@ class Worker:
     def leave(self, job: Job) -> int:
         """Remove ``job`` from the batch; returns its remaining steps."""
         del self.batch[job.rid]
-        self.base_kv -= job.req.input_len + (job.req.output_len - 1 - (job.finish_step - job.join_s)) \
+        self.base_kv -= (
+            job.req.input_len
+            + (job.req.output_len - 1 - (job.finish_step - job.join_s))
             - job.join_s
+        )
         job.gen += 1
         self._snap = None
         return max(0, round(job.finish_step - self.S))
@@ -194,23 +249,32 @@ class Worker:
         if s is None:
             running = len(self.prefilling) if self.prefilling else 0
             s = self._snap = WorkerLoad(
-                worker_id=self.wid, tier=self.tier,
+                worker_id=self.wid,
+                tier=self.tier,
                 queued_requests=len(self.queue) + len(self.pending),
                 running_requests=running + len(self.batch) + self.incoming,
                 queued_prefill_tokens=self.queued_tokens,
-                inflight_tokens=self.pending_tokens, kv_used_tokens=self.kv_reserved,
-                kv_total_tokens=self.kv_capacity, busy_fraction=self.busy_fraction,
-                timestamp=now, prefill_speed=1 / self.prefill_factor,
+                inflight_tokens=self.pending_tokens,
+                kv_used_tokens=self.kv_reserved,
+                kv_total_tokens=self.kv_capacity,
+                busy_fraction=self.busy_fraction,
+                timestamp=now,
+                prefill_speed=1 / self.prefill_factor,
                 decode_step_s=self.step_time if self.batch and self.step_time else 0.0,
-                kv_waiting_tokens=self.pending_tokens)
+                kv_waiting_tokens=self.pending_tokens,
+            )
         return s
 
     def dirty(self) -> None:
         self._snap = None
 
     def running_requests(self) -> list[RunningRequest]:
-        return [RunningRequest(j.rid, int(j.req.input_len + self.S - j.join_s),
-                               int(j.finish_step - self.S)) for j in self.batch.values()]
+        return [
+            RunningRequest(
+                j.rid, int(j.req.input_len + self.S - j.join_s), int(j.finish_step - self.S)
+            )
+            for j in self.batch.values()
+        ]
 
 
 class LazyRunning(Mapping):

@@ -54,7 +54,9 @@ C_ROWS = ALL + tuple(OVERLAP_ROWS)
 
 def rates(results: Mapping[tuple, SimResult], row: str) -> dict[float, float]:
     """C's runs of ``row`` (grid and bisection): {rate multiplier: SLO attainment}."""
-    return dict(sorted((k[1], r.slo_attainment) for k, r in results.items() if k[0] == "C" and k[2] == row))
+    return dict(
+        sorted((k[1], r.slo_attainment) for k, r in results.items() if k[0] == "C" and k[2] == row)
+    )
 
 
 def _first_miss(points: Mapping[float, float]) -> float:
@@ -93,8 +95,9 @@ def _load(workload: str, kw: tuple):
 
 
 def _run(spec: RunSpec) -> tuple[tuple, SimResult]:
-    return spec.key, simulate(spec.config, _load(spec.workload, spec.workload_kw),
-                              system=spec.system)
+    return spec.key, simulate(
+        spec.config, _load(spec.workload, spec.workload_kw), system=spec.system
+    )
 
 
 def _mk(key, system, base: SimConfig, workload="mooncake", **wkw) -> RunSpec:
@@ -106,7 +109,9 @@ def _throughput_spec(m: float, row: str, quick: bool) -> RunSpec:
     lim = {"limit": 1500} if quick else {}
     overlap = OVERLAP_ROWS.get(row)
     base = SimConfig(profile="h100_llama3_8b", num_workers=n, decode_overlap=overlap or 0.0)
-    return _mk(("C", m, row), "bana" if overlap is not None else row, base, time_scale=m * n / 4, **lim)
+    return _mk(
+        ("C", m, row), "bana" if overlap is not None else row, base, time_scale=m * n / 4, **lim
+    )
 
 
 def refine_throughput(results: dict[tuple, SimResult], jobs: int, quick: bool) -> int:
@@ -132,28 +137,32 @@ def build_specs(quick: bool) -> list[RunSpec]:
     anchor = SimConfig(profile="a100_llama70b_tp8", num_workers=16)
     for s in ALL:
         specs.append(_mk(("A", s), s, anchor, time_scale=1.0, **lim))
-    for n in ((16,) if quick else (16, 32, 64)):
+    for n in (16,) if quick else (16, 32, 64):
         base = SimConfig(profile="h100_llama3_8b", num_workers=n)
         for s in ALL:
             specs.append(_mk(("B", n, s), s, base, time_scale=n / 4, **lim))
-        for f in (() if quick else NUDGES):
+        for f in () if quick else NUDGES:
             for s in ("bana", "global_cache_aware"):
                 specs.append(_mk(("B~", n, f, s), s, base, time_scale=f * n / 4))
-    for m in ((1.0, 2.0) if quick else SWEEP):
+    for m in (1.0, 2.0) if quick else SWEEP:
         specs += [_throughput_spec(m, s, quick) for s in C_ROWS]
-    sens = {"store bandwidth x0.25": dict(store_bandwidth_scale=0.25),
-            "store capacity x0.25": dict(store_capacity_scale=0.25),
-            "no layer-wise load overlap": dict(layerwise_load=False),
-            "P:D 6:10": dict(prefill_fraction=0.375),
-            "P:D 10:6": dict(prefill_fraction=0.625),
-            "decode overlaps guest layers 50%": dict(decode_overlap=0.5)}
+    sens = {
+        "store bandwidth x0.25": dict(store_bandwidth_scale=0.25),
+        "store capacity x0.25": dict(store_capacity_scale=0.25),
+        "no layer-wise load overlap": dict(layerwise_load=False),
+        "P:D 6:10": dict(prefill_fraction=0.375),
+        "P:D 10:6": dict(prefill_fraction=0.625),
+        "decode overlaps guest layers 50%": dict(decode_overlap=0.5),
+    }
     for label, ch in sens.items():
         for s in ("bana", "bana_no_migration", "global_cache_aware"):
             specs.append(_mk(("D", label, s), s, anchor.with_(**ch), time_scale=1.0, **lim))
-    gens = {"bursty": dict(n=2000, on_rate=40.0, off_rate=2.0),
-            "mixed": dict(n=2000, rate=15.0),
-            "shared_prefix": dict(n=2000, rate=40.0),
-            "long_context": dict(n=400, rate=3.0)}
+    gens = {
+        "bursty": dict(n=2000, on_rate=40.0, off_rate=2.0),
+        "mixed": dict(n=2000, rate=15.0),
+        "shared_prefix": dict(n=2000, rate=40.0),
+        "long_context": dict(n=400, rate=3.0),
+    }
     gen_base = SimConfig(profile="h100_llama3_8b", num_workers=16)
     for wl, kw in gens.items():
         if quick:
@@ -172,8 +181,9 @@ def run_all(specs: list[RunSpec], jobs: int) -> dict[tuple, SimResult]:
         return dict(pool.imap_unordered(_run, order))
 
 
-def run_comparison(out_md: str | Path, img_dir: str | Path, jobs: int = 2,
-                   quick: bool = False) -> dict[tuple, SimResult]:
+def run_comparison(
+    out_md: str | Path, img_dir: str | Path, jobs: int = 2, quick: bool = False
+) -> dict[tuple, SimResult]:
     t0 = time.perf_counter()
     specs = build_specs(quick)
     results = run_all(specs, jobs)
@@ -181,7 +191,16 @@ def run_comparison(out_md: str | Path, img_dir: str | Path, jobs: int = 2,
     wall = time.perf_counter() - t0
     from bana_sglang.sim.report import write_report
 
-    write_report(results, Path(out_md), Path(img_dir), quick=quick, wall_s=wall,
-                 anchor=load_profile("a100_llama70b_tp8"), scale=load_profile("h100_llama3_8b"))
-    logger.info("comparison: %s runs (%d of them bisecting C) in %.1fs", len(specs) + refined, refined, wall)
+    write_report(
+        results,
+        Path(out_md),
+        Path(img_dir),
+        quick=quick,
+        wall_s=wall,
+        anchor=load_profile("a100_llama70b_tp8"),
+        scale=load_profile("h100_llama3_8b"),
+    )
+    logger.info(
+        "comparison: %s runs (%d of them bisecting C) in %.1fs", len(specs) + refined, refined, wall
+    )
     return results

@@ -46,7 +46,9 @@ class SimConfig:
     # share of a decode worker's time on a donor's guest layers hidden under its own
     # memory-bound decode steps (0: strict time sharing, the default; a sensitivity knob)
     decode_overlap: float = 0.0
-    shared_host: bool = False  # every worker on one host's cores (the profile's contention factors apply)
+    shared_host: bool = (
+        False  # every worker on one host's cores (the profile's contention factors apply)
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.decode_overlap < 1:
@@ -56,7 +58,9 @@ class SimConfig:
         if self.routing not in POLICIES:
             raise SimConfigError(f"routing {self.routing!r}; valid: {', '.join(sorted(POLICIES))}")
         if self.balancer not in BALANCERS:
-            raise SimConfigError(f"balancer {self.balancer!r}; valid: {', '.join(sorted(BALANCERS))}")
+            raise SimConfigError(
+                f"balancer {self.balancer!r}; valid: {', '.join(sorted(BALANCERS))}"
+            )
         if self.store not in STORES:
             raise SimConfigError(f"store {self.store!r}; valid: {', '.join(STORES)}")
         if self.num_workers < (1 if self.colocated else 2):
@@ -65,8 +69,15 @@ class SimConfig:
             raise SimConfigError("prefill_fraction must be in (0, 1)")
         if self.colocated and self.balancer != "none":
             raise SimConfigError("balancer: the colocated baseline has no tiers to balance")
-        if min(self.store_capacity_scale, self.store_bandwidth_scale, self.balance_tick_s,
-               self.lease_s) <= 0:
+        if (
+            min(
+                self.store_capacity_scale,
+                self.store_bandwidth_scale,
+                self.balance_tick_s,
+                self.lease_s,
+            )
+            <= 0
+        ):
             raise SimConfigError("scales, tick and lease must be positive")
 
     @property

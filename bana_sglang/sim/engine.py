@@ -28,22 +28,30 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bana_sglang.balancer.policy import Action, KVBlockMigration, LayerMigration, MigrationCostModel, ModelShape, RequestMigration, get_balancer
-from bana_sglang.types import MAX_HOST_SHARE, split_speeds
+from bana_sglang.balancer.policy import (
+    Action,
+    KVBlockMigration,
+    LayerMigration,
+    MigrationCostModel,
+    ModelShape,
+    RequestMigration,
+    get_balancer,
+)
 from bana_sglang.router.policy import RouteRequest, get_policy
-from bana_sglang.types import Tier, WorkerId
 from bana_sglang.router.prefix_tree import PagePrefixTree
 from bana_sglang.sim.cluster import CacheView, Job, LazyRunning, SimError, Worker
 from bana_sglang.sim.config import SimConfig
 from bana_sglang.sim.metrics import RequestRecord, SimResult, summarise
 from bana_sglang.sim.profiles import load_profile
 from bana_sglang.sim.workloads import SimRequest
+from bana_sglang.types import MAX_HOST_SHARE, Tier, WorkerId, split_speeds
 
 logger = logging.getLogger(__name__)
 
 # event kinds
-(PREFILL_DONE, PREFILL_TAIL, TRANSFER_DONE, DECODE_TICK, COLO_STEP, TICK, MIG_DONE,
- LEASE_END) = range(8)
+(PREFILL_DONE, PREFILL_TAIL, TRANSFER_DONE, DECODE_TICK, COLO_STEP, TICK, MIG_DONE, LEASE_END) = (
+    range(8)
+)
 
 
 @dataclass(eq=False)  # one lease is one migration: compared (and removed) by identity
@@ -59,13 +67,21 @@ class _Lease:
 
 
 class Simulation:
-    def __init__(self, config: SimConfig, requests: Sequence[SimRequest], *,
-                 system: str = "custom", check: bool = False) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        requests: Sequence[SimRequest],
+        *,
+        system: str = "custom",
+        check: bool = False,
+    ) -> None:
         self.cfg, self.system, self.check = config, system, check
         self.p = p = load_profile(config.profile)
         self.page = page = config.page_tokens
         self.requests = list(requests)
-        per_worker_store = int(p.store_capacity_tokens_per_worker * config.store_capacity_scale) // page
+        per_worker_store = (
+            int(p.store_capacity_tokens_per_worker * config.store_capacity_scale) // page
+        )
         hbm_pages = int(p.kv_capacity_tokens * p.local_cache_fraction) // page
         dram = per_worker_store if config.store == "local" else None
         self.workers: list[Worker] = []
@@ -80,22 +96,34 @@ class Simulation:
         self.by_id = {w.wid: w for w in self.workers}
         self.prefill_workers = [w for w in self.workers if w.tier is not Tier.DECODE]
         self.decode_workers = [w for w in self.workers if w.tier is not Tier.PREFILL]
-        self.store = (PagePrefixTree(max(1, per_worker_store * config.num_workers))
-                      if config.store == "global" else None)
+        self.store = (
+            PagePrefixTree(max(1, per_worker_store * config.num_workers))
+            if config.store == "global"
+            else None
+        )
         self.store_bw_scale = config.store_bandwidth_scale
-        self.policy = get_policy(config.routing, seed=config.seed,
-                                 oracle=CacheView(self.by_id, self.store),
-                                 prefill_time=p.prefill_seconds,
-                                 transfer_time=lambda n: p.store_seconds(n) / self.store_bw_scale)
+        self.policy = get_policy(
+            config.routing,
+            seed=config.seed,
+            oracle=CacheView(self.by_id, self.store),
+            prefill_time=p.prefill_seconds,
+            transfer_time=lambda n: p.store_seconds(n) / self.store_bw_scale,
+        )
         bcfg = config.balancer_config
         if bcfg.tpot_slo_s is None:  # not set: the balancer guards the run's own TPOT SLO
             bcfg = dataclasses.replace(bcfg, tpot_slo_s=config.slo_tpot_s)
         self.balancer = get_balancer(
             config.balancer,
-            shape=ModelShape(p.num_layers, p.layer_weight_bytes, p.kv_bytes_per_token, page,
-                             p.prefill_tokens_per_s),
+            shape=ModelShape(
+                p.num_layers,
+                p.layer_weight_bytes,
+                p.kv_bytes_per_token,
+                page,
+                p.prefill_tokens_per_s,
+            ),
             cost=MigrationCostModel(p.net_bytes_per_s * p.net_efficiency, p.transfer_fixed_s),
-            config=bcfg)
+            config=bcfg,
+        )
         self.events: list[tuple] = []
         self._seq = 0
         self.now = 0.0
@@ -120,11 +148,16 @@ class Simulation:
         reqs, n, i = self.requests, len(self.requests), 0
         if self.cfg.balancer != "none":
             self._push(self.cfg.balance_tick_s, TICK)
-        handlers = {PREFILL_DONE: self._on_prefill_done, PREFILL_TAIL: self._on_prefill_tail,
-                    TRANSFER_DONE: self._on_transfer_done,
-                    DECODE_TICK: self._on_decode_tick, COLO_STEP: self._on_colo_step,
-                    TICK: self._on_tick, MIG_DONE: self._on_mig_done,
-                    LEASE_END: self._on_lease_end}
+        handlers = {
+            PREFILL_DONE: self._on_prefill_done,
+            PREFILL_TAIL: self._on_prefill_tail,
+            TRANSFER_DONE: self._on_transfer_done,
+            DECODE_TICK: self._on_decode_tick,
+            COLO_STEP: self._on_colo_step,
+            TICK: self._on_tick,
+            MIG_DONE: self._on_mig_done,
+            LEASE_END: self._on_lease_end,
+        }
         ev = self.events
         while i < n or ev:
             if i < n and (not ev or reqs[i].arrival <= ev[0][0]):
@@ -143,10 +176,19 @@ class Simulation:
         if done != n:
             raise SimError(f"{self.system}: {n - done} of {n} requests never finished")
         busy = [w.busy_until(self.now) for w in self.prefill_workers]
-        return summarise(self.system, self.records, n, busy=busy, migrations=self.migrations,
-                         migration_bytes=self.migration_bytes, slo_ttft=self.cfg.slo_ttft_s,
-                         slo_tpot=self.cfg.slo_tpot_s, wall_s=time.perf_counter() - t_wall,
-                         rejected=len(self.rejected), early_recalls=self.early_recalls)
+        return summarise(
+            self.system,
+            self.records,
+            n,
+            busy=busy,
+            migrations=self.migrations,
+            migration_bytes=self.migration_bytes,
+            slo_ttft=self.cfg.slo_ttft_s,
+            slo_tpot=self.cfg.slo_tpot_s,
+            wall_s=time.perf_counter() - t_wall,
+            rejected=len(self.rejected),
+            early_recalls=self.early_recalls,
+        )
 
     def _check(self) -> None:
         for w in self.workers:
@@ -158,8 +200,12 @@ class Simulation:
         p, now = self.p, self.now
         need = req.input_len + req.output_len
         if need > p.kv_capacity_tokens:
-            logger.warning("request %s needs %s KV tokens > capacity %s: rejected",
-                           req.rid, need, p.kv_capacity_tokens)
+            logger.warning(
+                "request %s needs %s KV tokens > capacity %s: rejected",
+                req.rid,
+                need,
+                p.kv_capacity_tokens,
+            )
             self.rejected.append(req.rid)
             return
         job = Job(req)
@@ -284,7 +330,9 @@ class Simulation:
                 w.join(job, job.steps_left)
             else:
                 rr = RouteRequest(job.rid, job.req.input_len, h, job.req.output_len, self.page)
-                d = self.by_id[self.policy.pick_decode(rr, [x.load(now) for x in self.decode_workers])]
+                d = self.by_id[
+                    self.policy.pick_decode(rr, [x.load(now) for x in self.decode_workers])
+                ]
                 d.pending.append(job)
                 d.pending_tokens += job.kv_need
                 d.dirty()
@@ -344,7 +392,9 @@ class Simulation:
                     p_mult, d_mult, _ = self.p.shared_host_factors(others)
                     if p_mult != w.cont_p:
                         if w.chunk_arg is not None:
-                            left = max(0.0, w.chunk_left - (self.now - w.chunk_t)) * p_mult / w.cont_p
+                            left = (
+                                max(0.0, w.chunk_left - (self.now - w.chunk_t)) * p_mult / w.cont_p
+                            )
                             w.chunk_t, w.chunk_left = self.now, left
                             w.chunk_ver += 1
                             self._push(self.now + left, PREFILL_DONE, w, w.chunk_ver)
@@ -363,15 +413,20 @@ class Simulation:
         p, now = self.p, self.now
         while d.pending:
             job = d.pending[0]
-            if (len(d.batch) + d.incoming >= p.max_decode_batch
-                    or d.kv_reserved + job.kv_need > d.kv_capacity):
+            if (
+                len(d.batch) + d.incoming >= p.max_decode_batch
+                or d.kv_reserved + job.kv_need > d.kv_capacity
+            ):
                 break
             d.pending.popleft()
             d.pending_tokens -= job.kv_need
             d.kv_reserved += job.kv_need
             d.incoming += 1
-            t = p.net_seconds(job.req.input_len * p.kv_bytes_per_token) * (1 - p.pd_transfer_overlap) \
+            t = (
+                p.net_seconds(job.req.input_len * p.kv_bytes_per_token)
+                * (1 - p.pd_transfer_overlap)
                 + p.pd_handoff_s
+            )
             self._push(now + t, TRANSFER_DONE, d, job)
         d.dirty()
 
@@ -384,7 +439,8 @@ class Simulation:
         if hold > 0:  # longer while the host's other workers compute (shared host)
             if self.cfg.shared_host:
                 hold *= self.p.shared_host_factors(
-                    sum(1 for x in self.workers if x is not d and x.busy_from is not None))[2]
+                    sum(1 for x in self.workers if x is not d and x.busy_from is not None)
+                )[2]
             d.stall(self.now, hold)
         d.join(job, job.steps_left)
         self._reschedule(d)
@@ -406,7 +462,9 @@ class Simulation:
         if nxt is None:
             raise SimError(f"{w.wid}: batch of {len(w.batch)} without a finish entry")
         held = max(0.0, w.stall_until - now)
-        self._push(now + held + max(0.0, nxt.finish_step - w.S) * w.step_time, DECODE_TICK, w, w.version)
+        self._push(
+            now + held + max(0.0, nxt.finish_step - w.S) * w.step_time, DECODE_TICK, w, w.version
+        )
         self._busy(w, True)
 
     def _on_decode_tick(self, w: Worker, version: int) -> None:
@@ -434,12 +492,25 @@ class Simulation:
         if r.rid in self._finished_ids:
             raise SimError(f"request {r.rid} finished twice")
         self._finished_ids.add(r.rid)
-        self.records.append(RequestRecord(
-            r.rid, r.arrival, job.first_token, now, r.input_len, r.output_len, job.hbm_tokens,
-            job.store_tokens, job.prefill.wid if job.prefill else "",
-            holder.wid if holder is not None else "", self._floor(job)))
-        self.policy.on_finish(RouteRequest(job.rid, r.input_len, r.hashes, r.output_len, self.page),
-                              job.prefill.wid if job.prefill else WorkerId(""))
+        self.records.append(
+            RequestRecord(
+                r.rid,
+                r.arrival,
+                job.first_token,
+                now,
+                r.input_len,
+                r.output_len,
+                job.hbm_tokens,
+                job.store_tokens,
+                job.prefill.wid if job.prefill else "",
+                holder.wid if holder is not None else "",
+                self._floor(job),
+            )
+        )
+        self.policy.on_finish(
+            RouteRequest(job.rid, r.input_len, r.hashes, r.output_len, self.page),
+            job.prefill.wid if job.prefill else WorkerId(""),
+        )
 
     def _floor(self, job: Job) -> float:
         """``job``'s TTFT had it arrived at an idle worker with the same cache hits: its
@@ -461,8 +532,9 @@ class Simulation:
             if w.tier is Tier.DECODE:
                 # A decode batch is never "idle" while it holds one request; its compute
                 # use is the batch-slot occupancy (sampled at the tick).
-                w.busy_fraction = min(1.0, (len(w.batch) + w.incoming) / self.p.max_decode_batch
-                                      + w.lent_share)
+                w.busy_fraction = min(
+                    1.0, (len(w.batch) + w.incoming) / self.p.max_decode_batch + w.lent_share
+                )
             else:
                 w.busy_fraction = min(1.0, (b - w.window_busy) / tick + w.lent_share)
             w.window_busy = b
@@ -471,14 +543,20 @@ class Simulation:
             self._try_return(lease)
         if self._layer_leases:
             loads = [w.load(now) for w in self.workers]
-            pressed = set(self.balancer.memory_recalls(loads, {ls.action.dst for ls in self._layer_leases}))
+            pressed = set(
+                self.balancer.memory_recalls(loads, {ls.action.dst for ls in self._layer_leases})
+            )
             for lease in [ls for ls in self._layer_leases if ls.action.dst in pressed]:
                 logger.debug("t=%.1f recall %s: its host needs the memory", now, lease.action)
                 self.early_recalls += 1
                 self._on_lease_end(lease, None)
         # (snapshots are cached: only the workers a recall touched are taken again)
-        plan = self.balancer.plan([w.load(now) for w in self.workers], now, LazyRunning(self.by_id),
-                                  engaged=[w.wid for w in self.workers if w.leases])
+        plan = self.balancer.plan(
+            [w.load(now) for w in self.workers],
+            now,
+            LazyRunning(self.by_id),
+            engaged=[w.wid for w in self.workers if w.leases],
+        )
         for act in plan.actions:
             logger.debug("t=%.1f %s", now, act)
             self._start_action(act)
@@ -491,9 +569,12 @@ class Simulation:
             return
         if isinstance(act, RequestMigration):
             job = src.batch.get(act.request)
-            if (job is None or dst.tier is Tier.PREFILL
-                    or dst.kv_reserved + job.kv_need > dst.kv_capacity
-                    or len(dst.batch) + dst.incoming >= self.p.max_decode_batch):
+            if (
+                job is None
+                or dst.tier is Tier.PREFILL
+                or dst.kv_reserved + job.kv_need > dst.kv_capacity
+                or len(dst.batch) + dst.incoming >= self.p.max_decode_batch
+            ):
                 return
             src.advance(self.now)
             job.steps_left = src.leave(job)
@@ -521,8 +602,8 @@ class Simulation:
         """Apply (+1) or undo (-1) a lease's speed factors on both workers and the peer's
         time share lent to it."""
         src, dst = self.by_id[lease.action.src], self.by_id[lease.action.dst]
-        self._set_factors(src, lease.src_prefill ** sign, lease.src_decode ** sign)
-        self._set_factors(dst, lease.dst_mult ** sign, lease.dst_decode ** sign)
+        self._set_factors(src, lease.src_prefill**sign, lease.src_decode**sign)
+        self._set_factors(dst, lease.dst_mult**sign, lease.dst_decode**sign)
         dst.lent_share += sign * lease.share
 
     def _on_mig_done(self, act: Action, _b) -> None:
@@ -597,6 +678,11 @@ class Simulation:
             src.dirty()
 
 
-def simulate(config: SimConfig, requests: Sequence[SimRequest], *, system: str = "custom",
-             check: bool = False) -> SimResult:
+def simulate(
+    config: SimConfig,
+    requests: Sequence[SimRequest],
+    *,
+    system: str = "custom",
+    check: bool = False,
+) -> SimResult:
     return Simulation(config, requests, system=system, check=check).run()

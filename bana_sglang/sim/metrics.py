@@ -28,7 +28,9 @@ class RequestRecord:
     store_hit_tokens: int
     prefill_worker: str
     decode_worker: str
-    floor_s: float = 0.0  # its TTFT alone on an idle worker without migration (Profile.lone_prefill_seconds)
+    floor_s: float = (
+        0.0  # its TTFT alone on an idle worker without migration (Profile.lone_prefill_seconds)
+    )
 
     @property
     def ttft(self) -> float:
@@ -36,7 +38,9 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float:
-        return (self.finish - self.first_token) / (self.output_len - 1) if self.output_len > 1 else 0.0
+        return (
+            (self.finish - self.first_token) / (self.output_len - 1) if self.output_len > 1 else 0.0
+        )
 
 
 @dataclass(frozen=True)
@@ -84,17 +88,47 @@ def percentile(xs: Sequence[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
-def summarise(system: str, records: list[RequestRecord], n_requests: int, *,
-              busy: list[float], migrations: int, migration_bytes: int, slo_ttft: float,
-              slo_tpot: float, wall_s: float, rejected: int = 0, early_recalls: int = 0) -> SimResult:
+def summarise(
+    system: str,
+    records: list[RequestRecord],
+    n_requests: int,
+    *,
+    busy: list[float],
+    migrations: int,
+    migration_bytes: int,
+    slo_ttft: float,
+    slo_tpot: float,
+    wall_s: float,
+    rejected: int = 0,
+    early_recalls: int = 0,
+) -> SimResult:
     if not records:
         nan = float("nan")
-        return SimResult(system=system, num_requests=n_requests, finished=0, makespan_s=0.0, ttft_mean=nan,
-                         ttft_p50=nan, ttft_p90=nan, ttft_p99=nan, tpot_mean=nan, tpot_p90=nan, e2e_mean=nan,
-                         req_per_s=0.0, out_tok_per_s=0.0, slo_attainment=0.0, hit_rate=0.0, store_hit_rate=0.0,
-                         prefill_imbalance=1.0, prefill_cv=0.0, migrations=migrations,
-                         migration_bytes=migration_bytes, wall_s=wall_s, rejected=rejected,
-                         early_recalls=early_recalls)
+        return SimResult(
+            system=system,
+            num_requests=n_requests,
+            finished=0,
+            makespan_s=0.0,
+            ttft_mean=nan,
+            ttft_p50=nan,
+            ttft_p90=nan,
+            ttft_p99=nan,
+            tpot_mean=nan,
+            tpot_p90=nan,
+            e2e_mean=nan,
+            req_per_s=0.0,
+            out_tok_per_s=0.0,
+            slo_attainment=0.0,
+            hit_rate=0.0,
+            store_hit_rate=0.0,
+            prefill_imbalance=1.0,
+            prefill_cv=0.0,
+            migrations=migrations,
+            migration_bytes=migration_bytes,
+            wall_s=wall_s,
+            rejected=rejected,
+            early_recalls=early_recalls,
+        )
     ttft = [r.ttft for r in records]
     floor = statistics.fmean(r.floor_s for r in records)
     tpot = [r.tpot for r in records if r.output_len > 1] or [0.0]
@@ -108,15 +142,28 @@ def summarise(system: str, records: list[RequestRecord], n_requests: int, *,
     b = list(busy) or [0.0]
     mean_b = statistics.fmean(b)
     return SimResult(
-        system=system, num_requests=n_requests, finished=len(records), makespan_s=span,
-        ttft_mean=statistics.fmean(ttft), ttft_p50=percentile(ttft, 50),
-        ttft_p90=percentile(ttft, 90), ttft_p99=percentile(ttft, 99),
-        tpot_mean=statistics.fmean(tpot), tpot_p90=percentile(tpot, 90),
-        e2e_mean=statistics.fmean(e2e), req_per_s=len(records) / span,
+        system=system,
+        num_requests=n_requests,
+        finished=len(records),
+        makespan_s=span,
+        ttft_mean=statistics.fmean(ttft),
+        ttft_p50=percentile(ttft, 50),
+        ttft_p90=percentile(ttft, 90),
+        ttft_p99=percentile(ttft, 99),
+        tpot_mean=statistics.fmean(tpot),
+        tpot_p90=percentile(tpot, 90),
+        e2e_mean=statistics.fmean(e2e),
+        req_per_s=len(records) / span,
         out_tok_per_s=sum(r.output_len for r in records) / span,
-        slo_attainment=ok / n_requests, hit_rate=hits / max(1, prompt),
+        slo_attainment=ok / n_requests,
+        hit_rate=hits / max(1, prompt),
         store_hit_rate=sum(r.store_hit_tokens for r in records) / max(1, prompt),
         prefill_imbalance=max(b) / mean_b if mean_b > 0 else 1.0,
         prefill_cv=statistics.pstdev(b) / mean_b if mean_b > 0 else 0.0,
-        migrations=migrations, migration_bytes=migration_bytes, wall_s=wall_s, rejected=rejected,
-        ttft_floor_mean=floor, early_recalls=early_recalls)
+        migrations=migrations,
+        migration_bytes=migration_bytes,
+        wall_s=wall_s,
+        rejected=rejected,
+        ttft_floor_mean=floor,
+        early_recalls=early_recalls,
+    )

@@ -112,9 +112,20 @@ class Profile:
     assumptions: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for f in ("gpus", "peak_flops", "hbm_bytes_per_s", "mem_bytes", "net_bytes_per_s",
-                  "num_layers", "num_params", "kv_bytes_per_token", "weight_bytes",
-                  "max_prefill_tokens", "max_decode_batch", "store_bytes_per_s"):
+        for f in (
+            "gpus",
+            "peak_flops",
+            "hbm_bytes_per_s",
+            "mem_bytes",
+            "net_bytes_per_s",
+            "num_layers",
+            "num_params",
+            "kv_bytes_per_token",
+            "weight_bytes",
+            "max_prefill_tokens",
+            "max_decode_batch",
+            "store_bytes_per_s",
+        ):
             if getattr(self, f) <= 0:
                 raise ProfileError(self.name, f"{f} must be positive")
         for f in ("mfu", "hbm_efficiency", "net_efficiency", "mem_utilisation"):
@@ -132,13 +143,21 @@ class Profile:
             raise ProfileError(self.name, "pd_handoff_s must be >= 0")
         if min(self.decode_join_s, self.decode_join_s_per_token) < 0:
             raise ProfileError(self.name, "decode_join_s and decode_join_s_per_token must be >= 0")
-        if min(self.host_contention_prefill, self.host_contention_decode, self.host_contention_join) < 1:
+        if (
+            min(
+                self.host_contention_prefill, self.host_contention_decode, self.host_contention_join
+            )
+            < 1
+        ):
             raise ProfileError(self.name, "host contention factors must be >= 1 (1: none)")
         if not 0 <= self.pd_transfer_overlap < 1 or not 0 <= self.local_cache_fraction < 1:
             raise ProfileError(self.name, "overlap/cache fractions must be in [0, 1)")
         if self.kv_capacity_tokens < self.max_prefill_tokens:
-            raise ProfileError(self.name, f"KV pool ({self.kv_capacity_tokens} tokens) "
-                               "smaller than one prefill batch: the model does not fit")
+            raise ProfileError(
+                self.name,
+                f"KV pool ({self.kv_capacity_tokens} tokens) "
+                "smaller than one prefill batch: the model does not fit",
+            )
 
     # -- derived ---------------------------------------------------------------------
     @property
@@ -160,8 +179,9 @@ class Profile:
         return 4096 / self.prefill_seconds(4096, 0)
 
     def prefill_flops(self, new: int, cached: int) -> float:
-        return (2.0 * self.num_params * new
-                + 4.0 * self.num_layers * self.hidden_size * new * (self.prefix_attention_cost * cached + new / 2.0))
+        return 2.0 * self.num_params * new + 4.0 * self.num_layers * self.hidden_size * new * (
+            self.prefix_attention_cost * cached + new / 2.0
+        )
 
     def prefill_seconds(self, new: int, cached: int) -> float:
         return self.prefill_fixed_s + self.prefill_flops(new, cached) / self.flops_per_s
@@ -185,8 +205,11 @@ class Profile:
 
     def kv_read_seconds(self, tokens: float) -> float:
         """Reading ``tokens`` of KV (all layers) for attention, as a decode step does."""
-        return tokens * self.kv_bytes_per_token / (self.kv_read_bytes_per_s
-                                                   or self.hbm_bytes_per_s * self.hbm_efficiency)
+        return (
+            tokens
+            * self.kv_bytes_per_token
+            / (self.kv_read_bytes_per_s or self.hbm_bytes_per_s * self.hbm_efficiency)
+        )
 
     def join_stall_seconds(self, prompt_tokens: int, admission: bool = True) -> float:
         """How long a decode batch holds while a request of ``prompt_tokens`` joins it;
@@ -198,26 +221,34 @@ class Profile:
     def shared_host_factors(self, others: int) -> tuple[float, float, float]:
         """How many times slower a prefill chunk, a decode step and a join's hold run
         while ``others`` other workers compute on the same host: each factor per other."""
-        return (1.0 + (self.host_contention_prefill - 1.0) * others,
-                1.0 + (self.host_contention_decode - 1.0) * others,
-                1.0 + (self.host_contention_join - 1.0) * others)
+        return (
+            1.0 + (self.host_contention_prefill - 1.0) * others,
+            1.0 + (self.host_contention_decode - 1.0) * others,
+            1.0 + (self.host_contention_join - 1.0) * others,
+        )
 
-    def scaled(self, prefill: float = 1.0, decode: float = 1.0) -> "Profile":
+    def scaled(self, prefill: float = 1.0, decode: float = 1.0) -> Profile:
         """This profile on a host ``prefill``/``decode`` times slower (below 1: faster):
         every prefill term (the FLOP rate, the fixed cost) by ``prefill``, and every
         decode-side term (the weights' and KV reads, the per-step and per-request costs,
         a join's hold, the PD hand-off) by ``decode``. Transfers and contention ratios
         stay. The fidelity run uses it to follow a shared VM's drifting speed."""
         if prefill <= 0 or decode <= 0:
-            raise ProfileError(self.name, f"speed scales must be positive, got prefill {prefill}, decode {decode}")
-        return replace(self, peak_flops=self.peak_flops / prefill, prefill_fixed_s=self.prefill_fixed_s * prefill,
-                       hbm_bytes_per_s=self.hbm_bytes_per_s / decode,
-                       kv_read_bytes_per_s=self.kv_read_bytes_per_s / decode,
-                       decode_fixed_s=self.decode_fixed_s * decode,
-                       decode_per_request_s=self.decode_per_request_s * decode,
-                       decode_join_s=self.decode_join_s * decode,
-                       decode_join_s_per_token=self.decode_join_s_per_token * decode,
-                       pd_handoff_s=self.pd_handoff_s * decode)
+            raise ProfileError(
+                self.name, f"speed scales must be positive, got prefill {prefill}, decode {decode}"
+            )
+        return replace(
+            self,
+            peak_flops=self.peak_flops / prefill,
+            prefill_fixed_s=self.prefill_fixed_s * prefill,
+            hbm_bytes_per_s=self.hbm_bytes_per_s / decode,
+            kv_read_bytes_per_s=self.kv_read_bytes_per_s / decode,
+            decode_fixed_s=self.decode_fixed_s * decode,
+            decode_per_request_s=self.decode_per_request_s * decode,
+            decode_join_s=self.decode_join_s * decode,
+            decode_join_s_per_token=self.decode_join_s_per_token * decode,
+            pd_handoff_s=self.pd_handoff_s * decode,
+        )
 
     def net_seconds(self, nbytes: float) -> float:
         return self.transfer_fixed_s + nbytes / (self.net_bytes_per_s * self.net_efficiency)
@@ -251,7 +282,9 @@ def load_profile(name_or_path: str | Path) -> Profile:
     if not p.suffix:
         p = PROFILE_DIR / f"{name_or_path}.json"
     if not p.is_file():
-        raise ProfileError(str(name_or_path), f"no such file {p}; known: {', '.join(list_profiles())}")
+        raise ProfileError(
+            str(name_or_path), f"no such file {p}; known: {', '.join(list_profiles())}"
+        )
     try:
         doc = json.loads(p.read_text())
         return Profile(**_flatten(doc, p.stem))
@@ -260,8 +293,14 @@ def load_profile(name_or_path: str | Path) -> Profile:
 
 
 _SECTIONS = {
-    "hardware": ("gpus", "peak_flops", "hbm_bytes_per_s", "mem_bytes", "net_bytes_per_s",
-                 "store_bytes_per_s"),
+    "hardware": (
+        "gpus",
+        "peak_flops",
+        "hbm_bytes_per_s",
+        "mem_bytes",
+        "net_bytes_per_s",
+        "store_bytes_per_s",
+    ),
     "model": ("num_layers", "hidden_size", "num_params", "kv_bytes_per_token", "weight_bytes"),
 }
 

@@ -13,8 +13,16 @@ import math
 import os
 from pathlib import Path
 
-from bana_sglang.sim.compare import (C_ROWS, MOONCAKE_TTFT, OVERLAP_ROWS, REFINE_STEPS, SLO_GOAL, SWEEP,
-                                    max_rate, rates)
+from bana_sglang.sim.compare import (
+    C_ROWS,
+    MOONCAKE_TTFT,
+    OVERLAP_ROWS,
+    REFINE_STEPS,
+    SLO_GOAL,
+    SWEEP,
+    max_rate,
+    rates,
+)
 from bana_sglang.sim.config import SYSTEMS, SimConfig
 from bana_sglang.sim.metrics import SimResult
 from bana_sglang.sim.profiles import Profile
@@ -47,13 +55,45 @@ def _main_table(res: dict[str, SimResult], ref: str) -> str:
     rows = []
     for s, r in res.items():
         ratio = r.ttft_mean / res[ref].ttft_mean if ref in res else float("nan")
-        rows.append([f"`{s}`", _f(r.ttft_mean), _f(ratio), _f(r.ttft_floor_mean), _f(r.ttft_p50), _f(r.ttft_p90),
-                     _f(r.ttft_p99), _f(r.tpot_mean * 1e3, 1), _f(r.tpot_p90 * 1e3, 1),
-                     _f(r.hit_rate, 3), _f(r.store_hit_rate, 3), _f(r.prefill_imbalance),
-                     str(r.migrations), _f(r.slo_attainment, 3), _f(r.wall_s, 1)])
-    return _table(rows, ["system", "TTFT mean s", f"/ {ref}", "no-wait floor s", "p50", "p90", "p99",
-                         "TPOT ms", "TPOT p90 ms", "hit", "store hit", "P imbalance",
-                         "migrations", "SLO ok", "sim wall s"])
+        rows.append(
+            [
+                f"`{s}`",
+                _f(r.ttft_mean),
+                _f(ratio),
+                _f(r.ttft_floor_mean),
+                _f(r.ttft_p50),
+                _f(r.ttft_p90),
+                _f(r.ttft_p99),
+                _f(r.tpot_mean * 1e3, 1),
+                _f(r.tpot_p90 * 1e3, 1),
+                _f(r.hit_rate, 3),
+                _f(r.store_hit_rate, 3),
+                _f(r.prefill_imbalance),
+                str(r.migrations),
+                _f(r.slo_attainment, 3),
+                _f(r.wall_s, 1),
+            ]
+        )
+    return _table(
+        rows,
+        [
+            "system",
+            "TTFT mean s",
+            f"/ {ref}",
+            "no-wait floor s",
+            "p50",
+            "p90",
+            "p99",
+            "TPOT ms",
+            "TPOT p90 ms",
+            "hit",
+            "store hit",
+            "P imbalance",
+            "migrations",
+            "SLO ok",
+            "sim wall s",
+        ],
+    )
 
 
 def _nudged(results, scales) -> dict[int, dict[float, float]]:
@@ -62,10 +102,20 @@ def _nudged(results, scales) -> dict[int, dict[float, float]]:
     for n in scales:
         row = {}
         for k in results:
-            if k[0] == "B~" and k[1] == n and k[3] == "bana" and ("B~", n, k[2], "global_cache_aware") in results:
-                row[k[2]] = results[k].ttft_mean / results[("B~", n, k[2], "global_cache_aware")].ttft_mean
+            if (
+                k[0] == "B~"
+                and k[1] == n
+                and k[3] == "bana"
+                and ("B~", n, k[2], "global_cache_aware") in results
+            ):
+                row[k[2]] = (
+                    results[k].ttft_mean / results[("B~", n, k[2], "global_cache_aware")].ttft_mean
+                )
         if row and ("B", n, "bana") in results and ("B", n, "global_cache_aware") in results:
-            row[1.0] = results[("B", n, "bana")].ttft_mean / results[("B", n, "global_cache_aware")].ttft_mean
+            row[1.0] = (
+                results[("B", n, "bana")].ttft_mean
+                / results[("B", n, "global_cache_aware")].ttft_mean
+            )
             out[n] = row
     return out
 
@@ -90,8 +140,14 @@ def _plots(results, img: Path, scales) -> list[str]:
     ax.bar(list(a), [r.ttft_mean for r in a.values()], color="tab:blue", label="simulated")
     for i, s in enumerate(a):
         if s in MOONCAKE_TTFT:
-            ax.plot(i, MOONCAKE_TTFT[s], "r_", markersize=30, mew=3,
-                    label="Mooncake published" if s == "global_cache_aware" else None)
+            ax.plot(
+                i,
+                MOONCAKE_TTFT[s],
+                "r_",
+                markersize=30,
+                mew=3,
+                label="Mooncake published" if s == "global_cache_aware" else None,
+            )
     ax.set_ylabel("mean TTFT (s)")
     ax.set_title("A: conversation trace, 16 x (70B on 8x A100-class), real time")
     ax.tick_params(axis="x", rotation=30)
@@ -104,8 +160,14 @@ def _plots(results, img: Path, scales) -> list[str]:
     for s in C_ROWS:
         pts = rates(results, s)
         if pts:
-            ax.plot(list(pts), list(pts.values()), marker="o", markersize=3, label=s,
-                    ls=":" if s in OVERLAP_ROWS else "-")
+            ax.plot(
+                list(pts),
+                list(pts.values()),
+                marker="o",
+                markersize=3,
+                label=s,
+                ls=":" if s in OVERLAP_ROWS else "-",
+            )
     ax.axhline(SLO_GOAL, color="grey", ls="--")
     ax.set_xlabel("arrival rate (x the scale experiment's rate)")
     ax.set_ylabel("SLO attainment")
@@ -136,88 +198,128 @@ def _findings(results: dict[tuple, SimResult], thr: dict[str, float | None]) -> 
     """Numbers-first reading of the runs above (every figure is computed here)."""
     L = ["## Reading the results\n"]
     a = {k[1]: r for k, r in results.items() if k[0] == "A"}
-    if {"bana", "bana_no_migration", "global_cache_aware", "local_cache_aware", "load_only"} <= set(a):
+    if {"bana", "bana_no_migration", "global_cache_aware", "local_cache_aware", "load_only"} <= set(
+        a
+    ):
         g = a["global_cache_aware"].ttft_mean
-        L.append(f"- Baseline ordering (A): local/global = {a['local_cache_aware'].ttft_mean / g:.2f} "
-                 f"(Mooncake: {MOONCAKE_TTFT['local_cache_aware'] / MOONCAKE_TTFT['global_cache_aware']:.2f}), "
-                 f"load-only/global = {a['load_only'].ttft_mean / g:.2f} "
-                 f"(Mooncake: {MOONCAKE_TTFT['load_only'] / MOONCAKE_TTFT['global_cache_aware']:.2f}); "
-                 f"simulated global-cache-aware mean TTFT {g:.2f} s vs 3.07 s published. The "
-                 "absolute agreement depends on the assumed MFU and on Mooncake's cluster split, "
-                 "which the paper does not state for this figure; compare orderings and ratios, not seconds.")
+        L.append(
+            f"- Baseline ordering (A): local/global = {a['local_cache_aware'].ttft_mean / g:.2f} "
+            f"(Mooncake: {MOONCAKE_TTFT['local_cache_aware'] / MOONCAKE_TTFT['global_cache_aware']:.2f}), "
+            f"load-only/global = {a['load_only'].ttft_mean / g:.2f} "
+            f"(Mooncake: {MOONCAKE_TTFT['load_only'] / MOONCAKE_TTFT['global_cache_aware']:.2f}); "
+            f"simulated global-cache-aware mean TTFT {g:.2f} s vs 3.07 s published. The "
+            "absolute agreement depends on the assumed MFU and on Mooncake's cluster split, "
+            "which the paper does not state for this figure; compare orderings and ratios, not seconds."
+        )
         nm = a["bana_no_migration"].ttft_mean / g
-        why = ("With layer-wise loading a second-tier hit costs about the same on every "
-               "worker, so the cost-based router has little to exploit beyond queue length and "
-               "both mostly pick the least-queued worker; the gain over `load_only` comes from "
-               "the global store, not from the router." if abs(nm - 1) < 0.05 else
-               "The two routers differ measurably here; see D for how the gap moves with the "
-               "store's bandwidth and overlap.")
-        L.append(f"- Load-only routing with the global store (`bana_no_migration`) vs "
-                 f"global-cache-aware routing: {nm:.2f}x TTFT. {why}")
+        why = (
+            "With layer-wise loading a second-tier hit costs about the same on every "
+            "worker, so the cost-based router has little to exploit beyond queue length and "
+            "both mostly pick the least-queued worker; the gain over `load_only` comes from "
+            "the global store, not from the router."
+            if abs(nm - 1) < 0.05
+            else "The two routers differ measurably here; see D for how the gap moves with the "
+            "store's bandwidth and overlap."
+        )
+        L.append(
+            f"- Load-only routing with the global store (`bana_no_migration`) vs "
+            f"global-cache-aware routing: {nm:.2f}x TTFT. {why}"
+        )
         b = a["bana"]
-        L.append(f"- `bana` (with the balancer) vs global-cache-aware: {b.ttft_mean / g:.2f}x mean "
-                 f"TTFT, {b.ttft_p99 / a['global_cache_aware'].ttft_p99:.2f}x p99 TTFT, but "
-                 f"{b.tpot_mean / a['global_cache_aware'].tpot_mean:.2f}x mean TPOT: the TTFT gain "
-                 "comes from layer migrations that lend decode workers' time to the prefill tier, "
-                 "and in this model (strict time sharing) the decode tier pays for it. "
-                 f"{b.migrations} migrations, {b.migration_bytes / 1e9:.0f} GB moved.")
+        L.append(
+            f"- `bana` (with the balancer) vs global-cache-aware: {b.ttft_mean / g:.2f}x mean "
+            f"TTFT, {b.ttft_p99 / a['global_cache_aware'].ttft_p99:.2f}x p99 TTFT, but "
+            f"{b.tpot_mean / a['global_cache_aware'].tpot_mean:.2f}x mean TPOT: the TTFT gain "
+            "comes from layer migrations that lend decode workers' time to the prefill tier, "
+            "and in this model (strict time sharing) the decode tier pays for it. "
+            f"{b.migrations} migrations, {b.migration_bytes / 1e9:.0f} GB moved."
+        )
     bs = sorted({k[1] for k in results if k[0] == "B"})
     cells = []
     for n in bs:
         if ("B", n, "bana") in results and ("B", n, "global_cache_aware") in results:
-            r = results[("B", n, "bana")].ttft_mean / results[("B", n, "global_cache_aware")].ttft_mean
+            r = (
+                results[("B", n, "bana")].ttft_mean
+                / results[("B", n, "global_cache_aware")].ttft_mean
+            )
             cells.append(f"{n} GPUs {r:.4f}x ({'met' if r <= 0.85 else 'NOT met'})")
     if cells:
         nudged = _nudged(results, bs)
-        spread = "; ".join(f"{n} GPUs {min(r.values()):.3f}-{max(r.values()):.3f}" for n, r in nudged.items())
-        L.append("- Scale (B), `bana` / global-cache-aware mean TTFT at the same load per GPU: "
-                 + ", ".join(cells) + "."
-                 + (f" With the load nudged by up to 2% either way the ratio spans {spread}: a "
-                    "result within about 0.02 of the goal is on it, not clearly on either side."
-                    if nudged else ""))
+        spread = "; ".join(
+            f"{n} GPUs {min(r.values()):.3f}-{max(r.values()):.3f}" for n, r in nudged.items()
+        )
+        L.append(
+            "- Scale (B), `bana` / global-cache-aware mean TTFT at the same load per GPU: "
+            + ", ".join(cells)
+            + "."
+            + (
+                f" With the load nudged by up to 2% either way the ratio spans {spread}: a "
+                "result within about 0.02 of the goal is on it, not clearly on either side."
+                if nudged
+                else ""
+            )
+        )
         waits = []
         for n in bs:
             g = results.get(("B", n, "global_cache_aware"))
             if g is not None and not math.isnan(g.ttft_floor_mean):
-                waits.append(f"{n} GPUs {g.ttft_mean:.2f} s of which {g.ttft_floor_mean:.2f} s floor, "
-                             f"{g.ttft_mean - g.ttft_floor_mean:.3f} s waiting "
-                             f"({(g.ttft_mean - g.ttft_floor_mean) / g.ttft_mean:.0%})")
+                waits.append(
+                    f"{n} GPUs {g.ttft_mean:.2f} s of which {g.ttft_floor_mean:.2f} s floor, "
+                    f"{g.ttft_mean - g.ttft_floor_mean:.3f} s waiting "
+                    f"({(g.ttft_mean - g.ttft_floor_mean) / g.ttft_mean:.0%})"
+                )
         if waits:
-            L.append("- What is left to balance (B): global-cache-aware's mean TTFT against its no-wait "
-                     "floor (each request alone on an idle worker with the same cache hits): "
-                     + "; ".join(waits) + ". More workers multiplex the bursts better, so at 32-64 GPUs "
-                     "nearly all of the mean is the long prompts' own compute: spreading load cannot get "
-                     "far below it, and what `bana` gains beyond the waiting comes from splitting long "
-                     "prompts' layers onto decode workers (chunks pipeline across the pair), which is why "
-                     "its mean can sit below the static floor.")
+            L.append(
+                "- What is left to balance (B): global-cache-aware's mean TTFT against its no-wait "
+                "floor (each request alone on an idle worker with the same cache hits): "
+                + "; ".join(waits)
+                + ". More workers multiplex the bursts better, so at 32-64 GPUs "
+                "nearly all of the mean is the long prompts' own compute: spreading load cannot get "
+                "far below it, and what `bana` gains beyond the waiting comes from splitting long "
+                "prompts' layers onto decode workers (chunks pipeline across the pair), which is why "
+                "its mean can sit below the static floor."
+            )
     sp = {k[2]: r for k, r in results.items() if k[0] == "E" and k[1] == "shared_prefix"}
     if "sglang_cache_aware" in sp and "bana_no_migration" in sp:
-        L.append(f"- Hotspot (E, shared prefix): SGLang-style `cache_aware` routing has prefill "
-                 f"busy-time imbalance {sp['sglang_cache_aware'].prefill_imbalance:.2f} (max/mean) "
-                 f"and {sp['sglang_cache_aware'].ttft_p99:.2f} s p99 TTFT, load-only routing with "
-                 f"the global store {sp['bana_no_migration'].prefill_imbalance:.2f} and "
-                 f"{sp['bana_no_migration'].ttft_p99:.2f} s.")
+        L.append(
+            f"- Hotspot (E, shared prefix): SGLang-style `cache_aware` routing has prefill "
+            f"busy-time imbalance {sp['sglang_cache_aware'].prefill_imbalance:.2f} (max/mean) "
+            f"and {sp['sglang_cache_aware'].ttft_p99:.2f} s p99 TTFT, load-only routing with "
+            f"the global store {sp['bana_no_migration'].prefill_imbalance:.2f} and "
+            f"{sp['bana_no_migration'].ttft_p99:.2f} s."
+        )
     if thr and thr.get("bana") is not None:
+
         def at(s):
             m = thr.get(s)
             if m is None:
                 return f"{s} below the lowest rate"
             r = results[("C", m, s)]
             return f"{s} x{m:.4g} (mean TTFT {r.ttft_mean:.2f} s, TPOT {r.tpot_mean * 1e3:.0f} ms there)"
+
         def miss(s):
             pts = {k[1]: r for k, r in results.items() if k[0] == "C" and k[2] == s}
             above = [m for m in pts if m > thr[s] and pts[m].slo_attainment < SLO_GOAL]
             if not above:
                 return "none swept"
             r = pts[min(above)]
-            return (f"x{min(above):.4g}: {r.slo_attainment:.0%} meet both SLOs, mean TTFT "
-                    f"{r.ttft_mean:.2f} s, TPOT {r.tpot_mean * 1e3:.0f} ms")
-        L.append("- Throughput under SLO (C), the highest rate each system sustains: "
-                 + "; ".join(at(s) for s in ("bana", "bana_no_migration", "colocated", "load_only"))
-                 + ". `bana` holds TTFT low past the others' limits by lending decode workers' time "
-                 f"to prefill layers. At its first missed rate, {miss('bana')}."
-                 + "".join(f" With {ov:.0%} of a decode peer's guest-layer compute hidden under its "
-                           f"own steps: {at(row)}." for row, ov in OVERLAP_ROWS.items() if row in thr))
+            return (
+                f"x{min(above):.4g}: {r.slo_attainment:.0%} meet both SLOs, mean TTFT "
+                f"{r.ttft_mean:.2f} s, TPOT {r.tpot_mean * 1e3:.0f} ms"
+            )
+
+        L.append(
+            "- Throughput under SLO (C), the highest rate each system sustains: "
+            + "; ".join(at(s) for s in ("bana", "bana_no_migration", "colocated", "load_only"))
+            + ". `bana` holds TTFT low past the others' limits by lending decode workers' time "
+            f"to prefill layers. At its first missed rate, {miss('bana')}."
+            + "".join(
+                f" With {ov:.0%} of a decode peer's guest-layer compute hidden under its "
+                f"own steps: {at(row)}."
+                for row, ov in OVERLAP_ROWS.items()
+                if row in thr
+            )
+        )
     L.append("")
     return L
 
@@ -229,7 +331,9 @@ def _profile_lines(p: Profile) -> str:
 def dump_results(results: dict[tuple, SimResult], path: Path, meta: dict) -> None:
     """Every run's summary as JSON, so the report can be re-rendered without rerunning."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [{"key": list(k), **r.row()} for k, r in sorted(results.items(), key=lambda kv: str(kv[0]))]
+    rows = [
+        {"key": list(k), **r.row()} for k, r in sorted(results.items(), key=lambda kv: str(kv[0]))
+    ]
     path.write_text(json.dumps({"meta": meta, "runs": rows}, indent=1) + "\n")
 
 
@@ -242,36 +346,56 @@ def load_results(path: Path) -> tuple[dict[tuple, SimResult], dict]:
     return out, doc.get("meta", {})
 
 
-def write_report(results: dict[tuple, SimResult], out: Path, img: Path, *, quick: bool,
-                 wall_s: float, anchor: Profile, scale: Profile, when: str | None = None) -> None:
+def write_report(
+    results: dict[tuple, SimResult],
+    out: Path,
+    img: Path,
+    *,
+    quick: bool,
+    wall_s: float,
+    anchor: Profile,
+    scale: Profile,
+    when: str | None = None,
+) -> None:
     when = when or f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC"
-    dump_results(results, img / ("sim_results_quick.json" if quick else "sim_results.json"),
-                 {"quick": quick, "wall_s": wall_s, "when": when})
+    dump_results(
+        results,
+        img / ("sim_results_quick.json" if quick else "sim_results.json"),
+        {"quick": quick, "wall_s": wall_s, "when": when},
+    )
     cfg = SimConfig()
     scales = sorted({k[1] for k in results if k[0] == "B"})
     plots = _plots(results, img, scales)
     rel = Path(os.path.relpath(img, out.parent))
     L: list[str] = []
     L.append("# Simulation: BanaServe vs baselines at scale\n")
-    L.append(f"Produced by `python -m bana_sglang.sim compare{' --quick' if quick else ''}` on "
-             f"{when} in {wall_s:.0f} s (all runs; tables re-rendered from "
-             "`docs/img/sim_results.json` by `python -m bana_sglang.sim report`). "
-             "Do not edit by hand; rerun the command. "
-             + ("**QUICK MODE: small trace slices, numbers are a smoke test only.**" if quick else ""))
-    L.append("\nSimulator: `bana_sglang/sim/` (discrete events, analytic decode progress). "
-             "It resolves routing and balancing through the live registries "
-             "(`bana_sglang.router.policy.get_policy`, `bana_sglang.balancer.policy.get_balancer`), "
-             "so the policy code is the live code.\n")
+    L.append(
+        f"Produced by `python -m bana_sglang.sim compare{' --quick' if quick else ''}` on "
+        f"{when} in {wall_s:.0f} s (all runs; tables re-rendered from "
+        "`docs/img/sim_results.json` by `python -m bana_sglang.sim report`). "
+        "Do not edit by hand; rerun the command. "
+        + ("**QUICK MODE: small trace slices, numbers are a smoke test only.**" if quick else "")
+    )
+    L.append(
+        "\nSimulator: `bana_sglang/sim/` (discrete events, analytic decode progress). "
+        "It resolves routing and balancing through the live registries "
+        "(`bana_sglang.router.policy.get_policy`, `bana_sglang.balancer.policy.get_balancer`), "
+        "so the policy code is the live code.\n"
+    )
     L.append("## Systems\n")
     L.append(_table([[f"`{s}`", DESCR[s]] for s in SYSTEMS], ["system", "what"]))
-    L.append(f"\nAll PD systems use the same workers and P:D split (half and half unless stated). "
-             f"SLOs: TTFT <= {cfg.slo_ttft_s:g} s and TPOT <= {cfg.slo_tpot_s * 1e3:g} ms.\n")
+    L.append(
+        f"\nAll PD systems use the same workers and P:D split (half and half unless stated). "
+        f"SLOs: TTFT <= {cfg.slo_ttft_s:g} s and TPOT <= {cfg.slo_tpot_s * 1e3:g} ms.\n"
+    )
     a = {s: results[("A", s)] for s in SYSTEMS if ("A", s) in results}
     if a:
         L.append("## A. Anchor: Mooncake's conversation trace, real time\n")
-        L.append(f"Profile `{anchor.name}`: 16 workers x {anchor.gpus} GPUs = {16 * anchor.gpus} GPUs "
-                 f"(Mooncake: 16 x 8 A800). Nominal prefill {anchor.prefill_tokens_per_s:,.0f} tok/s "
-                 f"per worker, KV pool {anchor.kv_capacity_tokens:,} tokens per worker.\n")
+        L.append(
+            f"Profile `{anchor.name}`: 16 workers x {anchor.gpus} GPUs = {16 * anchor.gpus} GPUs "
+            f"(Mooncake: 16 x 8 A800). Nominal prefill {anchor.prefill_tokens_per_s:,.0f} tok/s "
+            f"per worker, KV pool {anchor.kv_capacity_tokens:,} tokens per worker.\n"
+        )
         L.append(_main_table(a, "global_cache_aware"))
         gca = a.get("global_cache_aware")
         if gca:
@@ -279,19 +403,45 @@ def write_report(results: dict[tuple, SimResult], out: Path, img: Path, *, quick
             rows = []
             for s, pub in MOONCAKE_TTFT.items():
                 if s in a:
-                    rows.append([f"`{s}`", _f(pub), _f(pub / MOONCAKE_TTFT["global_cache_aware"]),
-                                 _f(a[s].ttft_mean), _f(a[s].ttft_mean / gca.ttft_mean)])
+                    rows.append(
+                        [
+                            f"`{s}`",
+                            _f(pub),
+                            _f(pub / MOONCAKE_TTFT["global_cache_aware"]),
+                            _f(a[s].ttft_mean),
+                            _f(a[s].ttft_mean / gca.ttft_mean),
+                        ]
+                    )
             if "bana" in a:
-                rows.append(["`bana`", "-", "target <= 0.85", _f(a["bana"].ttft_mean),
-                             _f(a["bana"].ttft_mean / gca.ttft_mean)])
-            L.append(_table(rows, ["system", "Mooncake TTFT s (published)", "published ratio",
-                                   "simulated TTFT s", "simulated ratio"]))
+                rows.append(
+                    [
+                        "`bana`",
+                        "-",
+                        "target <= 0.85",
+                        _f(a["bana"].ttft_mean),
+                        _f(a["bana"].ttft_mean / gca.ttft_mean),
+                    ]
+                )
+            L.append(
+                _table(
+                    rows,
+                    [
+                        "system",
+                        "Mooncake TTFT s (published)",
+                        "published ratio",
+                        "simulated TTFT s",
+                        "simulated ratio",
+                    ],
+                )
+            )
             if "bana" in a:
                 ratio = a["bana"].ttft_mean / gca.ttft_mean
-                L.append(f"\n**Target `bana` <= 0.85x global-cache-aware TTFT: "
-                         f"{'MET' if ratio <= 0.85 else 'NOT MET'} ({ratio:.2f}x) in this setting.** "
-                         f"TPOT of `bana` is {a['bana'].tpot_mean / gca.tpot_mean:.2f}x "
-                         "global-cache-aware's (the price of lending decode time to prefill layers).\n")
+                L.append(
+                    f"\n**Target `bana` <= 0.85x global-cache-aware TTFT: "
+                    f"{'MET' if ratio <= 0.85 else 'NOT MET'} ({ratio:.2f}x) in this setting.** "
+                    f"TPOT of `bana` is {a['bana'].tpot_mean / gca.tpot_mean:.2f}x "
+                    "global-cache-aware's (the price of lending decode time to prefill layers).\n"
+                )
     if scales:
         L.append("## B. Scale: Llama-3.1-8B on H100, same load per GPU\n")
         L.append("The trace is replayed N/4 times faster on N GPUs (16 -> 4x, 64 -> 16x).\n")
@@ -302,50 +452,96 @@ def write_report(results: dict[tuple, SimResult], out: Path, img: Path, *, quick
         nudged = _nudged(results, scales)
         if nudged:
             L.append("\n### The ratio under a nudged load\n")
-            L.append("`bana` / global-cache-aware mean TTFT with the same trace replayed a percent or "
-                     "two slower or faster: how much of a difference between two settings is the "
-                     "arrival times alone.\n")
+            L.append(
+                "`bana` / global-cache-aware mean TTFT with the same trace replayed a percent or "
+                "two slower or faster: how much of a difference between two settings is the "
+                "arrival times alone.\n"
+            )
             fs = sorted({f for row in nudged.values() for f in row})
-            L.append(_table([[f"{n} GPUs", *[f"{nudged[n][f]:.3f}" if f in nudged[n] else "-" for f in fs],
-                              f"{min(nudged[n].values()):.3f}-{max(nudged[n].values()):.3f}"]
-                             for n in sorted(nudged)],
-                            ["setting", *[f"x{f:g} load" for f in fs], "range"]))
+            L.append(
+                _table(
+                    [
+                        [
+                            f"{n} GPUs",
+                            *[f"{nudged[n][f]:.3f}" if f in nudged[n] else "-" for f in fs],
+                            f"{min(nudged[n].values()):.3f}-{max(nudged[n].values()):.3f}",
+                        ]
+                        for n in sorted(nudged)
+                    ],
+                    ["setting", *[f"x{f:g} load" for f in fs], "range"],
+                )
+            )
         L.append("")
     thr = _throughput(results, C_ROWS)
     if any(("C", m, s) in results for m in SWEEP for s in SYSTEMS):
         L.append("## C. Throughput under SLO\n")
-        L.append(f"Arrival rate swept (multiples of the scale experiment's rate); a system's "
-                 f"throughput (max rate) is the highest rate with >= {SLO_GOAL:.0%} of requests "
-                 "meeting both SLOs: the grid below, then bisected "
-                 f"{REFINE_STEPS} times between the last rate that meets it and the first that "
-                 f"does not (to {(SWEEP[1] - SWEEP[0]) / 2 ** REFINE_STEPS:g} of the base rate).\n")
+        L.append(
+            f"Arrival rate swept (multiples of the scale experiment's rate); a system's "
+            f"throughput (max rate) is the highest rate with >= {SLO_GOAL:.0%} of requests "
+            "meeting both SLOs: the grid below, then bisected "
+            f"{REFINE_STEPS} times between the last rate that meets it and the first that "
+            f"does not (to {(SWEEP[1] - SWEEP[0]) / 2**REFINE_STEPS:g} of the base rate).\n"
+        )
         rows = []
         for s in C_ROWS:
-            cells = [_f(results[("C", m, s)].slo_attainment, 3) if ("C", m, s) in results else "-"
-                     for m in SWEEP]
-            rows.append([f"`{s}`", *cells, f"{thr[s]:.4g}" if thr[s] else f"< {min(rates(results, s), default=SWEEP[0]):g}"])
+            cells = [
+                _f(results[("C", m, s)].slo_attainment, 3) if ("C", m, s) in results else "-"
+                for m in SWEEP
+            ]
+            rows.append(
+                [
+                    f"`{s}`",
+                    *cells,
+                    f"{thr[s]:.4g}"
+                    if thr[s]
+                    else f"< {min(rates(results, s), default=SWEEP[0]):g}",
+                ]
+            )
         L.append(_table(rows, ["system", *[f"x{m:g}" for m in SWEEP], "max rate"]))
 
         def ratio(a_, b_):
             if thr.get(a_) and thr.get(b_):
                 return f"{thr[a_] / thr[b_]:.2f}x"
             return "n/a (below the grid)"
-        L.append(f"\nThroughput of `bana` vs `colocated`: {ratio('bana', 'colocated')} "
-                 f"(paper: 1.2-3.9x vs vLLM); vs static PD `bana_no_migration`: "
-                 f"{ratio('bana', 'bana_no_migration')}; vs DistServe-like `load_only`: "
-                 f"{ratio('bana', 'load_only')} (paper: 1.1-2.8x vs DistServe).\n")
+
+        L.append(
+            f"\nThroughput of `bana` vs `colocated`: {ratio('bana', 'colocated')} "
+            f"(paper: 1.2-3.9x vs vLLM); vs static PD `bana_no_migration`: "
+            f"{ratio('bana', 'bana_no_migration')}; vs DistServe-like `load_only`: "
+            f"{ratio('bana', 'load_only')} (paper: 1.1-2.8x vs DistServe).\n"
+        )
     d = sorted({k[1] for k in results if k[0] == "D"})
     if d:
         L.append("## D. Sensitivity (anchor setting, one assumption changed)\n")
         rows = []
         for label in d:
-            r = {s: results[("D", label, s)] for s in ("bana", "bana_no_migration", "global_cache_aware")}
-            rows.append([label, *[_f(r[s].ttft_mean) for s in r],
-                         _f(r["bana"].ttft_mean / r["global_cache_aware"].ttft_mean),
-                         _f(r["bana"].tpot_mean * 1e3, 1), _f(r["global_cache_aware"].tpot_mean * 1e3, 1)])
-        L.append(_table(rows, ["change", "bana TTFT", "bana_no_migration TTFT",
-                               "global_cache_aware TTFT", "bana / gca", "bana TPOT ms",
-                               "gca TPOT ms"]))
+            r = {
+                s: results[("D", label, s)]
+                for s in ("bana", "bana_no_migration", "global_cache_aware")
+            }
+            rows.append(
+                [
+                    label,
+                    *[_f(r[s].ttft_mean) for s in r],
+                    _f(r["bana"].ttft_mean / r["global_cache_aware"].ttft_mean),
+                    _f(r["bana"].tpot_mean * 1e3, 1),
+                    _f(r["global_cache_aware"].tpot_mean * 1e3, 1),
+                ]
+            )
+        L.append(
+            _table(
+                rows,
+                [
+                    "change",
+                    "bana TTFT",
+                    "bana_no_migration TTFT",
+                    "global_cache_aware TTFT",
+                    "bana / gca",
+                    "bana TPOT ms",
+                    "gca TPOT ms",
+                ],
+            )
+        )
         L.append("")
     e = sorted({k[1] for k in results if k[0] == "E"})
     if e:
@@ -361,9 +557,11 @@ def write_report(results: dict[tuple, SimResult], out: Path, img: Path, *, quick
     L.append("\n## Simulator speed\n")
     big = [r for k, r in results.items() if k[0] == "B" and k[1] == max(scales or [0])]
     if big:
-        L.append(f"Full trace ({big[0].num_requests} requests) on {max(scales)} GPUs, "
-                 "per system, wall seconds inside the run (2 runs in parallel on the shared "
-                 "2-core machine): " + ", ".join(f"{r.system} {r.wall_s:.1f}" for r in big) + ".\n")
+        L.append(
+            f"Full trace ({big[0].num_requests} requests) on {max(scales)} GPUs, "
+            "per system, wall seconds inside the run (2 runs in parallel on the shared "
+            "2-core machine): " + ", ".join(f"{r.system} {r.wall_s:.1f}" for r in big) + ".\n"
+        )
     L.append(MODEL_NOTES)
     L.append("\n## Profiles and their sources\n")
     for p in (anchor, scale):
@@ -437,7 +635,7 @@ MODEL_NOTES = """
   only the per-token part), the overlap loop's result lag (a prefill batch's first tokens go out after the
   next batch computes), the cost of attention over a cached prefix relative to the
   prefill rate, and the decode step's per-request and KV-read terms are measured
-  by `python -m bana_sglang.sim calibrate`; the GPU profiles leave them neutral
+  by `python -m bench calibrate`; the GPU profiles leave them neutral
   (factor 1, no delay, no hold, no lag, KV read at HBM speed).
 - **Routing snapshots are exact** (the router sees the state at the decision time);
   the live router polls, so it will see staler loads.

@@ -47,12 +47,37 @@ Endpoint = Annotated[str, msgspec.Meta(pattern=r"^tcp://[^:/\s]+:[0-9]{1,5}$")]
 OptionalEndpoint = Annotated[str, msgspec.Meta(pattern=r"^(tcp://[^:/\s]+:[0-9]{1,5})?$")]
 LayerIndex = Annotated[int, msgspec.Meta(ge=0)]
 
-SOURCE_STATES = ("accepted", "checksumming", "offered", "transferring", "staged", "switching", "remote",
-                 "recalling", "home", "restored", "failed", "cancelled", "copying", "stopping", "handed_off")
+SOURCE_STATES = (
+    "accepted",
+    "checksumming",
+    "offered",
+    "transferring",
+    "staged",
+    "switching",
+    "remote",
+    "recalling",
+    "home",
+    "restored",
+    "failed",
+    "cancelled",
+    "copying",
+    "stopping",
+    "handed_off",
+)
 GUEST_STATES = ("pulling", "verified", "serving", "failed", "dropped")
 # states a Watch reports as Done: nothing is in flight (``remote`` lasts until a recall)
-TERMINAL = ("staged", "remote", "home", "restored", "failed", "cancelled", "verified", "serving", "dropped",
-            "handed_off")
+TERMINAL = (
+    "staged",
+    "remote",
+    "home",
+    "restored",
+    "failed",
+    "cancelled",
+    "verified",
+    "serving",
+    "dropped",
+    "handed_off",
+)
 
 
 class _Request(_Envelope, kw_only=True, frozen=True):
@@ -193,8 +218,22 @@ class OpenGuest(_Request, tag="open_guest"):
     kv_rows: Annotated[int, msgspec.Meta(ge=1)]
 
 
-Request = Union[Ping, Status, MigrateLayers, Watch, Cancel, HostLayers, DropGuest, Recall, OpenGuest, MigrateKV,
-                OpenKVHost, MigrateRequest, Handoff, Reclaim]
+Request = Union[
+    Ping,
+    Status,
+    MigrateLayers,
+    Watch,
+    Cancel,
+    HostLayers,
+    DropGuest,
+    Recall,
+    OpenGuest,
+    MigrateKV,
+    OpenKVHost,
+    MigrateRequest,
+    Handoff,
+    Reclaim,
+]
 
 
 class Pong(_Reply, tag="pong"):
@@ -265,7 +304,9 @@ class MigrationInfo(msgspec.Struct, frozen=True, kw_only=True):
     guest_seconds: float = 0.0  # the peer's compute time in those steps
     shipped_rows: int = 0  # source: KV rows sent because the peer did not hold them
     kind: str = "layers"  # "layers", "kv" (KV-block migration) or "request" (live request migration); start/stop 0
-    kv: dict[str, float] = {}  # kv source: segments, pages, bytes_out, recalled, dropped, attend_calls, ...
+    kv: dict[
+        str, float
+    ] = {}  # kv source: segments, pages, bytes_out, recalled, dropped, attend_calls, ...
 
 
 class GuestOpened(_Reply, tag="guest_opened"):
@@ -320,11 +361,24 @@ class StatusResult(_Reply, tag="status_result"):
     kv_evictable_tokens: int = -1  # held by the radix tree, freed on demand
     kv_hosted_bytes: int = 0  # KV pages held for other workers (KV-block migration)
     running_requests: int = -1  # in the scheduler's running batch (-1: unknown)
-    movable: list[MovableRequest] = []  # running requests that could move (at most 32, most tokens left first)
+    movable: list[
+        MovableRequest
+    ] = []  # running requests that could move (at most 32, most tokens left first)
 
 
-Reply = Union[Pong, Accepted, Progress, Done, Failed, Ok, StatusResult, GuestOpened, KVHostOpened, HandoffInfo,
-              Error]
+Reply = Union[
+    Pong,
+    Accepted,
+    Progress,
+    Done,
+    Failed,
+    Ok,
+    StatusResult,
+    GuestOpened,
+    KVHostOpened,
+    HandoffInfo,
+    Error,
+]
 
 CHANNEL = Channel("the migration agent", PROTOCOL_VERSION, Request, Reply)
 decode_request = CHANNEL.decode_request
@@ -336,4 +390,6 @@ def describe(reply: Reply) -> str:
     if isinstance(reply, (Failed, Error)):
         return f"{reply.reason}: {reply.detail}"
     return type(reply).__name__
+
+
 __all__ = ["Error", "decode_reply", "decode_request", "encode"]

@@ -87,19 +87,28 @@ class Channel:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return Error(id=0, reason="malformed", detail=str(e))
         if env.type not in self.request_types:
-            return Error(id=env.id, reason="unknown_type",
-                         detail=f"type {env.type!r}; {self.name} knows: {', '.join(self.request_types)}")
+            return Error(
+                id=env.id,
+                reason="unknown_type",
+                detail=f"type {env.type!r}; {self.name} knows: {', '.join(self.request_types)}",
+            )
         if env.v != self.version:
-            return Error(id=env.id, reason="unsupported_version",
-                         detail=f"got v={env.v}, {self.name} speaks v={self.version}")
+            return Error(
+                id=env.id,
+                reason="unsupported_version",
+                detail=f"got v={env.v}, {self.name} speaks v={self.version}",
+            )
         try:
             req = self._requests.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return Error(id=env.id, reason="malformed", detail=str(e))
         now = time.time() if now is None else now
         if req.deadline < now:
-            return Error(id=req.id, reason="stale_deadline",
-                         detail=f"deadline passed {now - req.deadline:.3f}s before {self.name} read it")
+            return Error(
+                id=req.id,
+                reason="stale_deadline",
+                detail=f"deadline passed {now - req.deadline:.3f}s before {self.name} read it",
+            )
         return req
 
     def decode_reply(self, data: bytes) -> Any:

@@ -32,8 +32,15 @@ from bana_sglang.wire.envelope import Request as _Envelope
 
 PROTOCOL_VERSION = 1
 
-ERROR_REASONS = ("malformed", "unknown_type", "unsupported_version", "stale_deadline",
-                 "invalid", "unknown_intent", "internal")
+ERROR_REASONS = (
+    "malformed",
+    "unknown_type",
+    "unsupported_version",
+    "stale_deadline",
+    "invalid",
+    "unknown_intent",
+    "internal",
+)
 
 PageHashField = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
 Size = Annotated[int, msgspec.Meta(ge=1)]
@@ -84,7 +91,6 @@ class Stats(_Request, tag="stats"):
 
 
 Request = Union[Lookup, PublishIntent, Commit, ReportLoss, Stats]
-
 
 
 class LookupResult(_Reply, tag="lookup_result"):

@@ -34,10 +34,10 @@ from typing import Annotated, Union
 
 import msgspec
 
-from bana_sglang.wire.layer_steps import TensorSlot
 from bana_sglang.wire.envelope import Channel, Error, encode
 from bana_sglang.wire.envelope import Reply as _Reply
 from bana_sglang.wire.envelope import Request as _Envelope
+from bana_sglang.wire.layer_steps import TensorSlot
 
 PROTOCOL_VERSION = 1
 INLINE_MAX = 256 * 1024  # Attend payloads up to this size travel inline (second frame)
@@ -115,5 +115,17 @@ Reply = Union[KVHosted, Attended, Dropped, Error]
 CHANNEL = Channel("the KV-block host", PROTOCOL_VERSION, Request, Reply)
 decode_request = CHANNEL.decode_request
 decode_reply = CHANNEL.decode_reply
-__all__ = ["CHANNEL", "Attend", "Attended", "DropKV", "Dropped", "Error", "HostKV", "KVHosted", "Segment",
-           "decode_reply", "decode_request", "encode"]
+__all__ = [
+    "CHANNEL",
+    "Attend",
+    "Attended",
+    "DropKV",
+    "Dropped",
+    "Error",
+    "HostKV",
+    "KVHosted",
+    "Segment",
+    "decode_reply",
+    "decode_request",
+    "encode",
+]

@@ -94,4 +94,13 @@ Reply = Union[LayersDone, Pong, Error]
 CHANNEL = Channel("the guest-layer executor", PROTOCOL_VERSION, Request, Reply)
 decode_request = CHANNEL.decode_request
 decode_reply = CHANNEL.decode_reply
-__all__ = ["CHANNEL", "Error", "LayersDone", "RunLayers", "TensorSlot", "decode_reply", "decode_request", "encode"]
+__all__ = [
+    "CHANNEL",
+    "Error",
+    "LayersDone",
+    "RunLayers",
+    "TensorSlot",
+    "decode_reply",
+    "decode_request",
+    "encode",
+]

@@ -64,14 +64,24 @@ class Server:
     ``on_reject(error)`` sees every request refused before a handler ran.
     """
 
-    def __init__(self, channel: Channel, handlers: Mapping[type, Handler], bind: str, *,
-                 extra_frames: bool = False, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 on_reject: Callable[[Error], None] | None = None, ctx: zmq.Context | None = None):
+    def __init__(
+        self,
+        channel: Channel,
+        handlers: Mapping[type, Handler],
+        bind: str,
+        *,
+        extra_frames: bool = False,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        on_reject: Callable[[Error], None] | None = None,
+        ctx: zmq.Context | None = None,
+    ):
         self.channel = channel
         self.handlers = dict(handlers)
         unknown = [cls.__name__ for cls in self.handlers if cls not in channel.request_classes]
         if unknown:
-            raise ValueError(f"{channel.name}: handlers for types it does not carry: {', '.join(unknown)}")
+            raise ValueError(
+                f"{channel.name}: handlers for types it does not carry: {', '.join(unknown)}"
+            )
         self.extra_frames = extra_frames
         self.on_reject = on_reject
         self._sock = (ctx or zmq.Context.instance()).socket(zmq.ROUTER)
@@ -137,8 +147,11 @@ class Server:
         ident, extra = frames[0].bytes, list(frames[2:])
         out: list = []
         if extra and not self.extra_frames:
-            reply: Any = Error(id=0, reason="malformed",
-                               detail=f"expected one frame per request, got {len(frames) - 1}")
+            reply: Any = Error(
+                id=0,
+                reason="malformed",
+                detail=f"expected one frame per request, got {len(frames) - 1}",
+            )
             self._rejected(reply)
         else:
             req = self.channel.decode_request(frames[1].bytes)
@@ -154,8 +167,11 @@ class Server:
     def _dispatch(self, req: Any, extra: list) -> Any:
         handler = self.handlers.get(type(req))
         if handler is None:
-            return Error(id=req.id, reason="unknown_type",
-                         detail=f"{self.channel.name} has no handler for {type(req).__name__}")
+            return Error(
+                id=req.id,
+                reason="unknown_type",
+                detail=f"{self.channel.name} has no handler for {type(req).__name__}",
+            )
         try:
             if self.extra_frames:
                 return handler(req, [f.buffer for f in extra])
@@ -177,9 +193,17 @@ class Client:
     again after a timeout. ``linger_ms``: how long requests still queued at
     :meth:`close` keep being sent (0: dropped)."""
 
-    def __init__(self, endpoint: str, channel: Channel, *, timeout_s: float = 5.0, linger_ms: int = 0,
-                 send_hwm: int | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 ctx: zmq.Context | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        channel: Channel,
+        *,
+        timeout_s: float = 5.0,
+        linger_ms: int = 0,
+        send_hwm: int | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        ctx: zmq.Context | None = None,
+    ):
         self.endpoint = endpoint
         self.channel = channel
         self.timeout_s = timeout_s
@@ -216,8 +240,13 @@ class Client:
     def deadline(self, timeout_s: float | None = None) -> float:
         return time.time() + (self.timeout_s if timeout_s is None else timeout_s)
 
-    def request(self, make: Callable[..., msgspec.Struct], *frames: Any, timeout_s: float | None = None,
-                **fields: Any) -> Any:
+    def request(
+        self,
+        make: Callable[..., msgspec.Struct],
+        *frames: Any,
+        timeout_s: float | None = None,
+        **fields: Any,
+    ) -> Any:
         """Build ``make(id=, deadline=, **fields)``, send it, return its reply."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
@@ -253,7 +282,9 @@ class Client:
                 try:
                     reply = self.channel.decode_reply(frames[0].bytes)
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    logger.warning("%s at %s: undecodable reply: %s", self.channel.name, self.endpoint, e)
+                    logger.warning(
+                        "%s at %s: undecodable reply: %s", self.channel.name, self.endpoint, e
+                    )
                     continue
                 # an Error with id 0 answers a request the server could not read
                 if reply.id == rid or (isinstance(reply, Error) and reply.id == 0):
@@ -271,5 +302,7 @@ class Client:
             sock.send_multipart(list(frames))
             if not sock.poll(int(timeout * 1000) + 1, zmq.POLLIN):
                 self.close()
-                raise ChannelError(self.channel.name, self.endpoint, f"no reply within {timeout:.2f}s")
+                raise ChannelError(
+                    self.channel.name, self.endpoint, f"no reply within {timeout:.2f}s"
+                )
             return self.channel.decode_reply(sock.recv_multipart()[0])

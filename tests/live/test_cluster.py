@@ -16,7 +16,6 @@ import time
 import httpx
 import psutil
 import pytest
-
 from conftest import LaunchedCluster, launched_cluster
 
 pytestmark = pytest.mark.slow
@@ -37,22 +36,32 @@ def post(cluster: LaunchedCluster, path: str, body, **kw) -> httpx.Response:
 def test_models_and_completions(cluster):
     models = httpx.get(cluster.url + "/v1/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
-    r = post(cluster, "/v1/completions", {"model": MODEL, "prompt": "The cache", "max_tokens": 8,
-                                          "temperature": 0})
+    r = post(
+        cluster,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "The cache", "max_tokens": 8, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["finish_reason"] == "length"
+    assert (
+        body["usage"]["completion_tokens"] == 8 and body["choices"][0]["finish_reason"] == "length"
+    )
 
 
 def test_chat_streamed_and_not_agree(cluster):
-    req = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}],
-           "max_tokens": 12, "temperature": 0}
+    req = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
     r = post(cluster, "/v1/chat/completions", req)
     assert r.status_code == 200, r.text
     whole = r.json()["choices"][0]["message"]["content"]
     pieces = []
-    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json={**req, "stream": True},
-                      timeout=120) as s:
+    with httpx.stream(
+        "POST", cluster.url + "/v1/chat/completions", json={**req, "stream": True}, timeout=120
+    ) as s:
         assert s.status_code == 200
         for line in s.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -64,8 +73,10 @@ def test_chat_streamed_and_not_agree(cluster):
 
 def test_greedy_tokens_equal_a_plain_single_worker(cluster, single_server):
     for text in ["The prefix cache of the model", "Decode workers publish pages. " * 20]:
-        req = {"text": text, "sampling_params": {"max_new_tokens": 24, "temperature": 0,
-                                                  "ignore_eos": True}}
+        req = {
+            "text": text,
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+        }
         pd = post(cluster, "/generate", req)
         assert pd.status_code == 200, pd.text
         plain = httpx.post(single_server + "/generate", json=req, timeout=120).json()
@@ -76,12 +87,14 @@ def test_openai_client(cluster):
     import openai
 
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
-    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                         max_tokens=6, temperature=0)
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+    )
     assert out.choices[0].message.content and out.usage.completion_tokens == 6
     whole = client.completions.create(model=MODEL, prompt="Once", max_tokens=8, temperature=0)
-    stream = client.completions.create(model=MODEL, prompt="Once", max_tokens=8, temperature=0,
-                                       stream=True)
+    stream = client.completions.create(
+        model=MODEL, prompt="Once", max_tokens=8, temperature=0, stream=True
+    )
     chunks = [c.choices[0].text for c in stream if c.choices]
     # Byte-level tokens that end inside a UTF-8 character are held back and sent
     # with the next one, so there can be fewer chunks than tokens, never less text.
@@ -97,32 +110,58 @@ def test_sglang_frontend_program(cluster, single_server):
         s += "Question: " + question + "\nAnswer:"
         s += sgl.gen("answer", max_tokens=10, temperature=0)
 
-    through_pd = qa.run(question="what is a prefix cache?", backend=sgl.RuntimeEndpoint(cluster.url))
+    through_pd = qa.run(
+        question="what is a prefix cache?", backend=sgl.RuntimeEndpoint(cluster.url)
+    )
     plain = qa.run(question="what is a prefix cache?", backend=sgl.RuntimeEndpoint(single_server))
     assert through_pd["answer"] == plain["answer"]
     assert len(through_pd["answer"]) > 0
 
 
-@pytest.mark.parametrize("path, body, status, words", [
-    ("/v1/completions", b"{not json", 400, "JSON"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "max_tokens": -5}, 400, "max_tokens"),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -3}}, 400, "max_new_tokens"),
-    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "no-such-model"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "integer"),
-    ("/v1/completions", {"model": MODEL, "prompt": "word " * 5000, "max_tokens": 4}, 400,
-     "longer than the model's context length"),
-])
-def test_bad_input_gets_a_4xx_that_names_the_problem_and_serving_goes_on(cluster, path, body, status, words):
+@pytest.mark.parametrize(
+    "path, body, status, words",
+    [
+        ("/v1/completions", b"{not json", 400, "JSON"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -5},
+            400,
+            "max_tokens",
+        ),
+        (
+            "/generate",
+            {"text": "hi", "sampling_params": {"max_new_tokens": -3}},
+            400,
+            "max_new_tokens",
+        ),
+        ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "no-such-model"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "integer"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "word " * 5000, "max_tokens": 4},
+            400,
+            "longer than the model's context length",
+        ),
+    ],
+)
+def test_bad_input_gets_a_4xx_that_names_the_problem_and_serving_goes_on(
+    cluster, path, body, status, words
+):
     if isinstance(body, bytes):
-        r = httpx.post(cluster.url + path, content=body, headers={"content-type": "application/json"},
-                       timeout=120)
+        r = httpx.post(
+            cluster.url + path,
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=120,
+        )
     else:
         r = post(cluster, path, body)
     assert r.status_code == status, r.text
     assert words in r.text
-    ok = post(cluster, "/v1/completions", {"model": MODEL, "prompt": "still there?", "max_tokens": 3})
+    ok = post(
+        cluster, "/v1/completions", {"model": MODEL, "prompt": "still there?", "max_tokens": 3}
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -143,7 +182,11 @@ def test_sigterm_stops_everything_and_frees_the_ports(cluster):
     ports = set()
     for p in tree:
         try:
-            ports |= {c.laddr.port for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+            ports |= {
+                c.laddr.port
+                for c in p.net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN
+            }
         except psutil.Error:
             pass
     assert ports
@@ -155,6 +198,8 @@ def test_sigterm_stops_everything_and_frees_the_ports(cluster):
     # Nothing listens on them any more. (Binding them again can still fail for a
     # minute: the kernel keeps the killed processes' accepted connections in
     # FIN_WAIT, and those share the listening port; that is not a leak.)
-    listening = {c.laddr.port for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    listening = {
+        c.laddr.port for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN
+    }
     assert not ports & listening
     assert any("cluster stopped" in line for line in cluster.lines)

@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from conftest import free_port
 
 from bana_sglang.launch import Cluster, plan_single_server
-from conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -55,8 +55,10 @@ def _prompts(vocab: int) -> dict[str, list[int]]:
 
 
 def _generate(url: str, input_ids: list[int] | list[list[int]]) -> list[dict]:
-    body = {"input_ids": input_ids,
-            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+    }
     r = httpx.post(url + "/generate", json=body, timeout=300)
     r.raise_for_status()
     out = r.json()
@@ -84,11 +86,16 @@ def results(tiny_model: Path, tmp_path_factory) -> Iterator[dict[str, dict[str, 
     """
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     prompts = _prompts(vocab)
-    plans = [plan_single_server(str(tiny_model), port=free_port(), name=b, sglang_args=SERVERS[b])
-             for b in BACKENDS]
+    plans = [
+        plan_single_server(str(tiny_model), port=free_port(), name=b, sglang_args=SERVERS[b])
+        for b in BACKENDS
+    ]
     both = dataclasses.replace(plans[0], workers=tuple(w for p in plans for w in p.workers))
     with Cluster(both, log_dir=tmp_path_factory.mktemp("cpu-attn-logs"), startup_timeout=600):
-        yield {"prompts": prompts, **{b: _scenario(p.endpoint, prompts) for b, p in zip(BACKENDS, plans)}}
+        yield {
+            "prompts": prompts,
+            **{b: _scenario(p.endpoint, prompts) for b, p in zip(BACKENDS, plans)},
+        }
 
 
 @pytest.fixture(scope="module")
@@ -100,16 +107,22 @@ def hf_model(tiny_model: Path):
 
 def _hf_greedy(model, prompt: list[int]) -> list[int]:
     with torch.no_grad():
-        gen = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False)
-    return gen[0, len(prompt):].tolist()
+        gen = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+    return gen[0, len(prompt) :].tolist()
 
 
 def _hf_margins(model, prompt: list[int], tokens: list[int]) -> list[float]:
     """Per generated token: HF's max logit minus HF's logit of that token, given the
     same prefix (teacher forcing); 0 means the token is exactly HF's greedy choice."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]  # [n, vocab]
+        logits = model(torch.tensor([prompt + tokens])).logits[
+            0, len(prompt) - 1 : -1
+        ]  # [n, vocab]
     chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
     return (logits.max(dim=1).values - chosen).tolist()
 
@@ -120,11 +133,15 @@ def _hf_margins(model, prompt: list[int], tokens: list[int]) -> list[float]:
 NEAR_TIE = 1e-2
 
 
-@pytest.mark.parametrize("name", ["cold", "near_full", "partial", "batch_near_full", "batch_partial",
-                                  "batch_cold"])
+@pytest.mark.parametrize(
+    "name", ["cold", "near_full", "partial", "batch_near_full", "batch_partial", "batch_cold"]
+)
 def test_tokens_identical_to_stock_and_hf(results, hf_model, name):
     prompt = results["prompts"][name]
-    stock, ours = results["torch_native"][name]["output_ids"], results["bana_cpu"][name]["output_ids"]
+    stock, ours = (
+        results["torch_native"][name]["output_ids"],
+        results["bana_cpu"][name]["output_ids"],
+    )
     assert ours == stock, name
     assert results["bana_cpu_paged"][name]["output_ids"] == stock, (name, "paged KV")
     hf = _hf_greedy(hf_model, prompt)
@@ -137,8 +154,16 @@ def test_tokens_identical_to_stock_and_hf(results, hf_model, name):
         assert margins[first] > 0 and all(m == 0 for m in margins[:first]), (name, margins)
 
 
-@pytest.mark.parametrize("name,min_cached", [("cold", 0), ("near_full", 299), ("partial", 180),
-                                             ("batch_near_full", 299), ("batch_partial", 100)])
+@pytest.mark.parametrize(
+    "name,min_cached",
+    [
+        ("cold", 0),
+        ("near_full", 299),
+        ("partial", 180),
+        ("batch_near_full", 299),
+        ("batch_partial", 100),
+    ],
+)
 def test_prefix_cache_was_hit(results, name, min_cached):
     """The hits really happened, on both servers alike (else the test would prove little)."""
     for backend in BACKENDS:
@@ -147,5 +172,7 @@ def test_prefix_cache_was_hit(results, name, min_cached):
         assert cached >= min_cached // page * page, (backend, name, cached)  # whole pages only
         if min_cached == 0:
             assert cached == 0, (backend, name, cached)
-    assert (results["bana_cpu"]["batch_cold"]["meta_info"]["cached_tokens"]
-            == results["torch_native"]["batch_cold"]["meta_info"]["cached_tokens"])
+    assert (
+        results["bana_cpu"]["batch_cold"]["meta_info"]["cached_tokens"]
+        == results["torch_native"]["batch_cold"]["meta_info"]["cached_tokens"]
+    )

@@ -51,16 +51,24 @@ class PDCluster:
             argv = list(part.argv)
             url = part.health_url.removesuffix("/health")
             if "prefill" in part.name:
-                self.prefill.append((url, int(argv[argv.index("--disaggregation-bootstrap-port") + 1])))
+                self.prefill.append(
+                    (url, int(argv[argv.index("--disaggregation-bootstrap-port") + 1]))
+                )
             else:
                 self.decode.append(url)
 
-    def generate(self, prefill: int, ids: list[int], n: int = 8, *, timeout: float = 300) -> tuple[dict, dict]:
+    def generate(
+        self, prefill: int, ids: list[int], n: int = 8, *, timeout: float = 300
+    ) -> tuple[dict, dict]:
         """One PD request through prefill worker ``prefill``; (decode reply, prefill reply)."""
         url, boot = self.prefill[prefill]
-        body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n},
-                "bootstrap_host": "127.0.0.1", "bootstrap_port": boot,
-                "bootstrap_room": random.getrandbits(63)}
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": n},
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": boot,
+            "bootstrap_room": random.getrandbits(63),
+        }
         out: dict[str, object] = {}
 
         def send_prefill():
@@ -85,9 +93,15 @@ class PDCluster:
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory) -> Iterator[PDCluster]:
     # a small decode KV pool: finished requests' pages must be released after publishing
-    cfg = LaunchConfig(num_prefill=2, num_decode=1, port=free_port(), worker_base_port=free_port_block(40),
-                       log_dir=tmp_path_factory.mktemp("store-logs"), store_bytes=256 << 20,
-                       decode_args=("--max-total-tokens", str(DECODE_KV)))
+    cfg = LaunchConfig(
+        num_prefill=2,
+        num_decode=1,
+        port=free_port(),
+        worker_base_port=free_port_block(40),
+        log_dir=tmp_path_factory.mktemp("store-logs"),
+        store_bytes=256 << 20,
+        decode_args=("--max-total-tokens", str(DECODE_KV)),
+    )
     with Cluster(plan_cluster(cfg), log_dir=cfg.log_dir, startup_timeout=900) as cluster:
         yield PDCluster(cluster)
 
@@ -112,8 +126,11 @@ def poll_until(check, what: str, timeout: float = 30) -> None:
 
 
 def wait_published(pd: PDCluster, url: str, at_least: float, timeout: float = 30) -> None:
-    poll_until(lambda: pd.metrics(url).get("published_pages", 0) >= at_least,
-               f"{at_least} pages published by {url}", timeout)
+    poll_until(
+        lambda: pd.metrics(url).get("published_pages", 0) >= at_least,
+        f"{at_least} pages published by {url}",
+        timeout,
+    )
 
 
 def test_prefix_computed_on_one_prefill_worker_is_reused_by_another(pd, single_server):
@@ -140,7 +157,10 @@ def test_next_turn_hits_the_answer_published_by_the_decode_worker(pd, single_ser
     answer = d1["output_ids"]
     assert len(answer) == 40
     full = (len(turn1) + len(answer) - 1) // PAGE  # pages the decode worker can publish
-    poll_until(lambda: pd.metrics(pd.decode[0]).get("published_pages", 0) > 0, "the decode worker publishing")
+    poll_until(
+        lambda: pd.metrics(pd.decode[0]).get("published_pages", 0) > 0,
+        "the decode worker publishing",
+    )
     time.sleep(1.0)
     turn2 = turn1 + answer + prompt(3, 30)
     d2, pre2 = pd.generate(1, turn2, n=8)
@@ -152,14 +172,19 @@ def test_next_turn_hits_the_answer_published_by_the_decode_worker(pd, single_ser
 
 
 def test_metrics_and_counters_add_up(pd):
-    table = summary.table([(url, pd.metrics(url)) for url, _ in pd.prefill] + [("decode", pd.metrics(pd.decode[0]))])
+    table = summary.table(
+        [(url, pd.metrics(url)) for url, _ in pd.prefill] + [("decode", pd.metrics(pd.decode[0]))]
+    )
     print(table)
     assert "(no answer)" not in table and len(table.splitlines()) == 4
     for url, _ in pd.prefill:
         m = pd.metrics(url)
         assert m.get("lookups", 0) >= 1
         assert m.get("load_failures", 0) == 0
-        assert 0 <= m.get("load_wait_seconds", 0) <= m.get("load_seconds", 0) + 1e-6 or m.get("load_seconds", 0) == 0
+        assert (
+            0 <= m.get("load_wait_seconds", 0) <= m.get("load_seconds", 0) + 1e-6
+            or m.get("load_seconds", 0) == 0
+        )
     assert pd.metrics(pd.decode[0]).get("published_pages", 0) > 0
 
 
@@ -171,6 +196,7 @@ def test_decode_pool_is_released_after_publishing(pd):
     for i in range(n):
         d, _ = pd.generate(i % 2, prompt(100 + i, length), n=4, timeout=120)
         assert d["output_ids"] and d["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+
     # every finished request offers its full pages to the store (its prompt's 18 at least). Each is
     # written, or skipped because the prefill worker's copy got there first (present or pending:
     # a race the two workers' timing decides); publishing is asynchronous, so the last may be in flight
@@ -198,7 +224,9 @@ def test_master_down_then_back_requests_stay_correct_and_hits_resume(pd, single_
                 assert d["output_ids"] == want
     finally:
         proc = pd.cluster._spawn(part)
-        wait_until(lambda: tcp_open("127.0.0.1", rpc, 0.2), proc=proc, what="the master's port", timeout=60)
+        wait_until(
+            lambda: tcp_open("127.0.0.1", rpc, 0.2), proc=proc, what="the master's port", timeout=60
+        )
     # the storage process re-mounts its segment, the index notices the empty store
     # and forgets what it listed; publishing and hits resume on their own
     ids = prompt(6, 260)
@@ -238,17 +266,30 @@ def test_router_counts_only_globally_uncached_tokens(pd, single_server):
     before = counters()
     first = httpx.post(router + "/generate", json=body, timeout=300)
     assert first.status_code == 200, first.text
-    poll_until(lambda: counters().get('bana_router_global_lookups_total{outcome="miss"}', 0)
-               > before.get('bana_router_global_lookups_total{outcome="miss"}', 0), "a miss counted")
+    poll_until(
+        lambda: (
+            counters().get('bana_router_global_lookups_total{outcome="miss"}', 0)
+            > before.get('bana_router_global_lookups_total{outcome="miss"}', 0)
+        ),
+        "a miss counted",
+    )
     time.sleep(1.5)  # the prefill worker publishes asynchronously
     second = httpx.post(router + "/generate", json=body, timeout=300)
     assert second.status_code == 200, second.text
     after = counters()
-    assert after['bana_router_global_lookups_total{outcome="hit"}'] \
-        > before.get('bana_router_global_lookups_total{outcome="hit"}', 0)
-    assert after["bana_router_global_cached_tokens_total"] - before.get(
-        "bana_router_global_cached_tokens_total", 0) == (200 - 1) // PAGE * PAGE
-    assert second.json()["output_ids"] == first.json()["output_ids"] == plain_tokens(single_server, ids, 6)
+    assert after['bana_router_global_lookups_total{outcome="hit"}'] > before.get(
+        'bana_router_global_lookups_total{outcome="hit"}', 0
+    )
+    assert (
+        after["bana_router_global_cached_tokens_total"]
+        - before.get("bana_router_global_cached_tokens_total", 0)
+        == (200 - 1) // PAGE * PAGE
+    )
+    assert (
+        second.json()["output_ids"]
+        == first.json()["output_ids"]
+        == plain_tokens(single_server, ids, 6)
+    )
 
 
 def test_router_page_hashes_equal_sglangs():
@@ -258,23 +299,32 @@ def test_router_page_hashes_equal_sglangs():
 
     from bana_sglang import compat
 
-    code = ("import random, json\n"
-            "from sglang.srt.mem_cache.utils import get_storage_hash_str\n"
-            "from sglang.srt.mem_cache.radix_cache import RadixKey\n"
-            "from bana_sglang.radix_global.keys import sglang_page_hashes\n"
-            "ids = [random.randrange(0, 2**32) for _ in range(80)]\n"
-            "ok = get_storage_hash_str(RadixKey(ids), None, page_size=16) == sglang_page_hashes(ids, 16)\n"
-            "salted = get_storage_hash_str(RadixKey(ids, extra_key='x', cache_salt='s'), None, page_size=16)\n"
-            "ok2 = salted == sglang_page_hashes(ids, 16, extra_key='x', cache_salt='s')\n"
-            "print(json.dumps([ok, ok2]))\n")
-    out = subprocess.run([sys.executable, "-c", code], env=compat.child_env(), capture_output=True, text=True,
-                         timeout=300)
+    code = (
+        "import random, json\n"
+        "from sglang.srt.mem_cache.utils import get_storage_hash_str\n"
+        "from sglang.srt.mem_cache.radix_cache import RadixKey\n"
+        "from bana_sglang.radix_global.keys import sglang_page_hashes\n"
+        "ids = [random.randrange(0, 2**32) for _ in range(80)]\n"
+        "ok = get_storage_hash_str(RadixKey(ids), None, page_size=16) == sglang_page_hashes(ids, 16)\n"
+        "salted = get_storage_hash_str(RadixKey(ids, extra_key='x', cache_salt='s'), None, page_size=16)\n"
+        "ok2 = salted == sglang_page_hashes(ids, 16, extra_key='x', cache_salt='s')\n"
+        "print(json.dumps([ok, ok2]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=compat.child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[true, true]"
 
 
 def test_no_global_store_plans_stock_workers():
-    plan = plan_cluster(LaunchConfig(port=free_port(), worker_base_port=free_port_block(20), global_store=False))
+    plan = plan_cluster(
+        LaunchConfig(port=free_port(), worker_base_port=free_port_block(20), global_store=False)
+    )
     assert not plan.store
     for part in plan.workers:
         assert "--enable-unified-cache-external-linker" not in part.argv

@@ -25,7 +25,16 @@ import httpx
 import pytest
 from conftest import launched_cluster
 from test_migrate_live import KEY as KEY_OF_THE_HELPERS
-from test_migrate_live import _pid_of, agents, cli, counter, generate, migration, prompts_of, wait_state
+from test_migrate_live import (
+    _pid_of,
+    agents,
+    cli,
+    counter,
+    generate,
+    migration,
+    prompts_of,
+    wait_state,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -35,15 +44,21 @@ PAGE = 16  # the launcher's page size with the global store
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with launched_cluster(["--num-prefill", "2", "--num-decode", "1", "--api-key", KEY],
-                          tmp_path_factory.mktemp("kv-migrate-logs"),
-                          env={"BANA_KV_STEP_TIMEOUT_S": "5", "BANA_MIGRATE_PEER_TIMEOUT_S": "20"}) as c:
+    with launched_cluster(
+        ["--num-prefill", "2", "--num-decode", "1", "--api-key", KEY],
+        tmp_path_factory.mktemp("kv-migrate-logs"),
+        env={"BANA_KV_STEP_TIMEOUT_S": "5", "BANA_MIGRATE_PEER_TIMEOUT_S": "20"},
+    ) as c:
         yield c
 
 
 def post(url: str, ids: list[int], n: int) -> httpx.Response:
-    return httpx.post(url + "/generate", timeout=300, headers={"Authorization": f"Bearer {KEY}"},
-                      json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n}})
+    return httpx.post(
+        url + "/generate",
+        timeout=300,
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n}},
+    )
 
 
 def wait_running(c, requests: int, timeout: float = 120) -> None:
@@ -63,8 +78,10 @@ def wait_idle_and_whole(c, timeout: float = 60) -> dict:
     while True:
         a = agents(c)
         d = a["decode-0"]
-        if d["kv_free_tokens"] + d["kv_evictable_tokens"] == d["kv_total_tokens"] \
-                and a["prefill-1"]["kv_hosted_bytes"] == 0:
+        if (
+            d["kv_free_tokens"] + d["kv_evictable_tokens"] == d["kv_total_tokens"]
+            and a["prefill-1"]["kv_hosted_bytes"] == 0
+        ):
             return a
         assert time.monotonic() < deadline, (d, a["prefill-1"]["kv_hosted_bytes"])
         time.sleep(0.2)
@@ -80,7 +97,9 @@ def test_kv_pages_move_mid_answer_and_the_tokens_stay_the_same(cluster, single_s
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(generate, cluster.url, ids, NEW, KEY) for ids in LONG]
         wait_running(cluster, 2)
-        out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "24", "--id", "kv-live", "--wait")
+        out = cli(
+            cluster, "kv", "decode-0", "prefill-1", "--pages", "24", "--id", "kv-live", "--wait"
+        )
         during = migration(cluster, "decode-0", "kv-live")
         host = agents(cluster)["prefill-1"]
         got = [f.result() for f in running]
@@ -95,13 +114,16 @@ def test_kv_pages_move_mid_answer_and_the_tokens_stay_the_same(cluster, single_s
     # after the requests ended: every segment came home (read back before SGLang freed the row)
     after = wait_state(cluster, "decode-0", "kv-live", ("home",))
     assert after["kv"]["recalled"] == after["kv"]["segments"] and after["kv"]["dropped"] == 0
-    assert after["kv"]["attend_calls"] > 0 and after["kv"]["host_s"] > 0  # the peer computed attention
+    assert (
+        after["kv"]["attend_calls"] > 0 and after["kv"]["host_s"] > 0
+    )  # the peer computed attention
     a = wait_idle_and_whole(cluster)
     urls = {w: a[w]["url"] for w in a}
     assert counter(urls["decode-0"], "bana_migrate_kv_pages_moved_total") >= kv["pages"]
     # the finished requests went into the tree whole: the next turn reuses them exactly
-    assert generate(cluster.url, LONG[0] + want[0][:40], 20, KEY) == \
-        generate(single_server, LONG[0] + want[0][:40], 20)
+    assert generate(cluster.url, LONG[0] + want[0][:40], 20, KEY) == generate(
+        single_server, LONG[0] + want[0][:40], 20
+    )
 
 
 @pytest.mark.parametrize("who", ["lender", "host"])
@@ -120,7 +142,9 @@ def test_a_recall_while_requests_run_brings_the_pages_home(cluster, single_serve
         wait_running(cluster, 2)
         out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "12", "--id", mid, "--wait")
         assert out.returncode == 0, out.stdout + out.stderr
-        rec = cli(cluster, "recall", mid) if who == "lender" else cli(cluster, "reclaim", "prefill-1")
+        rec = (
+            cli(cluster, "recall", mid) if who == "lender" else cli(cluster, "reclaim", "prefill-1")
+        )
         assert rec.returncode == 0, rec.stdout + rec.stderr
         if who == "host":
             assert "asked 1 lender migration(s) to recall" in rec.stdout, rec.stdout
@@ -133,11 +157,19 @@ def test_a_recall_while_requests_run_brings_the_pages_home(cluster, single_serve
 
 def test_bad_kv_commands_are_refused_with_the_reason(cluster):
     hdr = {"Authorization": f"Bearer {KEY}"}
-    r = httpx.post(cluster.url + "/bana/admin/migrations", headers=hdr, timeout=30,
-                   json={"worker": "decode-0", "peer": "prefill-1", "kv_pages": 0})
+    r = httpx.post(
+        cluster.url + "/bana/admin/migrations",
+        headers=hdr,
+        timeout=30,
+        json={"worker": "decode-0", "peer": "prefill-1", "kv_pages": 0},
+    )
     assert r.status_code == 400 and "kv_pages" in r.json()["error"]["message"]
-    r = httpx.post(cluster.url + "/bana/admin/migrations", headers=hdr, timeout=30,
-                   json={"worker": "decode-0", "peer": "prefill-1", "kv_pages": 4, "layers": [0, 1]})
+    r = httpx.post(
+        cluster.url + "/bana/admin/migrations",
+        headers=hdr,
+        timeout=30,
+        json={"worker": "decode-0", "peer": "prefill-1", "kv_pages": 4, "layers": [0, 1]},
+    )
     assert r.status_code == 400 and "not both" in r.json()["error"]["message"]
     out = cli(cluster, "kv", "prefill-0", "prefill-1", "--pages", "4")
     assert out.returncode == 2 and "prefill worker" in out.stderr
@@ -146,11 +178,14 @@ def test_bad_kv_commands_are_refused_with_the_reason(cluster):
     out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "4", "--id", "kv-idle", "--wait")
     assert out.returncode == 1 and "no running request" in out.stdout, out.stdout + out.stderr
     # a layer switch is refused while KV pages are away, and the cluster still serves
-    assert generate(cluster.url, LONG[1][:50], 8, KEY) == generate(cluster.url, LONG[1][:50], 8, KEY)
+    assert generate(cluster.url, LONG[1][:50], 8, KEY) == generate(
+        cluster.url, LONG[1][:50], 8, KEY
+    )
 
 
-def test_killing_the_host_never_returns_wrong_tokens_and_the_decode_worker_keeps_serving(cluster,
-                                                                                        single_server):
+def test_killing_the_host_never_returns_wrong_tokens_and_the_decode_worker_keeps_serving(
+    cluster, single_server
+):
     prompts = prompts_of(23, 4, base=140, step=30)
     n = 2 * NEW  # long enough that the kill lands while the requests still decode
     want = [generate(single_server, ids, n) for ids in prompts]
@@ -160,7 +195,9 @@ def test_killing_the_host_never_returns_wrong_tokens_and_the_decode_worker_keeps
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(post, cluster.url, ids, n) for ids in prompts]
         wait_running(cluster, 2)
-        out = cli(cluster, "kv", "decode-0", "prefill-1", "--pages", "40", "--id", "kv-kill", "--wait")
+        out = cli(
+            cluster, "kv", "decode-0", "prefill-1", "--pages", "40", "--id", "kv-kill", "--wait"
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         moved = migration(cluster, "decode-0", "kv-kill")["kv"]["segments"]
         os.kill(host_pid, signal.SIGKILL)
@@ -176,20 +213,27 @@ def test_killing_the_host_never_returns_wrong_tokens_and_the_decode_worker_keeps
             assert r.status_code >= 500 and "KV blocks lost" in r.text, r.text
     assert waited < 120
     # the router's listing waits for the dead agent once (30 s), then no longer than 3 s
-    r = httpx.get(cluster.url + "/bana/admin/agents", headers={"Authorization": f"Bearer {KEY}"}, timeout=90)
-    assert "error" in next(a for a in r.json()["agents"] if a["url"].endswith(agents_urls["prefill-1"]))
+    r = httpx.get(
+        cluster.url + "/bana/admin/agents", headers={"Authorization": f"Bearer {KEY}"}, timeout=90
+    )
+    assert "error" in next(
+        a for a in r.json()["agents"] if a["url"].endswith(agents_urls["prefill-1"])
+    )
     t0 = time.monotonic()
     lost = wait_state(cluster, "decode-0", "kv-kill", ("failed",))
     assert time.monotonic() - t0 < 20
     assert lost["reason"] == "peer_lost" and moved >= 1
     # the decode worker keeps serving (with the other prefill worker), exact tokens
     again = prompts_of(24, 2, base=60)
-    assert [generate(cluster.url, ids, 16, KEY) for ids in again] == [generate(single_server, ids, 16)
-                                                                      for ids in again]
+    assert [generate(cluster.url, ids, 16, KEY) for ids in again] == [
+        generate(single_server, ids, 16) for ids in again
+    ]
     d = agents(cluster)["decode-0"]
     deadline = time.monotonic() + 60
     while d["kv_free_tokens"] + d["kv_evictable_tokens"] != d["kv_total_tokens"]:
         assert time.monotonic() < deadline, d
         time.sleep(0.3)
         d = agents(cluster)["decode-0"]
-    print(f"host killed: {errors} of {len(results)} requests ended with an error, the rest were exact")
+    print(
+        f"host killed: {errors} of {len(results)} requests ended with an error, the rest were exact"
+    )

@@ -32,8 +32,8 @@ from conftest import launched_cluster
 from safetensors import safe_open
 
 from bana_sglang import models
-from bana_sglang.wire import agent as m
 from bana_sglang.migrate.client import AgentClient
+from bana_sglang.wire import agent as m
 
 pytestmark = pytest.mark.slow
 
@@ -43,28 +43,43 @@ KEY = "migrate-test-key"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     # a guest silent this long is gone (the failure tests stop one with SIGSTOP)
-    with launched_cluster(["--num-prefill", "1", "--num-decode", "1", "--api-key", KEY],
-                          tmp_path_factory.mktemp("migrate-logs"),
-                          env={"BANA_MIGRATE_STEP_TIMEOUT_S": "8", "BANA_MIGRATE_PEER_TIMEOUT_S": "10"}) as c:
+    with launched_cluster(
+        ["--num-prefill", "1", "--num-decode", "1", "--api-key", KEY],
+        tmp_path_factory.mktemp("migrate-logs"),
+        env={"BANA_MIGRATE_STEP_TIMEOUT_S": "8", "BANA_MIGRATE_PEER_TIMEOUT_S": "10"},
+    ) as c:
         yield c
 
 
 def cli(c, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bana_sglang.migrate", "--router", c.url, *args],
-                          capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "BANA_API_KEY": KEY})
+    return subprocess.run(
+        [sys.executable, "-m", "bana_sglang.migrate", "--router", c.url, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "BANA_API_KEY": KEY},
+    )
 
 
 def agents(c) -> dict[str, dict]:
-    r = httpx.get(c.url + "/bana/admin/agents", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    r = httpx.get(
+        c.url + "/bana/admin/agents", headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+    )
     assert r.status_code == 200, r.text
     return {a["worker"]: a for a in r.json()["agents"] if "worker" in a}  # not the unreachable ones
 
 
-def generate(url: str, ids: list[int], n: int, key: str | None = None, ignore_eos: bool = False) -> list[int]:
+def generate(
+    url: str, ids: list[int], n: int, key: str | None = None, ignore_eos: bool = False
+) -> list[int]:
     sp = {"temperature": 0, "max_new_tokens": n, **({"ignore_eos": True} if ignore_eos else {})}
-    r = httpx.post(url + "/generate", timeout=300, headers={"Authorization": f"Bearer {key}"} if key else {},
-                   json={"input_ids": ids, "sampling_params": sp})
+    r = httpx.post(
+        url + "/generate",
+        timeout=300,
+        headers={"Authorization": f"Bearer {key}"} if key else {},
+        json={"input_ids": ids, "sampling_params": sp},
+    )
     assert r.status_code == 200, r.text
     assert not ignore_eos or len(r.json()["output_ids"]) == n
     return r.json()["output_ids"]
@@ -74,12 +89,18 @@ def checkpoint_crc(layer: int, name: str) -> int:
     """CRC32 of a layer parameter as SGLang holds it, computed from the checkpoint."""
     path = glob.glob(str(models.resolve("tiny") / "*.safetensors"))[0]
     with safe_open(path, "pt") as f:
+
         def get(n: str) -> torch.Tensor:
             return f.get_tensor(f"model.layers.{layer}.{n}")
 
-        fused = {"self_attn.qkv_proj.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                               "self_attn.v_proj.weight"],
-                 "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"]}
+        fused = {
+            "self_attn.qkv_proj.weight": [
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+            ],
+            "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+        }
         t = torch.cat([get(x) for x in fused[name]]) if name in fused else get(name)
     return zlib.crc32(t.contiguous().view(torch.uint8).numpy()) & 0xFFFFFFFF
 
@@ -87,8 +108,11 @@ def checkpoint_crc(layer: int, name: str) -> int:
 def counter(url: str, name: str) -> float:
     """A counter on a worker's /metrics (SGLang's multiprocess registry)."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-               or line.startswith(name + "{"))
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
 
 
 def test_status_lists_every_worker_executing_its_own_layers(cluster):
@@ -107,8 +131,18 @@ def test_layer_weights_move_to_the_decode_worker_while_requests_run(cluster, sin
     want = [generate(single_server, ids, 12) for ids in prompts]
     with ThreadPoolExecutor(3) as pool:
         running = [pool.submit(generate, cluster.url, ids, 12, KEY) for ids in prompts]
-        out = cli(cluster, "migrate", "prefill-0", "decode-0", "--layers", "1:3", "--id", "mig-live", "--wait",
-                  "--stage-only")
+        out = cli(
+            cluster,
+            "migrate",
+            "prefill-0",
+            "decode-0",
+            "--layers",
+            "1:3",
+            "--id",
+            "mig-live",
+            "--wait",
+            "--stage-only",
+        )
         got = [f.result() for f in running]
     assert out.returncode == 0, out.stdout + out.stderr
     assert "mig-live: staged" in out.stdout
@@ -116,7 +150,12 @@ def test_layer_weights_move_to_the_decode_worker_while_requests_run(cluster, sin
     a = agents(cluster)
     src = next(x for x in a["prefill-0"]["migrations"] if x["migration"] == "mig-live")
     dst = next(x for x in a["decode-0"]["migrations"] if x["migration"] == "mig-live")
-    assert (src["side"], src["state"], dst["side"], dst["state"]) == ("source", "staged", "guest", "verified")
+    assert (src["side"], src["state"], dst["side"], dst["state"]) == (
+        "source",
+        "staged",
+        "guest",
+        "verified",
+    )
     assert dst["tensors"] == src["tensors"] and len(src["tensors"]) >= 12
     disk = [checkpoint_crc(int(t.split(".", 1)[0]), t.split(".", 1)[1]) for t in dst["tensors"]]
     assert dst["crc32"] == src["crc32"] == disk
@@ -141,16 +180,30 @@ def test_live_agent_rejects_bad_messages_and_keeps_serving(cluster, single_serve
     try:
         for frame, reason in [
             (b"\x93garbage", "malformed"),
-            (msgspec.msgpack.encode({"type": "shrink", "id": 3, "v": 1, "deadline": time.time() + 9}),
-             "unknown_type"),
-            (msgspec.msgpack.encode({"type": "status", "id": 4, "v": 2, "deadline": time.time() + 9}),
-             "unsupported_version"),
-            (msgspec.msgpack.encode({"type": "status", "id": 5, "v": 1, "deadline": time.time() - 5}),
-             "stale_deadline"),
+            (
+                msgspec.msgpack.encode(
+                    {"type": "shrink", "id": 3, "v": 1, "deadline": time.time() + 9}
+                ),
+                "unknown_type",
+            ),
+            (
+                msgspec.msgpack.encode(
+                    {"type": "status", "id": 4, "v": 2, "deadline": time.time() + 9}
+                ),
+                "unsupported_version",
+            ),
+            (
+                msgspec.msgpack.encode(
+                    {"type": "status", "id": 5, "v": 1, "deadline": time.time() - 5}
+                ),
+                "stale_deadline",
+            ),
         ]:
             r = client.send_raw(frame)
             assert isinstance(r, m.Error) and r.reason == reason, r
-        r = client.call(m.MigrateLayers, migration="too-far", start=0, stop=999, peer="tcp://127.0.0.1:9")
+        r = client.call(
+            m.MigrateLayers, migration="too-far", start=0, stop=999, peer="tcp://127.0.0.1:9"
+        )
         assert isinstance(r, m.Error) and r.reason == "invalid" and "layers" in r.detail
         assert isinstance(client.call(m.Ping), m.Pong)
     finally:
@@ -162,16 +215,31 @@ def test_live_agent_rejects_bad_messages_and_keeps_serving(cluster, single_serve
 def test_admin_endpoints_need_the_key_and_name_bad_requests(cluster):
     assert httpx.get(cluster.url + "/bana/admin/agents", timeout=10).status_code == 401
     h = {"Authorization": f"Bearer {KEY}"}
-    r = httpx.post(cluster.url + "/bana/admin/migrations", headers=h, timeout=30,
-                   json={"worker": "prefill-7", "peer": "decode-0", "layers": [0, 1]})
+    r = httpx.post(
+        cluster.url + "/bana/admin/migrations",
+        headers=h,
+        timeout=30,
+        json={"worker": "prefill-7", "peer": "decode-0", "layers": [0, 1]},
+    )
     assert r.status_code == 404 and "prefill-7" in r.text
-    r = httpx.post(cluster.url + "/bana/admin/migrations", headers=h, timeout=30,
-                   json={"worker": "prefill-0", "peer": "decode-0", "layers": [0]})
+    r = httpx.post(
+        cluster.url + "/bana/admin/migrations",
+        headers=h,
+        timeout=30,
+        json={"worker": "prefill-0", "peer": "decode-0", "layers": [0]},
+    )
     assert r.status_code == 400 and "layers" in r.text
-    r = httpx.post(cluster.url + "/bana/admin/migrations", headers=h, timeout=30,
-                   json={"worker": "prefill-0", "peer": "decode-0", "layers": [3, 1]})
+    r = httpx.post(
+        cluster.url + "/bana/admin/migrations",
+        headers=h,
+        timeout=30,
+        json={"worker": "prefill-0", "peer": "decode-0", "layers": [3, 1]},
+    )
     assert r.status_code == 400 and "non-empty range" in r.text
-    assert httpx.get(cluster.url + "/bana/admin/migrations/nope", headers=h, timeout=30).status_code == 404
+    assert (
+        httpx.get(cluster.url + "/bana/admin/migrations/nope", headers=h, timeout=30).status_code
+        == 404
+    )
 
 
 # --------------------------------------------------------------------------- the execution switch
@@ -196,8 +264,9 @@ def router_speeds(c, until, timeout: float = 15) -> dict[str, float]:
     """Each worker's prefill speed in the router's loads, once ``until(speeds)`` holds."""
     deadline = time.monotonic() + timeout
     while True:
-        ws = httpx.get(c.url + "/bana/router/workers", headers={"Authorization": f"Bearer {KEY}"},
-                       timeout=30).json()["workers"]
+        ws = httpx.get(
+            c.url + "/bana/router/workers", headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+        ).json()["workers"]
         speeds = {w["url"]: w["load"]["prefill_speed"] for w in ws}
         if until(speeds):
             return speeds
@@ -215,18 +284,32 @@ def test_prefill_layers_run_on_the_decode_worker_then_come_home(cluster, single_
     assert generate(cluster.url, cached, 4, KEY) == generate(single_server, cached, 4)
     with ThreadPoolExecutor(3) as pool:
         running = [pool.submit(generate, cluster.url, ids, 12, KEY) for ids in prompts]
-        out = cli(cluster, "migrate", "prefill-0", "decode-0", "--layers", "1:3", "--id", "sw-prefill", "--wait")
+        out = cli(
+            cluster,
+            "migrate",
+            "prefill-0",
+            "decode-0",
+            "--layers",
+            "1:3",
+            "--id",
+            "sw-prefill",
+            "--wait",
+        )
         got = [f.result() for f in running]
     assert out.returncode == 0, out.stdout + out.stderr
     assert "sw-prefill: remote" in out.stdout
     assert got == want  # requests that finished before, spanned, and started after the switch
     a = agents(cluster)
-    assert a["prefill-0"]["placement"] == [{"start": 0, "stop": 1, "executor": "prefill-0"},
-                                           {"start": 1, "stop": 3, "executor": "decode-0"},
-                                           {"start": 3, "stop": 4, "executor": "prefill-0"}]
+    assert a["prefill-0"]["placement"] == [
+        {"start": 0, "stop": 1, "executor": "prefill-0"},
+        {"start": 1, "stop": 3, "executor": "decode-0"},
+        {"start": 3, "stop": 4, "executor": "prefill-0"},
+    ]
     src = migration(cluster, "prefill-0", "sw-prefill")
     assert src["state"] == "remote" and src["executor"] == "decode-0"
-    assert src["released_bytes"] == src["bytes_total"] > 0  # the prefill freed its copy of the weights
+    assert (
+        src["released_bytes"] == src["bytes_total"] > 0
+    )  # the prefill freed its copy of the weights
     assert a["decode-0"]["guest_bytes"] > src["bytes_total"]  # the weights plus the guest KV
     # after the switch: a prompt extending the one cached before ships its prefix KV to the guest
     before = migration(cluster, "prefill-0", "sw-prefill")
@@ -238,7 +321,9 @@ def test_prefill_layers_run_on_the_decode_worker_then_come_home(cluster, single_
     # the router reads the placements: prefill-0 computes 2 of its 4 layers (twice the
     # prefill speed), decode-0 gives them part of its time
     speeds = router_speeds(cluster, lambda s: s[urls["prefill-0"]] != 1.0)
-    assert speeds[urls["prefill-0"]] == pytest.approx(2.0) and speeds[urls["decode-0"]] < 1.0, speeds
+    assert speeds[urls["prefill-0"]] == pytest.approx(2.0) and speeds[urls["decode-0"]] < 1.0, (
+        speeds
+    )
     assert counter(urls["prefill-0"], "bana_migrate_migrations_switched_total") == 1
     assert counter(urls["decode-0"], "bana_migrate_guest_steps_total") >= after["steps"]
     # recall: the weights come back from the decode worker, checked against their CRC32
@@ -265,16 +350,30 @@ def test_decode_layers_with_the_last_layer_run_on_the_prefill_worker(cluster, si
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(generate, cluster.url, ids, 40, KEY) for ids in prompts]
         time.sleep(1.0)
-        out = cli(cluster, "migrate", "decode-0", "prefill-0", "--layers", "2:4", "--id", "sw-decode", "--wait")
+        out = cli(
+            cluster,
+            "migrate",
+            "decode-0",
+            "prefill-0",
+            "--layers",
+            "2:4",
+            "--id",
+            "sw-decode",
+            "--wait",
+        )
         got = [f.result() for f in running]
     assert out.returncode == 0 and "sw-decode: remote" in out.stdout, out.stdout + out.stderr
     assert got == want
-    assert [generate(cluster.url, ids, 40, KEY) for ids in prompts[:2]] == want[:2]  # all after the switch
+    assert [generate(cluster.url, ids, 40, KEY) for ids in prompts[:2]] == want[
+        :2
+    ]  # all after the switch
     src = migration(cluster, "decode-0", "sw-decode")
     assert src["steps"] >= 40 and src["shipped_rows"] > 0
     out = cli(cluster, "recall", "sw-decode", "--from-checkpoint", "--wait")
     assert out.returncode == 0 and "sw-decode: home" in out.stdout, out.stdout + out.stderr
-    assert agents(cluster)["decode-0"]["placement"] == [{"start": 0, "stop": 4, "executor": "decode-0"}]
+    assert agents(cluster)["decode-0"]["placement"] == [
+        {"start": 0, "stop": 4, "executor": "decode-0"}
+    ]
     assert [generate(cluster.url, ids, 40, KEY) for ids in prompts[2:]] == want[2:]
 
 
@@ -293,7 +392,9 @@ def test_a_guest_that_stops_answering_after_the_switch(cluster, single_server):
     running request ends with the plain tokens, none hangs."""
     prompts = prompts_of(13, 3)
     want = [generate(single_server, ids, 60) for ids in prompts]
-    out = cli(cluster, "migrate", "decode-0", "prefill-0", "--layers", "0:2", "--id", "sw-fail", "--wait")
+    out = cli(
+        cluster, "migrate", "decode-0", "prefill-0", "--layers", "0:2", "--id", "sw-fail", "--wait"
+    )
     assert out.returncode == 0 and "sw-fail: remote" in out.stdout, out.stdout + out.stderr
     guest_pid = _pid_of(cluster, "prefill-0")
     decode_agent = AgentClient(agents(cluster)["decode-0"]["agent"], timeout_s=20)
@@ -302,7 +403,9 @@ def test_a_guest_that_stops_answering_after_the_switch(cluster, single_server):
             running = [pool.submit(generate, cluster.url, ids, 60, KEY) for ids in prompts]
             deadline = time.monotonic() + 120
             decode_url = agents(cluster)["decode-0"]["url"]
-            while True:  # every request is decoding on decode-0 (none still waits for the prefill worker)
+            while (
+                True
+            ):  # every request is decoding on decode-0 (none still waits for the prefill worker)
                 loads = httpx.get(decode_url + "/v1/loads", timeout=10).json()["loads"]
                 if sum(int(x.get("num_running_reqs", 0)) for x in loads) == len(prompts):
                     break
@@ -311,8 +414,13 @@ def test_a_guest_that_stops_answering_after_the_switch(cluster, single_server):
             os.kill(guest_pid, signal.SIGSTOP)
             try:
                 deadline = time.monotonic() + 60
-                while (info := next(x for x in decode_agent.call(m.Status).migrations
-                                    if x.migration == "sw-fail")).state != "restored":
+                while (
+                    info := next(
+                        x
+                        for x in decode_agent.call(m.Status).migrations
+                        if x.migration == "sw-fail"
+                    )
+                ).state != "restored":
                     assert time.monotonic() < deadline, info
                     time.sleep(0.3)
                 got = [f.result(timeout=120) for f in running]
@@ -323,7 +431,9 @@ def test_a_guest_that_stops_answering_after_the_switch(cluster, single_server):
         # after it answered but before its output was read (the bounded transfer-engine read)
         assert info.reason == "peer_lost", info
         assert "no answer from the guest" in info.detail or (
-            "reading the guest's output" in info.detail and "no data from the transfer engine" in info.detail), info
+            "reading the guest's output" in info.detail
+            and "no data from the transfer engine" in info.detail
+        ), info
         st = decode_agent.call(m.Status)
         assert [(p.start, p.stop, p.executor) for p in st.placement] == [(0, 4, "decode-0")]
     finally:
@@ -345,11 +455,19 @@ def test_a_guest_that_is_frozen_before_the_switch(cluster, single_server):
     try:
         client = AgentClient(endpoints["decode-0"], timeout_s=20)
         try:
-            r = client.call(m.MigrateLayers, migration="sw-frozen", start=1, stop=3, peer=endpoints["prefill-0"],
-                            switch=True)
+            r = client.call(
+                m.MigrateLayers,
+                migration="sw-frozen",
+                start=1,
+                stop=3,
+                peer=endpoints["prefill-0"],
+                switch=True,
+            )
             assert isinstance(r, m.Accepted), r
             deadline = time.monotonic() + 60
-            while not isinstance(w := client.call(m.Watch, migration="sw-frozen"), (m.Done, m.Failed)):
+            while not isinstance(
+                w := client.call(m.Watch, migration="sw-frozen"), (m.Done, m.Failed)
+            ):
                 assert time.monotonic() < deadline, w
                 time.sleep(0.5)
             st = client.call(m.Status)
@@ -373,18 +491,46 @@ def wait_healthy(c, timeout: float = 60) -> None:
         time.sleep(0.5)
 
 
-def test_the_live_balancer_moves_prefill_layers_under_a_burst_and_brings_them_home(cluster, single_server,
-                                                                                    tiny_model):
+def test_the_live_balancer_moves_prefill_layers_under_a_burst_and_brings_them_home(
+    cluster, single_server, tiny_model
+):
     """The controller process reads the loads from the router, sees the prefill
     tier hot under a burst of long prompts, switches the prefill worker's tail
     layers to the idle decode worker, and recalls them once the cluster is calm;
     every request gives the plain worker's tokens."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bana_sglang.balancer.controller", "--router", cluster.url, "--model-path",
-         str(tiny_model), "--interval", "0.25", "--consecutive", "1", "--imbalance-threshold", "1.2",
-         "--min-interval-s", "0", "--cooldown-s", "5", "--min-peak", "0.5", "--prefill-tokens-per-s", "200",
-         "--recall-after-s", "2", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "BANA_API_KEY": KEY})
+        [
+            sys.executable,
+            "-m",
+            "bana_sglang.balancer.controller",
+            "--router",
+            cluster.url,
+            "--model-path",
+            str(tiny_model),
+            "--interval",
+            "0.25",
+            "--consecutive",
+            "1",
+            "--imbalance-threshold",
+            "1.2",
+            "--min-interval-s",
+            "0",
+            "--cooldown-s",
+            "5",
+            "--min-peak",
+            "0.5",
+            "--prefill-tokens-per-s",
+            "200",
+            "--recall-after-s",
+            "2",
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "BANA_API_KEY": KEY},
+    )
     try:
         line = proc.stdout.readline()
         assert "bana-balancer ready on" in line, line
@@ -394,13 +540,19 @@ def test_the_live_balancer_moves_prefill_layers_under_a_burst_and_brings_them_ho
             return httpx.get(base + "/decisions", timeout=10).json()["decisions"]
 
         started: list[dict] = []
-        for attempt in range(3):  # a burst normally suffices; the machine may be slow to report load
+        for attempt in range(
+            3
+        ):  # a burst normally suffices; the machine may be slow to report load
             prompts = prompts_of(100 + attempt, 10, base=900, step=40)
             want = [generate(single_server, ids, 6) for ids in prompts]
             with ThreadPoolExecutor(10) as pool:
                 got = list(pool.map(lambda ids: generate(cluster.url, ids, 6, KEY), prompts))
             assert got == want
-            started = [d for d in decisions() if d["kind"] == "layer_migration" and d["result"] == "started"]
+            started = [
+                d
+                for d in decisions()
+                if d["kind"] == "layer_migration" and d["result"] == "started"
+            ]
             if started:
                 break
         assert started, decisions()
@@ -408,12 +560,16 @@ def test_the_live_balancer_moves_prefill_layers_under_a_burst_and_brings_them_ho
         assert d["src"].endswith(str(agents(cluster)["prefill-0"]["url"]).rsplit(":", 1)[1])
         assert d["peak_after"] < d["peak_before"]
         deadline = time.monotonic() + 60
-        while not any(x["kind"] == "recall" and x["migration"] == d["migration"] for x in decisions()):
+        while not any(
+            x["kind"] == "recall" and x["migration"] == d["migration"] for x in decisions()
+        ):
             assert time.monotonic() < deadline, decisions()
             time.sleep(0.3)
         x = wait_state(cluster, "prefill-0", d["migration"], ("home",), timeout=60)
         assert x["steps"] >= 0
-        assert agents(cluster)["prefill-0"]["placement"] == [{"start": 0, "stop": 4, "executor": "prefill-0"}]
+        assert agents(cluster)["prefill-0"]["placement"] == [
+            {"start": 0, "stop": 4, "executor": "prefill-0"}
+        ]
         text = httpx.get(base + "/metrics", timeout=10).text
         assert 'bana_balancer_decisions_total{kind="layer_migration",result="started"}' in text
         ids = prompts_of(5, 1)[0]

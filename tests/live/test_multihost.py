@@ -47,10 +47,25 @@ class Launcher:
     def __init__(self, lab, i: int, spec: Path, log_dir: Path):
         self.name = HOSTS[i]
         self.lines: list[str] = []
-        self.proc = lab.popen(i, [sys.executable, "-m", "bana_sglang.launch", "--spec", str(spec),
-                                  "--node", self.name, "--log-dir", str(log_dir / self.name),
-                                  "--startup-timeout", "900"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = lab.popen(
+            i,
+            [
+                sys.executable,
+                "-m",
+                "bana_sglang.launch",
+                "--spec",
+                str(spec),
+                "--node",
+                self.name,
+                "--log-dir",
+                str(log_dir / self.name),
+                "--startup-timeout",
+                "900",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
@@ -81,15 +96,22 @@ class MultiHost:
         self.decode = f"http://{addr['b']}:30102"
 
     def via_router(self, ids: list[int], n: int, timeout: float = 300) -> httpx.Response:
-        return httpx.post(self.router + "/generate", timeout=timeout,
-                          json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n}})
+        return httpx.post(
+            self.router + "/generate",
+            timeout=timeout,
+            json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n}},
+        )
 
     def direct(self, prefill: int, ids: list[int], n: int) -> tuple[dict, dict]:
         """One PD request through prefill worker ``prefill`` (bootstrap protocol, as a router sends it)."""
         url, boot = self.prefill[prefill]
-        body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n},
-                "bootstrap_host": url.split("//")[1].rsplit(":", 1)[0], "bootstrap_port": boot,
-                "bootstrap_room": random.getrandbits(63)}
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": n},
+            "bootstrap_host": url.split("//")[1].rsplit(":", 1)[0],
+            "bootstrap_port": boot,
+            "bootstrap_room": random.getrandbits(63),
+        }
         with ThreadPoolExecutor(1) as pool:
             pre = pool.submit(httpx.post, url + "/generate", json=body, timeout=300)
             d = httpx.post(self.decode + "/generate", json=body, timeout=300)
@@ -112,11 +134,21 @@ def make_spec(addrs: list[str]) -> dict:
         "model": "tiny",
         "nodes": [
             {"name": "a", "address": a, "workers": []},
-            {"name": "b", "address": b, "workers": [
-                {"role": "prefill", "port": 30100, "bootstrap_port": 30101},
-                {"role": "decode", "port": 30102, "agent_port": 30103}]},
-            {"name": "c", "address": c, "workers": [
-                {"role": "prefill", "port": 30100, "bootstrap_port": 30101, "agent_port": 30103}]},
+            {
+                "name": "b",
+                "address": b,
+                "workers": [
+                    {"role": "prefill", "port": 30100, "bootstrap_port": 30101},
+                    {"role": "decode", "port": 30102, "agent_port": 30103},
+                ],
+            },
+            {
+                "name": "c",
+                "address": c,
+                "workers": [
+                    {"role": "prefill", "port": 30100, "bootstrap_port": 30101, "agent_port": 30103}
+                ],
+            },
         ],
         "master": {"node": "a", "rpc_port": 30110, "metrics_port": 30111},
         "store": {"node": "a", "index_port": 30112, "bytes": "256M"},
@@ -147,11 +179,15 @@ def hosts(tmp_path_factory) -> Iterator[MultiHost]:
             deadline = time.monotonic() + 900
             # the router's host is ready once requests flow end to end; each node
             # prints its own ready line when its launcher has seen its parts healthy
-            while not (launchers["a"].saw(READY_MARK)
-                       and all(x.saw(f"{NODE_READY_MARK} {n}") for n, x in launchers.items())):
+            while not (
+                launchers["a"].saw(READY_MARK)
+                and all(x.saw(f"{NODE_READY_MARK} {n}") for n, x in launchers.items())
+            ):
                 dead = [n for n, x in launchers.items() if x.proc.poll() is not None]
                 if dead or time.monotonic() > deadline:
-                    out = "\n".join(f"[{n}] {line}" for n, x in launchers.items() for line in x.lines[-25:])
+                    out = "\n".join(
+                        f"[{n}] {line}" for n, x in launchers.items() for line in x.lines[-25:]
+                    )
                     pytest.fail(f"multi-host cluster did not start (exited: {dead}):\n{out}")
                 time.sleep(1)
             yield MultiHost(lab, spec, launchers)
@@ -166,8 +202,11 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def plain_tokens(single_server: str, ids: list[int], n: int) -> list[int]:
-    r = httpx.post(single_server + "/generate", timeout=300,
-                   json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n}})
+    r = httpx.post(
+        single_server + "/generate",
+        timeout=300,
+        json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n}},
+    )
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 
@@ -193,8 +232,11 @@ def test_every_node_started_its_share_and_health_lists_every_part(hosts):
     wait_for(all_up, "health 'ok' at the router", timeout=30)
     h = seen
     assert h["missing"] == []
-    assert set(h["parts"]) == {f"prefill {u}" for u, _ in hosts.prefill} | {f"decode {hosts.decode}",
-                                                                           "mooncake-master", "kv-index"}
+    assert set(h["parts"]) == {f"prefill {u}" for u, _ in hosts.prefill} | {
+        f"decode {hosts.decode}",
+        "mooncake-master",
+        "kv-index",
+    }
 
 
 def test_requests_through_the_router_across_hosts_give_plain_tokens(hosts, single_server):
@@ -223,11 +265,21 @@ def test_prefix_computed_on_one_host_is_reused_on_another(hosts, single_server):
 
 
 def spec_ports(spec: dict, node: str) -> set[int]:
-    ports = {p for w in next(n for n in spec["nodes"] if n["name"] == node)["workers"]
-             for p in (w["port"], w.get("bootstrap_port")) if p}
+    ports = {
+        p
+        for w in next(n for n in spec["nodes"] if n["name"] == node)["workers"]
+        for p in (w["port"], w.get("bootstrap_port"))
+        if p
+    }
     if node == spec["master"]["node"]:
         ports |= {spec["master"]["rpc_port"], spec["master"]["metrics_port"]}
-    ports |= {w["agent_port"] for n in spec["nodes"] if n["name"] == node for w in n["workers"] if "agent_port" in w}
+    ports |= {
+        w["agent_port"]
+        for n in spec["nodes"]
+        if n["name"] == node
+        for w in n["workers"]
+        if "agent_port" in w
+    }
     if node == spec["store"]["node"]:
         ports.add(spec["store"]["index_port"])
     if node == spec["router"]["node"]:
@@ -247,30 +299,48 @@ def test_every_port_the_spec_names_listens_on_its_hosts_address_only(hosts):
         assert set(bound) == named, f"host {name}: not listening: {sorted(named - set(bound))}"
         assert all(a == hosts.addr[name] for a in bound.values()), f"host {name}: {bound}"
         other = [(a, p) for a, p in listeners if p not in named]
-        assert all(a in (hosts.addr[name], "127.0.0.1", "::1", "0.0.0.0", "::", "*") for a, _ in other), other
+        assert all(
+            a in (hosts.addr[name], "127.0.0.1", "::1", "0.0.0.0", "::", "*") for a, _ in other
+        ), other
 
 
 def test_layer_weights_move_between_hosts(hosts):
     """prefill-1 (host c) stages layers on decode-0 (host b) through the router
     on host a: the agents' transfer engines reach each other at the addresses
     the spec advertises."""
-    r = httpx.post(hosts.router + "/bana/admin/migrations", timeout=60,
-                   json={"worker": "prefill-1", "peer": "decode-0", "layers": [0, 2], "id": "cross-host",
-                         "switch": False})
+    r = httpx.post(
+        hosts.router + "/bana/admin/migrations",
+        timeout=60,
+        json={
+            "worker": "prefill-1",
+            "peer": "decode-0",
+            "layers": [0, 2],
+            "id": "cross-host",
+            "switch": False,
+        },
+    )
     assert r.status_code == 202, r.text
     deadline = time.monotonic() + 120
-    while (w := httpx.get(hosts.router + "/bana/admin/migrations/cross-host", timeout=60).json())["kind"] == "progress":
+    while (w := httpx.get(hosts.router + "/bana/admin/migrations/cross-host", timeout=60).json())[
+        "kind"
+    ] == "progress":
         assert time.monotonic() < deadline, w
         time.sleep(0.2)
     assert w["kind"] == "done" and w["state"] == "staged", w
-    agents = {a["worker"]: a for a in httpx.get(hosts.router + "/bana/admin/agents", timeout=60).json()["agents"]}
+    agents = {
+        a["worker"]: a
+        for a in httpx.get(hosts.router + "/bana/admin/agents", timeout=60).json()["agents"]
+    }
     assert set(agents) == {"prefill-1", "decode-0"}  # prefill-0 has no agent_port in the spec
     src = next(x for x in agents["prefill-1"]["migrations"] if x["migration"] == "cross-host")
     dst = next(x for x in agents["decode-0"]["migrations"] if x["migration"] == "cross-host")
     assert dst["state"] == "verified" and dst["crc32"] == src["crc32"] and dst["bytes_done"] > 0
     assert agents["prefill-1"]["transfer_session"].startswith(hosts.addr["c"] + ":")
     assert agents["decode-0"]["transfer_session"].startswith(hosts.addr["b"] + ":")
-    assert httpx.delete(hosts.router + "/bana/admin/migrations/cross-host", timeout=60).status_code == 200
+    assert (
+        httpx.delete(hosts.router + "/bana/admin/migrations/cross-host", timeout=60).status_code
+        == 200
+    )
 
 
 def test_router_fails_over_when_a_host_is_cut_off_and_recovers(hosts, single_server):
@@ -282,9 +352,13 @@ def test_router_fails_over_when_a_host_is_cut_off_and_recovers(hosts, single_ser
         before = hosts.routed()
         with ThreadPoolExecutor(3) as pool:
             got = list(pool.map(lambda ids: hosts.via_router(ids, 8), ids_list))
-        assert [r.status_code for r in got] == [200] * 6, [r.text for r in got if r.status_code != 200]
+        assert [r.status_code for r in got] == [200] * 6, [
+            r.text for r in got if r.status_code != 200
+        ]
         assert [r.json()["output_ids"] for r in got] == want
-        wait_for(lambda: f"prefill {c_url}" in hosts.health()["missing"], "host c reported missing", 30)
+        wait_for(
+            lambda: f"prefill {c_url}" in hosts.health()["missing"], "host c reported missing", 30
+        )
         h = hosts.health()
         assert h["status"] == "degraded" and h["healthy_prefill"] == 1, h
         # the cut host got nothing after it was marked down

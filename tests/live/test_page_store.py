@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import free_port
+from test_radix_service import index_service
 
 from bana_sglang.launch.procs import ManagedProcess, tcp_open, wait_until
 from bana_sglang.radix_global.keys import KVLayout, PageHash, page_chain
@@ -24,8 +26,6 @@ from bana_sglang.radix_global.service import IndexClient
 from bana_sglang.radix_global.storage_server import READY_LINE as STORAGE_READY
 from bana_sglang.radix_global.store import Miss, PageStore, StoreConfig, page_key
 from bana_sglang.radix_global.worker_cache import GlobalKVCache
-from conftest import free_port
-from test_radix_service import index_service
 
 pytestmark = pytest.mark.slow
 
@@ -46,14 +46,28 @@ class Mooncake:
 
     def start_master(self) -> None:
         self.generation += 1
-        self.master = ManagedProcess(f"mooncake-master-{self.generation}", [
-            os.path.join(BIN, "mooncake_master"), f"-rpc_port={self.rpc}", "-rpc_address=127.0.0.1",
-            f"-metrics_port={self.metrics}", "-metrics_host=127.0.0.1",
-            "-enable_http_metadata_server=false", "-minloglevel=2",
-            "-default_kv_lease_ttl=1000"], env=ENV)
+        self.master = ManagedProcess(
+            f"mooncake-master-{self.generation}",
+            [
+                os.path.join(BIN, "mooncake_master"),
+                f"-rpc_port={self.rpc}",
+                "-rpc_address=127.0.0.1",
+                f"-metrics_port={self.metrics}",
+                "-metrics_host=127.0.0.1",
+                "-enable_http_metadata_server=false",
+                "-minloglevel=2",
+                "-default_kv_lease_ttl=1000",
+            ],
+            env=ENV,
+        )
         self.master.start()
-        wait_until(lambda: tcp_open("127.0.0.1", self.rpc, 0.2), proc=self.master,
-                   what="the master's RPC port", timeout=30, interval=0.05)
+        wait_until(
+            lambda: tcp_open("127.0.0.1", self.rpc, 0.2),
+            proc=self.master,
+            what="the master's RPC port",
+            timeout=30,
+            interval=0.05,
+        )
 
     def kill_master(self) -> None:
         assert self.master
@@ -61,12 +75,29 @@ class Mooncake:
         self.master.reap()
 
     def start_storage(self) -> None:
-        self.storage = ManagedProcess("bana-storage", [
-            sys.executable, "-m", "bana_sglang.radix_global.storage_server",
-            "--master", self.addr, "--segment-bytes", "64M", "--log-level", "WARNING"], env=ENV)
+        self.storage = ManagedProcess(
+            "bana-storage",
+            [
+                sys.executable,
+                "-m",
+                "bana_sglang.radix_global.storage_server",
+                "--master",
+                self.addr,
+                "--segment-bytes",
+                "64M",
+                "--log-level",
+                "WARNING",
+            ],
+            env=ENV,
+        )
         self.storage.start()
-        wait_until(lambda: any(STORAGE_READY in x for x in self.storage.tail()), proc=self.storage,
-                   what="the ready line", timeout=60, interval=0.05)
+        wait_until(
+            lambda: any(STORAGE_READY in x for x in self.storage.tail()),
+            proc=self.storage,
+            what="the ready line",
+            timeout=60,
+            interval=0.05,
+        )
 
     def stop(self) -> None:
         for p in (self.storage, self.master):
@@ -87,8 +118,9 @@ def mooncake() -> Iterator[Mooncake]:
 
 @pytest.fixture()
 def store(mooncake) -> Iterator[PageStore]:
-    s = PageStore.connect(LAYOUT, StoreConfig(master_addr=mooncake.addr, staging_bytes=1 << 20,
-                                              probe_interval_s=0.2))
+    s = PageStore.connect(
+        LAYOUT, StoreConfig(master_addr=mooncake.addr, staging_bytes=1 << 20, probe_interval_s=0.2)
+    )
     yield s
     s.kv.close()
 
@@ -174,14 +206,20 @@ def test_layerwise_read_lands_layers_in_scattered_slots_and_verifies(store):
         store.register(t)
 
     def parts(k, v, start, layers=range(L)):
-        return [x for layer in layers for x in (k[layer][start:start + P], v[layer][start:start + P])]
+        return [
+            x
+            for layer in layers
+            for x in (k[layer][start : start + P], v[layer][start : start + P])
+        ]
 
     chain = page_chain(range(7000, 7000 + 3 * P), LAYOUT)
     src_starts, dst_starts = [0, 2 * P, P], [3 * P, 0, 2 * P]  # scattered, not in order
     assert store.put_pages(chain, [parts(src_k, src_v, s) for s in src_starts]).written == 3
     # the whole-page path sees the same bytes, in the layer-major page layout
     whole = store.get_page(chain[1])
-    assert torch.equal(whole[1, 0], src_k[1][2 * P:3 * P]) and torch.equal(whole[0, 1], src_v[0][2 * P:3 * P])
+    assert torch.equal(whole[1, 0], src_k[1][2 * P : 3 * P]) and torch.equal(
+        whole[0, 1], src_v[0][2 * P : 3 * P]
+    )
 
     read = store.layerwise(chain)
     assert read.start() is None and len(read.pages) == 3
@@ -190,12 +228,15 @@ def test_layerwise_read_lands_layers_in_scattered_slots_and_verifies(store):
     assert read.finish() is None
     for s, d in zip(src_starts, dst_starts):
         for layer in range(L):
-            assert torch.equal(dst_k[layer][d:d + P], src_k[layer][s:s + P])
-            assert torch.equal(dst_v[layer][d:d + P], src_v[layer][s:s + P])
+            assert torch.equal(dst_k[layer][d : d + P], src_k[layer][s : s + P])
+            assert torch.equal(dst_v[layer][d : d + P], src_v[layer][s : s + P])
 
     # a missing page in the middle: the read keeps the prefix before it
     gap = page_chain(range(7000, 7000 + 3 * P), LAYOUT, salt="gap")
-    assert store.put_pages([gap[0], gap[2]], [parts(src_k, src_v, 0), parts(src_k, src_v, P)]).written == 2
+    assert (
+        store.put_pages([gap[0], gap[2]], [parts(src_k, src_v, 0), parts(src_k, src_v, P)]).written
+        == 2
+    )
     read = store.layerwise(gap)
     miss = read.start()
     assert miss.reason == "missing" and miss.page == gap[1] and read.pages == [gap[0]]
@@ -219,11 +260,23 @@ def _outage_while_requests_flow(mooncake: Mooncake, kill, restart, what: str, se
     """Requests keep flowing through index + store while part of the store dies
     and comes back: misses and no exceptions meanwhile, hits again afterwards."""
     port = free_port()
-    with index_service(port, "--capacity-bytes", str(8 << 20), "--master", mooncake.addr,
-                       "--epoch-check", "0.3", name="radix-index-store"):
+    with index_service(
+        port,
+        "--capacity-bytes",
+        str(8 << 20),
+        "--master",
+        mooncake.addr,
+        "--epoch-check",
+        "0.3",
+        name="radix-index-store",
+    ):
         ep = f"tcp://127.0.0.1:{port}"
-        store = PageStore.connect(LAYOUT, StoreConfig(master_addr=mooncake.addr, probe_interval_s=0.2))
-        cache = GlobalKVCache(LAYOUT, IndexClient(ep, timeout_s=2.0, name="worker"), store, "worker")
+        store = PageStore.connect(
+            LAYOUT, StoreConfig(master_addr=mooncake.addr, probe_interval_s=0.2)
+        )
+        cache = GlobalKVCache(
+            LAYOUT, IndexClient(ep, timeout_s=2.0, name="worker"), store, "worker"
+        )
         prompts = [list(range(k * 100, k * 100 + 24)) for k in range(4)]  # 6 pages each
         log: list[tuple[float, int, float]] = []  # (start, hit pages, latency)
         errors: list[BaseException] = []
@@ -251,7 +304,9 @@ def _outage_while_requests_flow(mooncake: Mooncake, kill, restart, what: str, se
         try:
             deadline = time.monotonic() + 30
             while not any(h for _, h, _ in log):
-                assert time.monotonic() < deadline and not errors, f"no hits before the kill: {errors}"
+                assert time.monotonic() < deadline and not errors, (
+                    f"no hits before the kill: {errors}"
+                )
                 time.sleep(0.1)
             killed_at = time.monotonic()
             kill()
@@ -260,7 +315,8 @@ def _outage_while_requests_flow(mooncake: Mooncake, kill, restart, what: str, se
             deadline = time.monotonic() + 20
             while len(during := [e for e in log if e[0] > killed_at + 1.0]) < 3:
                 assert time.monotonic() < deadline and not errors, (
-                    f"requests stopped flowing while the {what} was down: {errors}")
+                    f"requests stopped flowing while the {what} was down: {errors}"
+                )
                 time.sleep(0.1)
             assert all(h == 0 for _, h, _ in during)
             restart()
@@ -276,14 +332,18 @@ def _outage_while_requests_flow(mooncake: Mooncake, kill, restart, what: str, se
         assert not errors, errors
         resumed = min(t for t, h, _ in log if t > restarted_at and h) - restarted_at
         outage = [lat for t, _, lat in log if killed_at < t < restarted_at]
-        print(f"\n{what}: hits resumed {resumed:.1f}s after the restart; {len(log)} requests; "
-              f"during the outage {len(outage)} requests, slowest {max(outage, default=0):.2f}s")
+        print(
+            f"\n{what}: hits resumed {resumed:.1f}s after the restart; {len(log)} requests; "
+            f"during the outage {len(outage)} requests, slowest {max(outage, default=0):.2f}s"
+        )
         if settle is not None:
             # what the index learns from the store (its janitor's epoch check) it
             # learns asynchronously: hits can resume from fresh publishes first
             deadline = time.monotonic() + 15
             while (stats := cache.index.stats()) is None or not settle(stats):
-                assert time.monotonic() < deadline, f"the index never settled after the {what} restart: {stats}"
+                assert time.monotonic() < deadline, (
+                    f"the index never settled after the {what} restart: {stats}"
+                )
                 time.sleep(0.2)
         else:
             stats = cache.index.stats()
@@ -293,8 +353,12 @@ def _outage_while_requests_flow(mooncake: Mooncake, kill, restart, what: str, se
 
 def test_master_killed_and_restarted_while_requests_flow(mooncake):
     stats, log, killed_at = _outage_while_requests_flow(
-        mooncake, mooncake.kill_master, mooncake.start_master, "master",
-        settle=lambda s: s.store_resets >= 1)
+        mooncake,
+        mooncake.kill_master,
+        mooncake.start_master,
+        "master",
+        settle=lambda s: s.store_resets >= 1,
+    )
     # the outage gate: no request waited for Mooncake's ~4.5 s RPC timeout more than once
     slow = [lat for t, _, lat in log if t > killed_at and lat > 1.0]
     assert len(slow) <= 2, slow
@@ -307,8 +371,9 @@ def test_storage_process_killed_and_restarted_while_requests_flow(mooncake):
         mooncake.storage.kill()
         mooncake.storage.reap()
 
-    stats, _, _ = _outage_while_requests_flow(mooncake, kill, mooncake.start_storage, "storage process",
-                                              settle=lambda s: s.forgotten > 0)
+    stats, _, _ = _outage_while_requests_flow(
+        mooncake, kill, mooncake.start_storage, "storage process", settle=lambda s: s.forgotten > 0
+    )
     assert stats.forgotten > 0  # readers reported the lost pages; the index forgot them
 
 
@@ -325,10 +390,15 @@ def test_index_service_removes_evicted_and_lost_pages_from_the_store(mooncake):
     port = free_port()
     store = PageStore.connect(LAYOUT, StoreConfig(master_addr=mooncake.addr))
     capacity = 6 * store.object_size  # room for 6 pages
-    with index_service(port, "--capacity-bytes", str(capacity), "--master", mooncake.addr,
-                       name="radix-index-evict"):
-        cache = GlobalKVCache(LAYOUT, IndexClient(f"tcp://127.0.0.1:{port}", timeout_s=5), store, "w")
-        chains = [cache.chain(list(range(k * 1000, k * 1000 + 12))) for k in range(4)]  # 3 pages each
+    with index_service(
+        port, "--capacity-bytes", str(capacity), "--master", mooncake.addr, name="radix-index-evict"
+    ):
+        cache = GlobalKVCache(
+            LAYOUT, IndexClient(f"tcp://127.0.0.1:{port}", timeout_s=5), store, "w"
+        )
+        chains = [
+            cache.chain(list(range(k * 1000, k * 1000 + 12))) for k in range(4)
+        ]  # 3 pages each
         for ch in chains:
             assert cache.publish(ch, [_page(i) for i in range(3)]).committed == 3
         held = [p for ch in chains for p in ch]

@@ -44,8 +44,10 @@ NEW_CLI = 2000
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with launched_cluster(["--num-prefill", "1", "--num-decode", "2", "--api-key", KEY],
-                          tmp_path_factory.mktemp("request-migrate-logs")) as c:
+    with launched_cluster(
+        ["--num-prefill", "1", "--num-decode", "2", "--api-key", KEY],
+        tmp_path_factory.mktemp("request-migrate-logs"),
+    ) as c:
         yield c
 
 
@@ -75,10 +77,15 @@ class Stream:
 
 
 def gen_body(ids: list[int], new: int = NEW) -> dict:
-    return {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}}
+    return {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": new, "ignore_eos": True},
+    }
 
 
-def movable(c, worker: str | None = None, n: int = 1, timeout: float = 120) -> tuple[str, list[dict]]:
+def movable(
+    c, worker: str | None = None, n: int = 1, timeout: float = 120
+) -> tuple[str, list[dict]]:
     """Until a decode worker lists ``n`` movable requests: (worker, them)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -96,8 +103,12 @@ def other(name: str) -> str:
 def move(c, worker: str, mid: str, peer: str | None = None, timeout: float = 120) -> dict:
     """A request migration through the admin API (quicker than the CLI's start-up,
     which a request can outrun on a loaded machine), followed to its end."""
-    r = httpx.post(c.url + "/bana/admin/migrations", headers=H, timeout=30,
-                   json={"worker": worker, "peer": peer, "request": True, "id": mid})
+    r = httpx.post(
+        c.url + "/bana/admin/migrations",
+        headers=H,
+        timeout=30,
+        json={"worker": worker, "peer": peer, "request": True, "id": mid},
+    )
     assert r.status_code == 202, r.text
     return wait_state(c, worker, mid, ("handed_off", "failed", "cancelled"), timeout)
 
@@ -120,8 +131,12 @@ def test_streamed_requests_move_mid_answer_and_read_as_one_answer(cluster, singl
     assert "req-cli: handed_off" in out.stdout
     # ... one through the admin endpoint: a named request to a named peer
     src2, reqs2 = movable(cluster, n=1)
-    r = httpx.post(cluster.url + "/bana/admin/migrations", headers=H, timeout=30,
-                   json={"worker": src2, "peer": other(src2), "request": reqs2[0]["rid"], "id": "req-admin"})
+    r = httpx.post(
+        cluster.url + "/bana/admin/migrations",
+        headers=H,
+        timeout=30,
+        json={"worker": src2, "peer": other(src2), "request": reqs2[0]["rid"], "id": "req-admin"},
+    )
     assert r.status_code == 202, r.text
     done = wait_state(cluster, src2, "req-admin", ("handed_off", "failed"))
     got = [s.join() for s in streams]
@@ -129,7 +144,9 @@ def test_streamed_requests_move_mid_answer_and_read_as_one_answer(cluster, singl
         assert events[-1] == "[DONE]"
         last = events[-2]
         assert last["output_ids"] == w  # the same tokens as a plain run, moved or not
-        assert last["meta_info"]["prompt_tokens"] == len(ids) and last["meta_info"]["completion_tokens"] == len(w)
+        assert last["meta_info"]["prompt_tokens"] == len(ids) and last["meta_info"][
+            "completion_tokens"
+        ] == len(w)
         assert len({e["meta_info"]["id"] for e in events[:-1]}) == 1  # one response
         texts = [e["text"] for e in events[:-1]]
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # cumulative across the move
@@ -141,9 +158,15 @@ def test_streamed_requests_move_mid_answer_and_read_as_one_answer(cluster, singl
 
 
 def test_a_chat_stream_moves_twice_and_reads_as_one_answer(cluster):
-    body = {"messages": [{"role": "user", "content": "tell me about the sea and the ships " * 4}],
-            "max_tokens": NEW, "temperature": 0, "stream_options": {"include_usage": True}}
-    plain = httpx.post(cluster.url + "/v1/chat/completions", headers=H, timeout=300, json=body).json()
+    body = {
+        "messages": [{"role": "user", "content": "tell me about the sea and the ships " * 4}],
+        "max_tokens": NEW,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
+    plain = httpx.post(
+        cluster.url + "/v1/chat/completions", headers=H, timeout=300, json=body
+    ).json()
     s = Stream(cluster.url, "/v1/chat/completions", body)
     src, _ = movable(cluster)
     assert move(cluster, src, "chat-1", peer=other(src))["state"] == "handed_off"
@@ -155,12 +178,16 @@ def test_a_chat_stream_moves_twice_and_reads_as_one_answer(cluster):
     chunks = events[:-1]
     text = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks if c["choices"])
     assert text == plain["choices"][0]["message"]["content"]
-    assert len({c["id"] for c in chunks}) == 1 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and all(
+        c["object"] == "chat.completion.chunk" for c in chunks
+    )
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == plain["choices"][0]["finish_reason"] and "abort" not in finishes
     usage = chunks[-1]["usage"]
-    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (plain["usage"]["prompt_tokens"],
-                                                                    plain["usage"]["completion_tokens"])
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
+        plain["usage"]["prompt_tokens"],
+        plain["usage"]["completion_tokens"],
+    )
 
 
 def test_after_the_moves_both_decode_pools_are_whole(cluster):
@@ -168,8 +195,11 @@ def test_after_the_moves_both_decode_pools_are_whole(cluster):
     while True:
         a = agents(cluster)
         d = [a[w] for w in ("decode-0", "decode-1")]
-        if all(x["running_requests"] == 0 and x["kv_free_tokens"] + x["kv_evictable_tokens"] == x["kv_total_tokens"]
-               for x in d):
+        if all(
+            x["running_requests"] == 0
+            and x["kv_free_tokens"] + x["kv_evictable_tokens"] == x["kv_total_tokens"]
+            for x in d
+        ):
             break
         assert time.monotonic() < deadline, d
         time.sleep(0.2)
@@ -193,7 +223,9 @@ def test_bad_request_migrations_are_refused_with_the_reason(cluster):
     # a non-streamed request is not migratable: it is never cut short
     ids = prompts_of(41, 1, base=40)[0]
     with httpx.Client(timeout=300) as client:
-        t = threading.Thread(target=lambda: client.post(cluster.url + "/generate", headers=H, json=gen_body(ids)))
+        t = threading.Thread(
+            target=lambda: client.post(cluster.url + "/generate", headers=H, json=gen_body(ids))
+        )
         t.start()
         deadline = time.monotonic() + 120
         while not any(agents(cluster)[w]["running_requests"] for w in ("decode-0", "decode-1")):
@@ -205,7 +237,9 @@ def test_bad_request_migrations_are_refused_with_the_reason(cluster):
     assert out.returncode == 1 and "can move" in out.stdout, out.stdout + out.stderr
 
 
-def test_with_no_decode_worker_to_take_it_the_client_gets_a_prefix_and_an_error(cluster, single_server):
+def test_with_no_decode_worker_to_take_it_the_client_gets_a_prefix_and_an_error(
+    cluster, single_server
+):
     """Last: it kills a decode worker. The request is stopped on the survivor,
     the continuation has nowhere to go: the stream ends with an error event
     after tokens that are a prefix of the plain run's, and the survivor serves on."""
@@ -214,10 +248,14 @@ def test_with_no_decode_worker_to_take_it_the_client_gets_a_prefix_and_an_error(
     victim = "decode-1"
     os.kill(_pid_of(cluster, victim), signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while httpx.get(cluster.url + "/health", headers=H, timeout=30).json()["healthy_decode"] != 1:  # the router noticed
+    while (
+        httpx.get(cluster.url + "/health", headers=H, timeout=30).json()["healthy_decode"] != 1
+    ):  # the router noticed
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    for attempt in range(3):  # a loaded machine can let the request end before the boundary: try again
+    for attempt in range(
+        3
+    ):  # a loaded machine can let the request end before the boundary: try again
         s = Stream(cluster.url, "/generate", gen_body(ids))
         src, _ = movable(cluster, worker="decode-0")
         st = move(cluster, src, f"req-orphan-{attempt}")
@@ -230,7 +268,7 @@ def test_with_no_decode_worker_to_take_it_the_client_gets_a_prefix_and_an_error(
     assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
     assert "could not continue" in events[-2]["error"]["message"]
     seen = [e for e in events if isinstance(e, dict) and "output_ids" in e]
-    assert seen and seen[-1]["output_ids"] == want[:len(seen[-1]["output_ids"])]
+    assert seen and seen[-1]["output_ids"] == want[: len(seen[-1]["output_ids"])]
     assert router_counter(cluster, 'bana_router_request_migrations_total{result="failed"}') >= 1
     # the survivor serves on (and a plain request is not routed to the dead worker for long)
     assert generate(cluster.url, ids, 8, KEY, ignore_eos=True) == want[:8]

@@ -18,9 +18,9 @@ import time
 import httpx
 import psutil
 import pytest
+from conftest import free_port, launched_cluster
 
 from bana_sglang.launch.procs import http_ok
-from conftest import free_port, launched_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +31,27 @@ BASELINES = ("round_robin", "power_of_two", "cache_aware")
 
 @pytest.fixture(scope="module")
 def live(tiny_model, tmp_path_factory):
-    with launched_cluster(["--num-prefill", "2", "--api-key", KEY],
-                          tmp_path_factory.mktemp("router-live-logs")) as cluster:
-        workers = httpx.get(cluster.url + "/bana/router/workers", headers=AUTH, timeout=30).json()["workers"]
-        argv = [sys.executable, "-m", "bana_sglang.router", "--model-path", str(tiny_model),
-                "--log-level", "WARNING"]
+    with launched_cluster(
+        ["--num-prefill", "2", "--api-key", KEY], tmp_path_factory.mktemp("router-live-logs")
+    ) as cluster:
+        workers = httpx.get(cluster.url + "/bana/router/workers", headers=AUTH, timeout=30).json()[
+            "workers"
+        ]
+        argv = [
+            sys.executable,
+            "-m",
+            "bana_sglang.router",
+            "--model-path",
+            str(tiny_model),
+            "--log-level",
+            "WARNING",
+        ]
         for w in workers:
-            argv += (["--prefill", w["url"], str(w["bootstrap_port"])] if w["role"] == "prefill"
-                     else ["--decode", w["url"]])
+            argv += (
+                ["--prefill", w["url"], str(w["bootstrap_port"])]
+                if w["role"] == "prefill"
+                else ["--decode", w["url"]]
+            )
         extra: dict[str, str] = {}
         procs = []
         for policy in BASELINES:
@@ -68,10 +81,16 @@ def test_api_key_is_required_on_every_endpoint(live):
     cluster, _ = live
     for path in ("/v1/models", "/health", "/metrics", "/bana/router/workers"):
         assert httpx.get(cluster.url + path, timeout=30).status_code == 401, path
-        assert httpx.get(cluster.url + path, headers={"Authorization": "Bearer nope"},
-                         timeout=30).status_code == 401
+        assert (
+            httpx.get(
+                cluster.url + path, headers={"Authorization": "Bearer nope"}, timeout=30
+            ).status_code
+            == 401
+        )
         assert httpx.get(cluster.url + path, headers=AUTH, timeout=30).status_code == 200, path
-    r = httpx.post(cluster.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    r = httpx.post(
+        cluster.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
+    )
     assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
 
 
@@ -79,7 +98,10 @@ def test_identical_greedy_tokens_through_every_policy(live, single_server):
     _, urls = live
     prompts = ["The global store holds", "Prefill workers share pages. " * 12, "x"]
     for text in prompts:
-        req = {"text": text, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+        req = {
+            "text": text,
+            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+        }
         ref = httpx.post(single_server + "/generate", json=req, timeout=120).json()["output_ids"]
         for policy, url in urls.items():
             for _ in range(2):  # both prefill workers under round robin
@@ -129,19 +151,31 @@ def test_select_through_the_router_matches_hf_transformers(live, tiny_model):
 
 
 def _hotspot_requests(n: int) -> list[dict]:
-    system = ("You are the support assistant of a company that runs a large model serving "
-              "cluster with prefill and decode workers and a global cache. ") * 6
-    return [{"messages": [{"role": "system", "content": system},
-                          {"role": "user", "content": f"Ticket {i}: why is my request slow?"}],
-             "max_tokens": 4, "temperature": 0} for i in range(n)]
+    system = (
+        "You are the support assistant of a company that runs a large model serving "
+        "cluster with prefill and decode workers and a global cache. "
+    ) * 6
+    return [
+        {
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Ticket {i}: why is my request slow?"},
+            ],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        for i in range(n)
+    ]
 
 
 async def _fire(url: str, reqs: list[dict], concurrency: int) -> list[int]:
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=300, headers=AUTH) as c:
+
         async def one(body):
             async with sem:
                 return (await c.post(url + "/v1/chat/completions", json=body)).status_code
+
         return await asyncio.gather(*(one(b) for b in reqs))
 
 
@@ -167,17 +201,24 @@ def test_hotspot_cache_aware_concentrates_and_bana_spreads(live):
 def test_killed_prefill_worker_requests_are_retried_and_none_hangs(live):
     """Last: kills prefill-1 while 12 requests are in flight."""
     cluster, _ = live
-    reqs = [{"text": f"Request {i} asks about caches and load. " * 6,
-             "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
-            for i in range(12)]
+    reqs = [
+        {
+            "text": f"Request {i} asks about caches and load. " * 6,
+            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+        }
+        for i in range(12)
+    ]
     with httpx.Client(timeout=120, headers=AUTH) as c:
         ref = [c.post(cluster.url + "/generate", json=r).json()["output_ids"] for r in reqs]
     prefill_urls = sorted(routed(cluster.url, AUTH))
     victim_port = prefill_urls[-1].rsplit(":", 1)[1]
     # the worker's leader: the launcher's own child (its scheduler subprocesses can carry the same
     # command line, and killing only one of them leaves the leader to exit whenever it notices)
-    victim = next(p for p in psutil.Process(cluster.proc.pid).children(recursive=False)
-                  if "sglang.launch_server" in " ".join(p.cmdline()) and victim_port in p.cmdline())
+    victim = next(
+        p
+        for p in psutil.Process(cluster.proc.pid).children(recursive=False)
+        if "sglang.launch_server" in " ".join(p.cmdline()) and victim_port in p.cmdline()
+    )
 
     async def flow():
         async with httpx.AsyncClient(timeout=180, headers=AUTH) as c:
@@ -203,8 +244,12 @@ def test_killed_prefill_worker_requests_are_retried_and_none_hangs(live):
     # next load poll (every 0.25 s, a slow one given up after 2 s) finds it dead
     deadline = time.monotonic() + 10
     while True:
-        state = {w["url"]: w for w in httpx.get(cluster.url + "/bana/router/workers", headers=AUTH,
-                                                 timeout=30).json()["workers"]}
+        state = {
+            w["url"]: w
+            for w in httpx.get(
+                cluster.url + "/bana/router/workers", headers=AUTH, timeout=30
+            ).json()["workers"]
+        }
         if not state[prefill_urls[-1]]["healthy"] or time.monotonic() > deadline:
             break
         time.sleep(0.2)

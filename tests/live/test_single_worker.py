@@ -32,14 +32,18 @@ def hf_greedy(hf, prompt: str, n: int = NEW_TOKENS) -> tuple[list[int], list[int
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return ids[0].tolist(), out[0, ids.shape[1]:].tolist()
+    return ids[0].tolist(), out[0, ids.shape[1] :].tolist()
 
 
 def sglang_greedy(url: str, input_ids: list[int], n: int = NEW_TOKENS) -> list[int]:
-    r = httpx.post(f"{url}/generate", timeout=120, json={
-        "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
-    })
+    r = httpx.post(
+        f"{url}/generate",
+        timeout=120,
+        json={
+            "input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        },
+    )
     r.raise_for_status()
     return r.json()["output_ids"]
 

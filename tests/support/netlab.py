@@ -77,10 +77,16 @@ class Netlab:
     def check_reachable(self, timeout: float = 10.0) -> str | None:
         """None when a listener in host 0 is reachable from host 1 and from here."""
         port = 47999
-        server = self.popen(0, ["python3", "-c",
-                                "import socket,time;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,"
-                                f"socket.SO_REUSEADDR,1);s.bind(('{self.addrs[0]}',{port}));s.listen();"
-                                "time.sleep(30)"])
+        server = self.popen(
+            0,
+            [
+                "python3",
+                "-c",
+                "import socket,time;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,"
+                f"socket.SO_REUSEADDR,1);s.bind(('{self.addrs[0]}',{port}));s.listen();"
+                "time.sleep(30)",
+            ],
+        )
         try:
             deadline = time.monotonic() + timeout
             while True:
@@ -92,9 +98,20 @@ class Netlab:
                         return f"root namespace cannot reach {self.addrs[0]}:{port}: {e}"
                     time.sleep(0.2)
             if len(self.ns) > 1:
-                r = subprocess.run(["ip", "netns", "exec", self.ns[1], "python3", "-c",
-                                    f"import socket;socket.create_connection(('{self.addrs[0]}',{port}),"
-                                    "timeout=3).close()"], capture_output=True, text=True)
+                r = subprocess.run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        self.ns[1],
+                        "python3",
+                        "-c",
+                        f"import socket;socket.create_connection(('{self.addrs[0]}',{port}),"
+                        "timeout=3).close()",
+                    ],
+                    capture_output=True,
+                    text=True,
+                )
                 if r.returncode != 0:
                     return f"namespace {self.ns[1]} cannot reach {self.addrs[0]}: {r.stderr.strip()[-200:]}"
             return None
@@ -108,8 +125,12 @@ class Netlab:
 
     def listeners(self, i: int) -> list[tuple[str, int]]:
         """(address, port) of every TCP listening socket in host ``i``."""
-        r = subprocess.run(["ip", "netns", "exec", self.ns[i], "ss", "-Hltn"], capture_output=True, text=True,
-                           check=True)
+        r = subprocess.run(
+            ["ip", "netns", "exec", self.ns[i], "ss", "-Hltn"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         out = []
         for line in r.stdout.splitlines():
             cols = line.split()

@@ -13,10 +13,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_nothing_outside_envs_reads_a_bana_variable():
-    reads = re.compile(r"""(environ\.get|getenv|environ\.setdefault)\(\s*["']BANA_|environ\[\s*["']BANA_\w+["']\s*\](?!\s*=)""")
-    bad = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
-           for p in sorted((ROOT / "bana_sglang").rglob("*.py")) if "envs" not in p.relative_to(ROOT).parts
-           for i, line in enumerate(p.read_text().splitlines(), 1) if reads.search(line)]
+    reads = re.compile(
+        r"""(environ\.get|getenv|environ\.setdefault)\(\s*["']BANA_|environ\[\s*["']BANA_\w+["']\s*\](?!\s*=)"""
+    )
+    bad = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in sorted((ROOT / "bana_sglang").rglob("*.py"))
+        if "envs" not in p.relative_to(ROOT).parts
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if reads.search(line)
+    ]
     assert not bad, "read these through bana_sglang.envs:\n" + "\n".join(bad)
 
 
@@ -25,12 +31,15 @@ def test_every_bana_name_in_the_package_is_registered():
     for p in (ROOT / "bana_sglang").rglob("*.py"):
         names |= set(re.findall(r"\bBANA_[A-Z][A-Z0-9_]*\b", p.read_text()))
     names -= {"BANA_STANDIN"}  # an attribute of the CPU layer's sgl_kernel stand-in, not a variable
-    assert names <= set(envs.REGISTRY), f"not in bana_sglang/envs.py: {sorted(names - set(envs.REGISTRY))}"
+    assert names <= set(envs.REGISTRY), (
+        f"not in bana_sglang/envs.py: {sorted(names - set(envs.REGISTRY))}"
+    )
 
 
 def test_the_readme_holds_the_current_table():
-    assert envs.markdown_table() in (ROOT / "README.md").read_text(), \
+    assert envs.markdown_table() in (ROOT / "README.md").read_text(), (
         "README.md's settings table is stale: paste `python -m bana_sglang.envs`"
+    )
 
 
 def test_values_are_typed_and_defaulted_when_unset(monkeypatch):
@@ -46,13 +55,16 @@ def test_values_are_typed_and_defaulted_when_unset(monkeypatch):
     assert envs.BANA_DEVICE.get() == "cuda"
 
 
-@pytest.mark.parametrize("name, raw, words", [
-    ("BANA_IDLE_POLL_MS", "fast", "an integer"),
-    ("BANA_IDLE_POLL_MS", "-1", ">= 0"),
-    ("BANA_DEVICE", "tpu", "cpu, cuda"),
-    ("BANA_MERGE_TRITON", "maybe", "0 or 1"),
-    ("BANA_INDEX_RETRY_S", "soon", "a number"),
-])
+@pytest.mark.parametrize(
+    "name, raw, words",
+    [
+        ("BANA_IDLE_POLL_MS", "fast", "an integer"),
+        ("BANA_IDLE_POLL_MS", "-1", ">= 0"),
+        ("BANA_DEVICE", "tpu", "cpu, cuda"),
+        ("BANA_MERGE_TRITON", "maybe", "0 or 1"),
+        ("BANA_INDEX_RETRY_S", "soon", "a number"),
+    ],
+)
 def test_a_bad_value_names_the_variable_and_what_it_takes(monkeypatch, name, raw, words):
     monkeypatch.setenv(name, raw)
     with pytest.raises(ValueError, match=name) as e:

@@ -21,7 +21,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "bana_sglang"
 
-FOUNDATION = ("types", "envs", "registry", "counters", "_cli", "wire", "kernels", "models", "mooncake_env")
+FOUNDATION = (
+    "types",
+    "envs",
+    "registry",
+    "counters",
+    "_cli",
+    "wire",
+    "kernels",
+    "models",
+    "mooncake_env",
+)
 MAY_IMPORT: dict[str, frozenset[str]] = {
     **{room: frozenset({"envs"} - {room}) for room in FOUNDATION},
     "attention": frozenset({*FOUNDATION}),
@@ -36,9 +46,18 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "launch": frozenset({*FOUNDATION, "attention", "compat", "radix_global", "router", "balancer"}),
 }
 #: Processes that must never load torch (they start in milliseconds and serve many requests).
-TORCH_FREE = ("bana_sglang.router.server", "bana_sglang.router.__main__", "bana_sglang.migrate.client",
-              "bana_sglang.migrate.__main__", "bana_sglang.balancer.controller", "bana_sglang.wire.transport",
-              "bana_sglang.wire.agent", "bana_sglang.wire.index", "bana_sglang.types", "bana_sglang.envs")
+TORCH_FREE = (
+    "bana_sglang.router.server",
+    "bana_sglang.router.__main__",
+    "bana_sglang.migrate.client",
+    "bana_sglang.migrate.__main__",
+    "bana_sglang.balancer.controller",
+    "bana_sglang.wire.transport",
+    "bana_sglang.wire.agent",
+    "bana_sglang.wire.index",
+    "bana_sglang.types",
+    "bana_sglang.envs",
+)
 
 
 def room_of(path: Path) -> str:
@@ -61,7 +80,9 @@ def project_imports(path: Path) -> list[tuple[int, str]]:
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "bana_sglang"]
+            out += [
+                (node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "bana_sglang"
+            ]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - node.level + 1]
@@ -83,8 +104,10 @@ def sources() -> list[Path]:
 
 def test_every_room_is_in_the_rule():
     rooms = {room_of(p) for p in sources()} - {"__init__"}
-    assert rooms == set(MAY_IMPORT), f"rooms without a rule: {rooms - set(MAY_IMPORT)}; " \
-                                     f"rules without a room: {set(MAY_IMPORT) - rooms}"
+    assert rooms == set(MAY_IMPORT), (
+        f"rooms without a rule: {rooms - set(MAY_IMPORT)}; "
+        f"rules without a room: {set(MAY_IMPORT) - rooms}"
+    )
 
 
 def test_no_import_runs_against_the_layering():
@@ -103,7 +126,9 @@ def test_no_import_runs_against_the_layering():
             allowed = MAY_IMPORT[room]
             if other != room and other not in allowed and ".".join(parts[1:3]) not in allowed:
                 bad.append(f"{path.relative_to(ROOT)}:{line}: {room} imports {target}")
-    assert not bad, "imports against the layering (tests/unit/test_layering.py MAY_IMPORT):\n" + "\n".join(bad)
+    assert not bad, (
+        "imports against the layering (tests/unit/test_layering.py MAY_IMPORT):\n" + "\n".join(bad)
+    )
 
 
 def test_the_layering_test_catches_an_upward_import(tmp_path, monkeypatch):
@@ -119,11 +144,15 @@ def test_the_layering_test_catches_an_upward_import(tmp_path, monkeypatch):
 
 
 def test_torch_free_processes_do_not_import_torch():
-    code = ("import importlib, sys\n"
-            f"for m in {TORCH_FREE!r}: importlib.import_module(m)\n"
-            "heavy = sorted(k for k in ('torch', 'sglang', 'mooncake') if k in sys.modules)\n"
-            "print(','.join(heavy))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    code = (
+        "import importlib, sys\n"
+        f"for m in {TORCH_FREE!r}: importlib.import_module(m)\n"
+        "heavy = sorted(k for k in ('torch', 'sglang', 'mooncake') if k in sys.modules)\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"these modules pull in {out.stdout.strip()}"
 
@@ -136,4 +165,6 @@ def test_architecture_doc_states_the_same_rule():
         if len(cells) >= 3 and re.fullmatch(r"`[\w]+`", cells[0]):
             rows[cells[0].strip("`")] = frozenset(re.findall(r"`([\w.]+)`", cells[-1]))
     documented = {room: rows.get(room) for room in MAY_IMPORT}
-    assert documented == dict(MAY_IMPORT), "docs/ARCHITECTURE.md's package table differs from MAY_IMPORT"
+    assert documented == dict(MAY_IMPORT), (
+        "docs/ARCHITECTURE.md's package table differs from MAY_IMPORT"
+    )

@@ -27,8 +27,8 @@ import torch
 import zmq
 
 from bana_sglang.kernels import cpu_attention
-from bana_sglang.wire import kv_blocks as w
 from bana_sglang.migrate.layers.owner import StepBuffer, unpack
+from bana_sglang.wire import kv_blocks as w
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +69,24 @@ class KVHost:
     @property
     def bytes_held(self) -> int:
         with self._lock:
-            return sum(t.numel() * t.element_size() for h in self.hosted.values() for t in h.segments.values())
+            return sum(
+                t.numel() * t.element_size()
+                for h in self.hosted.values()
+                for t in h.segments.values()
+            )
 
     def info(self) -> dict[str, dict]:
         with self._lock:
-            return {mid: {"lender": h.lender, "segments": len(h.segments),
-                          "bytes": sum(t.numel() * t.element_size() for t in h.segments.values()),
-                          "attend_calls": h.attend_calls, "compute_s": h.compute_s}
-                    for mid, h in self.hosted.items()}
+            return {
+                mid: {
+                    "lender": h.lender,
+                    "segments": len(h.segments),
+                    "bytes": sum(t.numel() * t.element_size() for t in h.segments.values()),
+                    "attend_calls": h.attend_calls,
+                    "compute_s": h.compute_s,
+                }
+                for mid, h in self.hosted.items()
+            }
 
     # ------------------------------------------------------------------ serving
     def _serve(self) -> None:
@@ -86,7 +96,11 @@ class KVHost:
             frames = self._sock.recv_multipart(copy=False)
             if len(frames) < 2:
                 continue
-            ident, frame, payload = frames[0].bytes, frames[1].bytes, frames[2].buffer if len(frames) > 2 else None
+            ident, frame, payload = (
+                frames[0].bytes,
+                frames[1].bytes,
+                frames[2].buffer if len(frames) > 2 else None,
+            )
             req = w.decode_request(frame)
             out: list = []
             if not isinstance(req, w.Error):
@@ -104,7 +118,9 @@ class KVHost:
         """The reply to ``req``, or (reply, payload) for an inline Attend."""
         hosted = self.hosted.get(req.migration)
         if hosted is None:
-            return w.Error(id=req.id, reason="invalid", detail=f"no KV migration {req.migration!r} opened here")
+            return w.Error(
+                id=req.id, reason="invalid", detail=f"no KV migration {req.migration!r} opened here"
+            )
         if isinstance(req, w.DropKV):
             return self._drop(req, hosted)
         if isinstance(req, w.HostKV):
@@ -113,7 +129,9 @@ class KVHost:
 
     def _read(self, req, dst: list[torch.Tensor], addrs: list[int]) -> str:
         try:  # bounded by the request's deadline: a frozen lender must not hold this thread
-            self.engine.read(req.session, dst, addrs, timeout_s=max(req.deadline - time.time(), 0.1))
+            self.engine.read(
+                req.session, dst, addrs, timeout_s=max(req.deadline - time.time(), 0.1)
+            )
         except Exception as e:
             return f"{type(e).__name__}: {e}"
         return ""
@@ -125,12 +143,20 @@ class KVHost:
         row = 2 * req.layers * req.kv_heads * req.head_dim * dtype.itemsize
         for seg in req.segments:
             if seg.offset + seg.tokens * row > req.nbytes:
-                return w.Error(id=req.id, reason="invalid", detail=f"segment {seg.key!r} lies outside the buffer")
+                return w.Error(
+                    id=req.id,
+                    reason="invalid",
+                    detail=f"segment {seg.key!r} lies outside the buffer",
+                )
             if seg.key in hosted.segments:
-                return w.Error(id=req.id, reason="invalid", detail=f"segment {seg.key!r} is already hosted")
+                return w.Error(
+                    id=req.id, reason="invalid", detail=f"segment {seg.key!r} is already hosted"
+                )
         t0 = time.perf_counter()
-        tensors = [torch.empty((seg.tokens, req.layers, 2, req.kv_heads, req.head_dim), dtype=dtype)
-                   for seg in req.segments]
+        tensors = [
+            torch.empty((seg.tokens, req.layers, 2, req.kv_heads, req.head_dim), dtype=dtype)
+            for seg in req.segments
+        ]
         for t in tensors:
             self.engine.register(t)
         err = self._read(req, tensors, [req.addr + seg.offset for seg in req.segments])
@@ -141,24 +167,38 @@ class KVHost:
         with self._lock:
             for seg, t in zip(req.segments, tensors):
                 hosted.segments[seg.key] = t
-        return w.KVHosted(id=req.id, addrs=[t.data_ptr() for t in tensors],
-                          seconds=round(time.perf_counter() - t0, 6))
+        return w.KVHosted(
+            id=req.id,
+            addrs=[t.data_ptr() for t in tensors],
+            seconds=round(time.perf_counter() - t0, 6),
+        )
 
     def _attend(self, req: w.Attend, hosted: _Hosted, payload=None):
         missing = [k for k in req.keys if k not in hosted.segments]
         if missing:
-            return w.Error(id=req.id, reason="invalid", detail=f"segment {missing[0]!r} is not hosted here")
+            return w.Error(
+                id=req.id, reason="invalid", detail=f"segment {missing[0]!r} is not hosted here"
+            )
         if req.layer >= hosted.layers:
-            return w.Error(id=req.id, reason="invalid", detail=f"layer {req.layer} of {hosted.layers}")
+            return w.Error(
+                id=req.id, reason="invalid", detail=f"layer {req.layer} of {hosted.layers}"
+            )
         if req.inline:
             if payload is None or len(payload) < req.nbytes or req.nbytes > w.INLINE_MAX:
-                return w.Error(id=req.id, reason="invalid", detail="an inline Attend needs its payload frame "
-                                                                    f"(at most {w.INLINE_MAX} bytes)")
-            buf = torch.frombuffer(bytearray(payload[:req.nbytes]), dtype=torch.uint8) if req.nbytes else \
-                torch.empty(0, dtype=torch.uint8)
+                return w.Error(
+                    id=req.id,
+                    reason="invalid",
+                    detail="an inline Attend needs its payload frame "
+                    f"(at most {w.INLINE_MAX} bytes)",
+                )
+            buf = (
+                torch.frombuffer(bytearray(payload[: req.nbytes]), dtype=torch.uint8)
+                if req.nbytes
+                else torch.empty(0, dtype=torch.uint8)
+            )
         else:
             self.recv.ensure(req.nbytes)
-            err = self._read(req, [self.recv.buf[:req.nbytes]], [req.addr])
+            err = self._read(req, [self.recv.buf[: req.nbytes]], [req.addr])
             if err:
                 self.recv.close()  # unregistration waits for the late read, which may still land in it
                 self.recv = StepBuffer(self.engine)
@@ -175,8 +215,14 @@ class KVHost:
         with torch.inference_mode():
             for i, key in enumerate(req.keys):
                 seg = hosted.segments[key]
-                res = cpu_attention.attend(q[i:i + 1], seg[:, req.layer, 0], seg[:, req.layer, 1],
-                                           scale=req.scale, q_offset=None, need_lse=True)
+                res = cpu_attention.attend(
+                    q[i : i + 1],
+                    seg[:, req.layer, 0],
+                    seg[:, req.layer, 1],
+                    scale=req.scale,
+                    q_offset=None,
+                    need_lse=True,
+                )
                 out.append(res.output)
                 lse.append(res.lse)
         layout, nbytes = self.send.pack({"output": torch.cat(out), "lse": torch.cat(lse)})
@@ -184,9 +230,20 @@ class KVHost:
         hosted.attend_calls += 1
         hosted.compute_s += dt
         if req.inline:
-            return (w.Attended(id=req.id, addr=0, nbytes=nbytes, layout=layout, compute_s=round(dt, 6),
-                               inline=True), self.send.buf[:nbytes].numpy().tobytes())
-        return w.Attended(id=req.id, addr=self.send.addr, nbytes=nbytes, layout=layout, compute_s=round(dt, 6))
+            return (
+                w.Attended(
+                    id=req.id,
+                    addr=0,
+                    nbytes=nbytes,
+                    layout=layout,
+                    compute_s=round(dt, 6),
+                    inline=True,
+                ),
+                self.send.buf[:nbytes].numpy().tobytes(),
+            )
+        return w.Attended(
+            id=req.id, addr=self.send.addr, nbytes=nbytes, layout=layout, compute_s=round(dt, 6)
+        )
 
     def _drop(self, req: w.DropKV, hosted: _Hosted) -> w.Reply:
         with self._lock:
@@ -196,7 +253,9 @@ class KVHost:
                 self.hosted.pop(req.migration, None)
         for t in gone:
             self.engine.unregister(t)
-        return w.Dropped(id=req.id, segments=len(gone), bytes=sum(t.numel() * t.element_size() for t in gone))
+        return w.Dropped(
+            id=req.id, segments=len(gone), bytes=sum(t.numel() * t.element_size() for t in gone)
+        )
 
     def close(self) -> None:
         self._stop.set()

@@ -59,8 +59,8 @@ import msgspec
 import torch
 import zmq
 
-from bana_sglang.wire import kv_blocks as w
 from bana_sglang.migrate.layers.owner import StepBuffer, unpack
+from bana_sglang.wire import kv_blocks as w
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,9 @@ class KVStats:
     attend_s: float = 0.0  # D's wall time waiting for the host's partial attention
     host_s: float = 0.0  # the host's compute time
     move_s: float = 0.0  # the stall of the copy at the batch boundary
-    free_before: int = -1  # the allocator's free slots just before and after the move (same boundary)
+    free_before: int = (
+        -1
+    )  # the allocator's free slots just before and after the move (same boundary)
     free_after: int = -1
 
     def as_dict(self) -> dict:
@@ -135,7 +137,9 @@ class KVPeer:
 
     def post(self, make, payload=None, **fields) -> int:
         rid = next(self._ids)
-        frame = w.encode(make(id=rid, deadline=time.time() + self.timeout_s, migration=self.migration, **fields))
+        frame = w.encode(
+            make(id=rid, deadline=time.time() + self.timeout_s, migration=self.migration, **fields)
+        )
         self._socket().send_multipart([frame] if payload is None else [frame, payload], copy=False)
         return rid
 
@@ -196,8 +200,19 @@ class KVLender:
     Scheduler (its result processing is hooked to end requests whose KV was
     lost), or None in unit tests."""
 
-    def __init__(self, kv_pool, req_to_token: torch.Tensor, allocator, tree_cache, engine, *,
-                 num_layers: int, timeout_s: float, scheduler=None, hook_retraction: bool = True):
+    def __init__(
+        self,
+        kv_pool,
+        req_to_token: torch.Tensor,
+        allocator,
+        tree_cache,
+        engine,
+        *,
+        num_layers: int,
+        timeout_s: float,
+        scheduler=None,
+        hook_retraction: bool = True,
+    ):
         self.pool, self.req_to_token, self.allocator = kv_pool, req_to_token, allocator
         self.tree_cache, self.engine = tree_cache, engine
         self.num_layers, self.timeout_s = num_layers, timeout_s
@@ -261,7 +276,9 @@ class KVLender:
             # finished before the loop commits this step's token (computed without the lost KV)
             req.to_finish = FINISH_ABORT(f"KV blocks lost: {why}", HTTPStatus.SERVICE_UNAVAILABLE)
             req.update_finish_state(0)
-            rp._handle_sampling_mask_abort(req)  # SGLang's release of a request whose token is not committed
+            rp._handle_sampling_mask_abort(
+                req
+            )  # SGLang's release of a request whose token is not committed
 
     def close(self) -> None:
         for entry in reversed(self._undo):
@@ -277,13 +294,17 @@ class KVLender:
     # ------------------------------------------------------------------ peers
     def open_peer(self, migration: str, endpoint: str, session: str) -> None:
         with self._lock:
-            self.peers[migration] = KVPeer(migration, endpoint, session, self.engine, self.timeout_s)
+            self.peers[migration] = KVPeer(
+                migration, endpoint, session, self.engine, self.timeout_s
+            )
             self.stats[migration] = KVStats()
 
     def close_peer(self, migration: str) -> None:
         """Free a settled migration's socket and step buffers (its stats stay). Not while
         a segment of it is on the host; lost ones never talk to the host again."""
-        if any(seg.migration == migration and seg.state == "remote" for seg in self.segments.values()):
+        if any(
+            seg.migration == migration and seg.state == "remote" for seg in self.segments.values()
+        ):
             return
         peer = self.peers.pop(migration, None)
         if peer is not None:
@@ -307,7 +328,7 @@ class KVLender:
             stop = (max(int(kv.kv_committed_len) - 1, 0) // ps) * ps
             if stop - start >= min_pages * ps:
                 cands.append((stop - start, req, start, stop))
-        for n, req, start, stop in sorted(cands, key=lambda c: -c[0]):
+        for n, req, start, _stop in sorted(cands, key=lambda c: -c[0]):
             if left <= 0:
                 break
             take = min(n // ps, left)
@@ -332,18 +353,31 @@ class KVLender:
         if not picks:
             return st
         t0 = time.perf_counter()
-        tensors = {f"s{i}": self._segment_rows(p.req.kv.req_pool_idx, p.start, p.stop) for i, p in enumerate(picks)}
+        tensors = {
+            f"s{i}": self._segment_rows(p.req.kv.req_pool_idx, p.start, p.stop)
+            for i, p in enumerate(picks)
+        }
         layout, nbytes = peer.send.pack(tensors)
         k0 = self.pool.get_key_buffer(0)
-        segs = [w.Segment(key=p.req.rid, tokens=p.stop - p.start, offset=slot.offset)
-                for p, slot in zip(picks, layout)]
-        reply = peer.call(w.HostKV, session=self.engine.session, addr=peer.send.addr, nbytes=nbytes,
-                          layers=self.num_layers, kv_heads=int(k0.shape[1]), head_dim=int(k0.shape[2]),
-                          dtype=str(k0.dtype).removeprefix("torch."), segments=segs)
+        segs = [
+            w.Segment(key=p.req.rid, tokens=p.stop - p.start, offset=slot.offset)
+            for p, slot in zip(picks, layout)
+        ]
+        reply = peer.call(
+            w.HostKV,
+            session=self.engine.session,
+            addr=peer.send.addr,
+            nbytes=nbytes,
+            layers=self.num_layers,
+            kv_heads=int(k0.shape[1]),
+            head_dim=int(k0.shape[2]),
+            dtype=str(k0.dtype).removeprefix("torch."),
+            segments=segs,
+        )
         st.free_before = int(self.allocator.available_size())
         for p, addr in zip(picks, reply.addrs):
             row = p.req.kv.req_pool_idx
-            self.allocator.free(self.req_to_token[row, p.start:p.stop].clone())
+            self.allocator.free(self.req_to_token[row, p.start : p.stop].clone())
             self.segments[row] = Segment(migration, p.req.rid, row, p.start, p.stop, addr)
             st.segments += 1
             st.pages += (p.stop - p.start) // self.page
@@ -369,7 +403,9 @@ class KVLender:
         """The host's copy of ``seg`` (``[tokens, layers, 2, kv_heads, head_dim]``), or
         None if the host failed (the migration is then lost)."""
         k0 = self.pool.get_key_buffer(0)
-        buf = torch.empty((seg.tokens, self.num_layers, 2, k0.shape[1], k0.shape[2]), dtype=k0.dtype)
+        buf = torch.empty(
+            (seg.tokens, self.num_layers, 2, k0.shape[1], k0.shape[2]), dtype=k0.dtype
+        )
         self.engine.register(buf)
         try:
             self.peers[seg.migration].read([buf], [seg.addr])
@@ -396,7 +432,7 @@ class KVLender:
         for i in range(self.num_layers):
             self.pool.get_key_buffer(i)[slots] = buf[:, i, 0]
             self.pool.get_value_buffer(i)[slots] = buf[:, i, 1]
-        self.req_to_token[seg.row, seg.start:seg.stop] = slots.to(self.req_to_token.dtype)
+        self.req_to_token[seg.row, seg.start : seg.stop] = slots.to(self.req_to_token.dtype)
         del self.segments[seg.row]
         peer.post(w.DropKV, keys=[seg.rid])  # not waited for: the host answers, nobody reads it
         st.recalled += 1
@@ -418,8 +454,13 @@ class KVLender:
         self.stats[seg.migration].dropped += 1
         if seg.state == "remote":  # the host is alive: it only lacked our memory; it can drop it
             self.peers[seg.migration].post(w.DropKV, keys=[seg.rid])
-        logger.warning("request %s released without its KV positions [%d, %d) (%s)", req.rid, seg.start,
-                       seg.stop, "host lost" if seg.state == "lost" else "no free page to recall them")
+        logger.warning(
+            "request %s released without its KV positions [%d, %d) (%s)",
+            req.rid,
+            seg.start,
+            seg.stop,
+            "host lost" if seg.state == "lost" else "no free page to recall them",
+        )
 
     def backup(self, req, backup_fn, args: tuple, kwargs: dict) -> bool:
         """SGLang retracts ``req`` under memory pressure and backs its KV up to
@@ -440,7 +481,9 @@ class KVLender:
         if data is None:
             self.on_release(req)  # carved out, kept out of the tree
             return False
-        ok = backup_fn(req, *args, **kwargs)  # the remote positions come from stale slots: overwritten below
+        ok = backup_fn(
+            req, *args, **kwargs
+        )  # the remote positions come from stale slots: overwritten below
         patched = ok and self._patch_backup(req, seg, data)
         del self.segments[row]
         self.carve[row] = (seg.start, seg.stop)
@@ -452,8 +495,13 @@ class KVLender:
             if ok:
                 req.kv.retraction_backup = None
             st.dropped += 1
-            logger.warning("request %s retracted without its KV positions [%d, %d): the backup is not SGLang's "
-                           "cpu_tensor kind", req.rid, seg.start, seg.stop)
+            logger.warning(
+                "request %s retracted without its KV positions [%d, %d): the backup is not SGLang's "
+                "cpu_tensor kind",
+                req.rid,
+                seg.start,
+                seg.stop,
+            )
             return False
         st.backed_up += 1
         return True
@@ -469,8 +517,12 @@ class KVLender:
             for c in range(seg.start // cs, (seg.stop - 1) // cs + 1):
                 a, b = max(seg.start, c * cs), min(seg.stop, (c + 1) * cs)
                 k, v = tensors[layer][c]
-                k[a - c * cs:b - c * cs] = data[a - seg.start:b - seg.start, layer, 0].to(k.dtype)
-                v[a - c * cs:b - c * cs] = data[a - seg.start:b - seg.start, layer, 1].to(v.dtype)
+                k[a - c * cs : b - c * cs] = data[a - seg.start : b - seg.start, layer, 0].to(
+                    k.dtype
+                )
+                v[a - c * cs : b - c * cs] = data[a - seg.start : b - seg.start, layer, 1].to(
+                    v.dtype
+                )
         return True
 
     def recall_migration(self, migration: str) -> tuple[int, int]:
@@ -485,7 +537,9 @@ class KVLender:
             if seg.migration == migration and seg.state == "remote":
                 seg.state = "lost"
                 self.lost[seg.rid] = why
-        logger.error("KV-block migration %s: host lost (%s); its requests end with an error", migration, why)
+        logger.error(
+            "KV-block migration %s: host lost (%s); its requests end with an error", migration, why
+        )
 
     def active(self, migration: str) -> int:
         return sum(1 for s in self.segments.values() if s.migration == migration)
@@ -500,7 +554,9 @@ class KVLender:
             return {}
         return {b: seg for b, row in enumerate(rows) if (seg := self.segments.get(row)) is not None}
 
-    def attend_begin(self, layer: int, q: torch.Tensor, remote: dict[int, Segment], scale: float) -> _Pending:
+    def attend_begin(
+        self, layer: int, q: torch.Tensor, remote: dict[int, Segment], scale: float
+    ) -> _Pending:
         """Send the queries ``q[b]`` of the batch rows with a live segment to their hosts."""
         pend = _Pending()
         by_peer: dict[str, list[int]] = {}
@@ -512,12 +568,32 @@ class KVLender:
             try:
                 layout, nbytes = peer.send.pack({"q": q[rows].contiguous()})
                 keys = [remote[b].rid for b in rows]
-                if nbytes <= w.INLINE_MAX:  # a few KB: in the message, not two transfer-engine reads
-                    rid = peer.post(w.Attend, peer.send.buf[:nbytes].numpy(), layer=layer, keys=keys, scale=scale,
-                                    session="", addr=0, nbytes=nbytes, layout=layout, inline=True)
+                if (
+                    nbytes <= w.INLINE_MAX
+                ):  # a few KB: in the message, not two transfer-engine reads
+                    rid = peer.post(
+                        w.Attend,
+                        peer.send.buf[:nbytes].numpy(),
+                        layer=layer,
+                        keys=keys,
+                        scale=scale,
+                        session="",
+                        addr=0,
+                        nbytes=nbytes,
+                        layout=layout,
+                        inline=True,
+                    )
                 else:
-                    rid = peer.post(w.Attend, layer=layer, keys=keys, scale=scale, session=self.engine.session,
-                                    addr=peer.send.addr, nbytes=nbytes, layout=layout)
+                    rid = peer.post(
+                        w.Attend,
+                        layer=layer,
+                        keys=keys,
+                        scale=scale,
+                        session=self.engine.session,
+                        addr=peer.send.addr,
+                        nbytes=nbytes,
+                        layout=layout,
+                    )
             except zmq.ZMQError as e:
                 self._lose(mid, f"sending to the KV host: {e}")
                 continue
@@ -536,12 +612,17 @@ class KVLender:
                 if reply.inline:
                     data = peer.payload or b""
                     if len(data) < reply.nbytes:
-                        raise KVLost(f"the KV host's inline answer has {len(data)} of {reply.nbytes} bytes")
-                    t = unpack(torch.frombuffer(bytearray(data[:reply.nbytes]), dtype=torch.uint8),
-                               reply.layout, reply.nbytes)
+                        raise KVLost(
+                            f"the KV host's inline answer has {len(data)} of {reply.nbytes} bytes"
+                        )
+                    t = unpack(
+                        torch.frombuffer(bytearray(data[: reply.nbytes]), dtype=torch.uint8),
+                        reply.layout,
+                        reply.nbytes,
+                    )
                 else:
                     peer.recv.ensure(reply.nbytes)
-                    peer.read([peer.recv.buf[:reply.nbytes]], [reply.addr])
+                    peer.read([peer.recv.buf[: reply.nbytes]], [reply.addr])
                     t = peer.recv.views(reply.layout, reply.nbytes)
                 o, lse = t["output"], t["lse"]
                 if o.shape[0] != len(rows) or lse.shape[0] != len(rows):

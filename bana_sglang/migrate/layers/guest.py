@@ -21,24 +21,26 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from bana_sglang.wire import layer_steps as s
 from bana_sglang.migrate.layers.owner import StepBuffer
+from bana_sglang.wire import layer_steps as s
 
 logger = logging.getLogger("bana_sglang.migrate.layers.owner")
 
 
 class _GuestPlan:
-    def __init__(self, kind: str, seq_lens: list[int], extend_lens: list[int], kv_slots: torch.Tensor):
+    def __init__(
+        self, kind: str, seq_lens: list[int], extend_lens: list[int], kv_slots: torch.Tensor
+    ):
         self.is_decode = kind == "decode"
         self.seq_lens = tuple(seq_lens)
         self.extend_lens = tuple(extend_lens)
         bounds = list(itertools.accumulate(seq_lens, initial=0))
-        per_req = [kv_slots[bounds[i]:bounds[i + 1]] for i in range(len(seq_lens))]
+        per_req = [kv_slots[bounds[i] : bounds[i + 1]] for i in range(len(seq_lens))]
         if self.is_decode:
             width = max(seq_lens, default=0)
             table = torch.zeros((len(seq_lens), width), dtype=torch.long)
             for i, row in enumerate(per_req):
-                table[i, :row.numel()] = row
+                table[i, : row.numel()] = row
             self.kv_table, self.kv_indices = table, ()
         else:
             self.kv_table, self.kv_indices = None, tuple(per_req)
@@ -88,18 +90,39 @@ class GuestAttention(torch.nn.Module):
         o = q.new_empty((q.shape[0], self.hq * self.dv))
         plan = gb.plan
         if plan.is_decode:
-            cpu_attention.decode_attention(q.reshape(-1, self.hq, self.d), kbuf, vbuf, plan.kv_table, plan.seq_lens,
-                                           scale=self.scaling, out=o.view(-1, self.hq, self.dv))
+            cpu_attention.decode_attention(
+                q.reshape(-1, self.hq, self.d),
+                kbuf,
+                vbuf,
+                plan.kv_table,
+                plan.seq_lens,
+                scale=self.scaling,
+                out=o.view(-1, self.hq, self.dv),
+            )
         else:
-            cpu_attention.extend_attention(q.view(-1, self.hq, self.d), kbuf, vbuf, plan.kv_indices,
-                                           plan.extend_lens, scale=self.scaling, out=o.view(-1, self.hq, self.dv))
+            cpu_attention.extend_attention(
+                q.view(-1, self.hq, self.d),
+                kbuf,
+                vbuf,
+                plan.kv_indices,
+                plan.extend_lens,
+                scale=self.scaling,
+                out=o.view(-1, self.hq, self.dv),
+            )
         return o
 
 
 # Objects a guest layer shares with the worker's own layer instead of copying:
 # process groups and other runtime handles (not copyable, and not per layer).
-_SHARED_MODULES = ("torch._C", "torch.distributed", "torch.cuda", "sglang.srt.distributed", "threading", "_thread",
-                   "zmq")
+_SHARED_MODULES = (
+    "torch._C",
+    "torch.distributed",
+    "torch.cuda",
+    "sglang.srt.distributed",
+    "threading",
+    "_thread",
+    "zmq",
+)
 
 
 def _shared(root) -> dict[int, object]:
@@ -109,8 +132,20 @@ def _shared(root) -> dict[int, object]:
     stack = [root]
     while stack:
         o = stack.pop()
-        if id(o) in seen or isinstance(o, (torch.Tensor, type, types.ModuleType, types.FunctionType,
-                                            types.BuiltinFunctionType, str, bytes, int, float)):
+        if id(o) in seen or isinstance(
+            o,
+            (
+                torch.Tensor,
+                type,
+                types.ModuleType,
+                types.FunctionType,
+                types.BuiltinFunctionType,
+                str,
+                bytes,
+                int,
+                float,
+            ),
+        ):
             continue
         seen.add(id(o))
         if (type(o).__module__ or "").startswith(_SHARED_MODULES):
@@ -132,24 +167,42 @@ def _shared(root) -> dict[int, object]:
 class GuestSpan:
     """Guest layers ``[start, stop)`` of another worker, served on a ZMQ socket."""
 
-    def __init__(self, migration: str, owner: str, own_layers: torch.nn.ModuleList, start: int, stop: int,
-                 weights: dict[tuple[int, str], torch.Tensor], kv_rows: int, engine, host: str):
+    def __init__(
+        self,
+        migration: str,
+        owner: str,
+        own_layers: torch.nn.ModuleList,
+        start: int,
+        stop: int,
+        weights: dict[tuple[int, str], torch.Tensor],
+        kv_rows: int,
+        engine,
+        host: str,
+    ):
         self.migration, self.owner, self.start, self.stop = migration, owner, start, stop
         self.engine = engine
         self.layers = []
         for i, li in enumerate(range(start, stop)):
             own = own_layers[li]
             memo = _shared(own)
-            memo.update({id(p): torch.nn.Parameter(weights[(li, name)], requires_grad=False)
-                         for name, p in own.named_parameters()})
+            memo.update(
+                {
+                    id(p): torch.nn.Parameter(weights[(li, name)], requires_grad=False)
+                    for name, p in own.named_parameters()
+                }
+            )
             layer = copy.deepcopy(own, memo)  # the same module, its parameters the guest weights
             layer.self_attn.attn = GuestAttention(own.self_attn.attn, self, i)
             self.layers.append(layer)
         a0 = own_layers[start].self_attn.attn
         dtype = own_layers[start].self_attn.qkv_proj.weight.dtype
         n = stop - start
-        self.k = [torch.zeros((kv_rows, a0.tp_k_head_num, a0.qk_head_dim), dtype=dtype) for _ in range(n)]
-        self.v = [torch.zeros((kv_rows, a0.tp_v_head_num, a0.v_head_dim), dtype=dtype) for _ in range(n)]
+        self.k = [
+            torch.zeros((kv_rows, a0.tp_k_head_num, a0.qk_head_dim), dtype=dtype) for _ in range(n)
+        ]
+        self.v = [
+            torch.zeros((kv_rows, a0.tp_v_head_num, a0.v_head_dim), dtype=dtype) for _ in range(n)
+        ]
         self.kv_bytes = sum(t.numel() * t.element_size() for t in self.k + self.v)
         self.new_k: list = [None] * n
         self.new_v: list = [None] * n
@@ -163,10 +216,19 @@ class GuestSpan:
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
-        self._thread = threading.Thread(target=self._serve, name=f"bana-guest-{migration}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, name=f"bana-guest-{migration}", daemon=True
+        )
         self._thread.start()
-        logger.info("guest layers [%d, %d) of %s (%s) served on %s; guest KV %.1f MB", start, stop, owner,
-                    migration, self.endpoint, self.kv_bytes / 1e6)
+        logger.info(
+            "guest layers [%d, %d) of %s (%s) served on %s; guest KV %.1f MB",
+            start,
+            stop,
+            owner,
+            migration,
+            self.endpoint,
+            self.kv_bytes / 1e6,
+        )
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -190,24 +252,35 @@ class GuestSpan:
 
     def handle(self, req) -> s.LayersDone | s.Pong | s.Error:
         if req.migration != self.migration:
-            return s.Error(id=req.id, reason="invalid", detail=f"this executor serves {self.migration!r}")
+            return s.Error(
+                id=req.id, reason="invalid", detail=f"this executor serves {self.migration!r}"
+            )
         if isinstance(req, s.Ping):
             return s.Pong(id=req.id, migration=self.migration, steps=self.steps)
         self.recv.ensure(req.nbytes)
         try:
             # bounded by the step's deadline: a frozen owner must not hold this executor
-            self.engine.read(req.session, [self.recv.buf[:req.nbytes]], [req.addr],
-                             timeout_s=max(req.deadline - time.time(), 0.1))
+            self.engine.read(
+                req.session,
+                [self.recv.buf[: req.nbytes]],
+                [req.addr],
+                timeout_s=max(req.deadline - time.time(), 0.1),
+            )
         except Exception as e:
-            if isinstance(e, TimeoutError):  # the late read may still land in this buffer: use a new one
+            if isinstance(
+                e, TimeoutError
+            ):  # the late read may still land in this buffer: use a new one
                 self.recv.close()
                 self.recv = StepBuffer(self.engine)
             return s.Error(id=req.id, reason="transfer", detail=str(e))
         try:
             t = self.recv.views(req.layout, req.nbytes)
             need = {"hidden_states", "positions", "out_loc", "kv_slots", "miss_slots"}
-            if not need <= t.keys() or len(req.seq_lens) != len(req.extend_lens) \
-                    or sum(req.seq_lens) != t["kv_slots"].numel():
+            if (
+                not need <= t.keys()
+                or len(req.seq_lens) != len(req.extend_lens)
+                or sum(req.seq_lens) != t["kv_slots"].numel()
+            ):
                 raise ValueError("the step's layout does not describe one batch")
         except ValueError as e:
             return s.Error(id=req.id, reason="invalid", detail=str(e))
@@ -228,8 +301,15 @@ class GuestSpan:
         self.steps += 1
         self.compute_s += dt
         self.on_step()
-        return s.LayersDone(id=req.id, step=req.step, addr=self.send.addr, nbytes=nbytes, layout=layout,
-                            compute_s=round(dt, 6), shipped_rows=int(miss.numel()))
+        return s.LayersDone(
+            id=req.id,
+            step=req.step,
+            addr=self.send.addr,
+            nbytes=nbytes,
+            layout=layout,
+            compute_s=round(dt, 6),
+            shipped_rows=int(miss.numel()),
+        )
 
     @torch.inference_mode()
     def _forward(self, req: s.RunLayers, t: dict[str, torch.Tensor]):
@@ -241,7 +321,8 @@ class GuestSpan:
         hidden = t["hidden_states"].clone()
         if "residual" in t:
             hidden = self.layers[0].attn_boundary.from_pp(
-                PPProxyTensors({"hidden_states": hidden, "residual": t["residual"].clone()}), gb)
+                PPProxyTensors({"hidden_states": hidden, "residual": t["residual"].clone()}), gb
+            )
         else:
             residual_batch.start(gb)
         positions = t["positions"].clone()

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bana_sglang.wire import agent as m
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
 from bana_sglang.migrate.transfer import Fail, crc32
+from bana_sglang.wire import agent as m
 from bana_sglang.wire.agent import describe
 
 if TYPE_CHECKING:
@@ -47,19 +47,26 @@ class WorkerHandles:
 
     @classmethod
     def from_runner(cls, runner, scheduler=None) -> WorkerHandles:
-        return cls(model=runner.model, kv_pool=runner.token_to_kv_pool,
-                   req_to_token=runner.req_to_token_pool.req_to_token,
-                   allocator=runner.token_to_kv_pool_allocator, model_path=runner.model_config.model_path,
-                   attention_backend=str(runner.server_args.attention_backend),
-                   tp_size=int(runner.server_args.tp_size), scheduler=scheduler)
+        return cls(
+            model=runner.model,
+            kv_pool=runner.token_to_kv_pool,
+            req_to_token=runner.req_to_token_pool.req_to_token,
+            allocator=runner.token_to_kv_pool_allocator,
+            model_path=runner.model_config.model_path,
+            attention_backend=str(runner.server_args.attention_backend),
+            tp_size=int(runner.server_args.tp_size),
+            scheduler=scheduler,
+        )
 
     def why_not(self) -> str:
         """Why layers of this worker cannot run remotely, or ''."""
         if self.tp_size != 1:
             return f"tensor parallelism {self.tp_size}: remote layers are built for TP 1"
         if self.attention_backend != "bana_cpu":
-            return (f"attention backend {self.attention_backend!r}: remote layers run the bana_cpu kernels, "
-                    "so the owner must too (exact tokens)")
+            return (
+                f"attention backend {self.attention_backend!r}: remote layers run the bana_cpu kernels, "
+                "so the owner must too (exact tokens)"
+            )
         if next(self.model.parameters()).device.type != "cpu":
             return "the model is not on the CPU: the CUDA path needs the CUDA transfer engine"
         return ""
@@ -82,11 +89,24 @@ class SwitchMixin:
             self._drop_at_peer(client, mig)
             raise Fail("peer_refused", "opening the guest executor: " + describe(reply))
         mig.executor, mig.guest_addrs = reply.worker, list(reply.addrs)
-        ctx = OwnerContext(layers=self.layers, kv_pool=w.kv_pool, req_to_token=w.req_to_token,
-                           allocator=w.allocator)
+        ctx = OwnerContext(
+            layers=self.layers,
+            kv_pool=w.kv_pool,
+            req_to_token=w.req_to_token,
+            allocator=w.allocator,
+        )
         try:
-            mig.span = RemoteSpan(mig.migration, mig.start, mig.stop, reply.endpoint, reply.session,
-                                  self._engine(), ctx, self.step_timeout_s, self._on_remote_failure)
+            mig.span = RemoteSpan(
+                mig.migration,
+                mig.start,
+                mig.stop,
+                reply.endpoint,
+                reply.session,
+                self._engine(),
+                ctx,
+                self.step_timeout_s,
+                self._on_remote_failure,
+            )
         except Exception as e:  # the peer opened its executor: close it
             self._drop_at_peer(client, mig)
             raise Fail("internal", f"building the remote span: {type(e).__name__}: {e}") from e
@@ -144,24 +164,40 @@ class SwitchMixin:
         mig.finish("remote")
         self.metrics.add("migrations_switched")
         self.metrics.add("released_bytes", released)
-        logger.info("migration %s: layers [%d, %d) of %s now run on %s; %.1f MB of weights released here",
-                    mig.migration, mig.start, mig.stop, self.name, mig.executor, released / 1e6)
+        logger.info(
+            "migration %s: layers [%d, %d) of %s now run on %s; %.1f MB of weights released here",
+            mig.migration,
+            mig.start,
+            mig.stop,
+            self.name,
+            mig.executor,
+            released / 1e6,
+        )
 
     def _swap_home(self, mig: _Migration) -> None:
         for i, module in zip(range(mig.start, mig.stop), mig.home):
             self.layers[i] = module
         mig.home = []
 
-    def _finish_home(self, mig: _Migration, state: str, reason: str, detail: str = "", note: str = "") -> None:
+    def _finish_home(
+        self, mig: _Migration, state: str, reason: str, detail: str = "", note: str = ""
+    ) -> None:
         stats = mig.span.stats if mig.span is not None else None
         mig.span.close()
         mig.finish(state, reason, detail)
         self.metrics.add("remote_steps", stats.steps if stats else 0)
         self.metrics.add("migrations_recalled" if state == "home" else "migrations_restored")
         self._work.submit(self._drop_remote, mig)
-        logger.info("migration %s: layers [%d, %d) run on %s again (%s%s) after %d remote steps",
-                    mig.migration, mig.start, mig.stop, self.name, state, f", {note}" if note else "",
-                    stats.steps if stats else 0)
+        logger.info(
+            "migration %s: layers [%d, %d) run on %s again (%s%s) after %d remote steps",
+            mig.migration,
+            mig.start,
+            mig.stop,
+            self.name,
+            state,
+            f", {note}" if note else "",
+            stats.steps if stats else 0,
+        )
 
     def _drop_remote(self, mig: _Migration) -> None:
         """Tell the peer to drop its copy (and executor). A peer that does not
@@ -175,10 +211,14 @@ class SwitchMixin:
             while not self._closed and time.monotonic() < deadline:
                 time.sleep(wait)
                 if self._drop_once(mig):
-                    logger.info("migration %s: the peer dropped its copy after a retry", mig.migration)
+                    logger.info(
+                        "migration %s: the peer dropped its copy after a retry", mig.migration
+                    )
                     return
                 wait = min(30.0, wait * 2)
-            logger.warning("migration %s: the peer never confirmed dropping its copy", mig.migration)
+            logger.warning(
+                "migration %s: the peer never confirmed dropping its copy", mig.migration
+            )
 
         threading.Thread(target=retry, name=f"bana-drop-{mig.migration}", daemon=True).start()
 
@@ -201,8 +241,10 @@ class SwitchMixin:
         got = [crc32(p.data) for p, _ in mig.params]
         bad = [n for n, a, b in zip(mig.names, got, mig.crc) if a != b]
         if bad:
-            raise RuntimeError(f"{len(bad)} restored tensors differ from their checksum before the "
-                               f"migration, e.g. {bad[0]}")
+            raise RuntimeError(
+                f"{len(bad)} restored tensors differ from their checksum before the "
+                f"migration, e.g. {bad[0]}"
+            )
 
     def _restore_from_checkpoint(self, mig: _Migration) -> None:
         """Scheduler thread: put the modules back and reload their weights from disk."""
@@ -231,8 +273,13 @@ class SwitchMixin:
         this very step (X's KV for the layers is complete, so nothing is lost)."""
         mig = self.migrations[span.migration]
         with mig.lock:
-            logger.error("migration %s: remote step failed (%s); restoring layers [%d, %d) from the checkpoint",
-                         mig.migration, error, mig.start, mig.stop)
+            logger.error(
+                "migration %s: remote step failed (%s); restoring layers [%d, %d) from the checkpoint",
+                mig.migration,
+                error,
+                mig.start,
+                mig.stop,
+            )
             if mig.home:
                 self._restore_from_checkpoint(mig)
             mig.pending = ""
@@ -246,8 +293,11 @@ class SwitchMixin:
         if mig.kind == "kv":
             return self._kv_recall(req, mig)
         if mig.state != "remote":
-            return m.Error(id=req.id, reason="invalid",
-                           detail=f"migration {req.migration!r} is {mig.state}, not remote: nothing to recall")
+            return m.Error(
+                id=req.id,
+                reason="invalid",
+                detail=f"migration {req.migration!r} is {mig.state}, not remote: nothing to recall",
+            )
         mig.state, mig.t_end = "recalling", None
         if req.source == "checkpoint":
             with mig.lock:
@@ -276,8 +326,13 @@ class SwitchMixin:
                 self._verify_home(mig)
                 mig.pending = "home"
             except Exception as e:
-                logger.warning("migration %s: reading the layers back from %s failed (%s); reloading them from "
-                               "the checkpoint", mig.migration, mig.executor, e)
+                logger.warning(
+                    "migration %s: reading the layers back from %s failed (%s); reloading them from "
+                    "the checkpoint",
+                    mig.migration,
+                    mig.executor,
+                    e,
+                )
                 mig.pending = "checkpoint"
 
     def _open_guest(self, req: m.OpenGuest) -> m.Reply:
@@ -287,21 +342,42 @@ class SwitchMixin:
         if mig is None or mig.side != "guest":
             return self._unknown(req.id, req.migration)
         if mig.state != "verified":
-            return m.Error(id=req.id, reason="invalid", detail=f"guest layers of {req.migration!r} are {mig.state}")
+            return m.Error(
+                id=req.id,
+                reason="invalid",
+                detail=f"guest layers of {req.migration!r} are {mig.state}",
+            )
         mine = [x for x in self.migrations.values() if x.side == "source" and x.home]
         if mine:
-            return m.Error(id=req.id, reason="invalid",
-                           detail=f"this worker's own layers run elsewhere ({mine[0].migration!r}); "
-                                  "a worker either lends or hosts layers")
+            return m.Error(
+                id=req.id,
+                reason="invalid",
+                detail=f"this worker's own layers run elsewhere ({mine[0].migration!r}); "
+                "a worker either lends or hosts layers",
+            )
         weights = {}
         for name, t in zip(mig.names, mig.guest):
             layer, pname = name.split(".", 1)
             weights[(int(layer), pname)] = t
-        span = GuestSpan(mig.migration, mig.peer, self.layers, mig.start, mig.stop, weights, req.kv_rows,
-                         self._engine(), self.te_host)
+        span = GuestSpan(
+            mig.migration,
+            mig.peer,
+            self.layers,
+            mig.start,
+            mig.stop,
+            weights,
+            req.kv_rows,
+            self._engine(),
+            self.te_host,
+        )
         span.on_step = lambda: self.metrics.add("guest_steps")
         mig.span = span
         mig.state = "serving"
-        return m.GuestOpened(id=req.id, migration=mig.migration, worker=self.name, endpoint=span.endpoint,
-                             session=self._engine().session, addrs=[t.data_ptr() for t in mig.guest])
-
+        return m.GuestOpened(
+            id=req.id,
+            migration=mig.migration,
+            worker=self.name,
+            endpoint=span.endpoint,
+            session=self._engine().session,
+            addrs=[t.data_ptr() for t in mig.guest],
+        )

@@ -81,14 +81,20 @@ class StepBuffer:
     def pack(self, tensors: dict[str, torch.Tensor]) -> tuple[list[s.TensorSlot], int]:
         layout, off = [], 0
         for name, t in tensors.items():
-            layout.append(s.TensorSlot(name=name, dtype=str(t.dtype).removeprefix("torch."),
-                                       shape=list(t.shape), offset=off))
+            layout.append(
+                s.TensorSlot(
+                    name=name,
+                    dtype=str(t.dtype).removeprefix("torch."),
+                    shape=list(t.shape),
+                    offset=off,
+                )
+            )
             off += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         self.ensure(max(off, 1))
         for slot, t in zip(layout, tensors.values()):
             n = t.numel() * t.element_size()
             if n:
-                self.buf[slot.offset:slot.offset + n].view(t.dtype).view(t.shape).copy_(t)
+                self.buf[slot.offset : slot.offset + n].view(t.dtype).view(t.shape).copy_(t)
         return layout, off
 
     def views(self, layout: list[s.TensorSlot], nbytes: int) -> dict[str, torch.Tensor]:
@@ -112,9 +118,11 @@ def unpack(buf: torch.Tensor, layout: list[s.TensorSlot], nbytes: int) -> dict[s
             count *= d
         n = count * dtype.itemsize
         if slot.offset + n > min(nbytes, buf.numel()):
-            raise ValueError(f"tensor {slot.name!r} ({n} bytes at {slot.offset}) lies outside the "
-                             f"{nbytes}-byte buffer")
-        out[slot.name] = buf[slot.offset:slot.offset + n].view(dtype).view(slot.shape)
+            raise ValueError(
+                f"tensor {slot.name!r} ({n} bytes at {slot.offset}) lies outside the "
+                f"{nbytes}-byte buffer"
+            )
+        out[slot.name] = buf[slot.offset : slot.offset + n].view(dtype).view(slot.shape)
     return out
 
 
@@ -136,18 +144,26 @@ class SlotMirror:
 
     def _hook(self, allocator) -> bool:
         if hasattr(allocator, "_release_page_ids"):  # paged: every free path ends here
-            self._wrap(allocator, "_release_page_ids", lambda *ids: [self.forget_pages(i) for i in ids])
-        elif type(allocator).__name__ == "TokenToKVPoolAllocator":  # page size 1: free is the one path
+            self._wrap(
+                allocator, "_release_page_ids", lambda *ids: [self.forget_pages(i) for i in ids]
+            )
+        elif (
+            type(allocator).__name__ == "TokenToKVPoolAllocator"
+        ):  # page size 1: free is the one path
             self._wrap(allocator, "free", lambda idx: self.forget_slots(idx))
         else:
-            logger.warning("remote layers: unknown allocator %s; shipping the whole KV of every batch",
-                           type(allocator).__name__)
+            logger.warning(
+                "remote layers: unknown allocator %s; shipping the whole KV of every batch",
+                type(allocator).__name__,
+            )
             return False
         self._wrap(allocator, "clear", lambda: self.valid.zero_())
         return True
 
     def _wrap(self, obj, name: str, before: Callable) -> None:
-        had_own = name in vars(obj)  # already wrapped (another span's mirror) or set on the instance
+        had_own = name in vars(
+            obj
+        )  # already wrapped (another span's mirror) or set on the instance
         original = getattr(obj, name)
 
         def wrapped(*args, **kwargs):
@@ -182,8 +198,11 @@ class SlotMirror:
         self._closed = True
         for obj, name in reversed(self._undo):
             # unwind every closed mirror's wrapper from the top of the chain
-            while (top := vars(obj).get(name)) is not None and getattr(top, "bana_mirror", None) is not None \
-                    and top.bana_mirror._closed:
+            while (
+                (top := vars(obj).get(name)) is not None
+                and getattr(top, "bana_mirror", None) is not None
+                and top.bana_mirror._closed
+            ):
                 if top.bana_previous is None:
                     delattr(obj, name)  # back to the class's method
                 else:
@@ -232,8 +251,18 @@ class RemoteSpan(torch.nn.Module):
     ``on_failure(span, error)`` restores the layers at home and returns the
     local module of layer ``start``, which then runs this step."""
 
-    def __init__(self, migration: str, start: int, stop: int, endpoint: str, guest_session: str, engine,
-                 ctx: OwnerContext, step_timeout_s: float, on_failure: Callable):
+    def __init__(
+        self,
+        migration: str,
+        start: int,
+        stop: int,
+        endpoint: str,
+        guest_session: str,
+        engine,
+        ctx: OwnerContext,
+        step_timeout_s: float,
+        on_failure: Callable,
+    ):
         super().__init__()
         self.migration, self.start, self.stop = migration, start, stop
         self.endpoint, self._session = endpoint, guest_session
@@ -260,8 +289,9 @@ class RemoteSpan(torch.nn.Module):
         except Exception as e:
             self.failed = e
             local_layer = self.on_failure(self, e)  # restores the layers; X runs them itself
-            return local_layer(positions, self._import(hidden, residual, forward_batch, self.start),
-                               forward_batch)
+            return local_layer(
+                positions, self._import(hidden, residual, forward_batch, self.start), forward_batch
+            )
         return self._import(out_h, out_r, forward_batch, self.stop)
 
     def _import(self, hidden, residual, fb, before: int):
@@ -276,7 +306,8 @@ class RemoteSpan(torch.nn.Module):
             return hidden
         if before < len(self.ctx.layers):
             return self.ctx.layers[before].attn_boundary.from_pp(
-                PPProxyTensors({"hidden_states": hidden, "residual": residual}), fb)
+                PPProxyTensors({"hidden_states": hidden, "residual": residual}), fb
+            )
         h, fb.residual_stream = ResidualStream.from_handoff(hidden, residual, PLAIN_ADD)
         return h
 
@@ -289,10 +320,17 @@ class RemoteSpan(torch.nn.Module):
         else:
             raise RemoteFailed(f"forward mode {mode.name} is not supported by remote layers")
         seq_lens = [int(n) for n in fb.seq_lens.tolist()]
-        extend_lens = [1] * len(seq_lens) if kind == "decode" else [int(n) for n in fb.extend_seq_lens.tolist()]
+        extend_lens = (
+            [1] * len(seq_lens)
+            if kind == "decode"
+            else [int(n) for n in fb.extend_seq_lens.tolist()]
+        )
         rows = fb.req_pool_indices.tolist()
-        slots = torch.cat([self.ctx.req_to_token[r, :n].long() for r, n in zip(rows, seq_lens)]) \
-            if rows else torch.zeros(0, dtype=torch.long)
+        slots = (
+            torch.cat([self.ctx.req_to_token[r, :n].long() for r, n in zip(rows, seq_lens)])
+            if rows
+            else torch.zeros(0, dtype=torch.long)
+        )
         return kind, seq_lens, extend_lens, slots
 
     def _run(self, positions, hidden, residual, fb):
@@ -305,8 +343,13 @@ class RemoteSpan(torch.nn.Module):
             needed = needed[~torch.isin(needed, out_loc)]
         miss = self.mirror.missing(needed)
         pool, layers = self.ctx.kv_pool, range(self.start, self.stop)
-        tensors = {"hidden_states": hidden, "positions": positions.long(), "out_loc": out_loc, "kv_slots": slots,
-                   "miss_slots": miss}
+        tensors = {
+            "hidden_states": hidden,
+            "positions": positions.long(),
+            "out_loc": out_loc,
+            "kv_slots": slots,
+            "miss_slots": miss,
+        }
         if residual is not None:
             tensors["residual"] = residual
         if miss.numel():
@@ -316,8 +359,12 @@ class RemoteSpan(torch.nn.Module):
         reply = self._call(kind, seq_lens, extend_lens, layout, nbytes)
         self.recv.ensure(reply.nbytes)
         try:  # bounded: this runs on the scheduler thread, and a frozen guest never sends the bytes
-            self.engine.read(self._session, [self.recv.buf[:reply.nbytes]], [reply.addr],
-                             timeout_s=self.step_timeout_s)
+            self.engine.read(
+                self._session,
+                [self.recv.buf[: reply.nbytes]],
+                [reply.addr],
+                timeout_s=self.step_timeout_s,
+            )
         except Exception as e:
             raise RemoteFailed(f"reading the guest's output: {e}") from e
         out = self.recv.views(reply.layout, reply.nbytes)
@@ -325,7 +372,9 @@ class RemoteSpan(torch.nn.Module):
         if out_loc.numel():
             for i, li in enumerate(layers):
                 pool.get_key_buffer(li)[out_loc] = out["new_k"][i].to(pool.get_key_buffer(li).dtype)
-                pool.get_value_buffer(li)[out_loc] = out["new_v"][i].to(pool.get_value_buffer(li).dtype)
+                pool.get_value_buffer(li)[out_loc] = out["new_v"][i].to(
+                    pool.get_value_buffer(li).dtype
+                )
             self.mirror.valid[out_loc] = True
         if miss.numel():
             self.mirror.valid[miss] = True
@@ -348,9 +397,19 @@ class RemoteSpan(torch.nn.Module):
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.connect(self.endpoint)
         rid = next(self._ids)
-        req = s.RunLayers(id=rid, deadline=time.time() + self.step_timeout_s, migration=self.migration,
-                          step=self.stats.steps, mode=kind, session=self.engine.session, addr=self.send.addr,
-                          nbytes=nbytes, layout=layout, seq_lens=seq_lens, extend_lens=extend_lens)
+        req = s.RunLayers(
+            id=rid,
+            deadline=time.time() + self.step_timeout_s,
+            migration=self.migration,
+            step=self.stats.steps,
+            mode=kind,
+            session=self.engine.session,
+            addr=self.send.addr,
+            nbytes=nbytes,
+            layout=layout,
+            seq_lens=seq_lens,
+            extend_lens=extend_lens,
+        )
         self._sock.send(s.encode(req))
         end = time.monotonic() + self.step_timeout_s
         while (left := end - time.monotonic()) > 0:
@@ -367,7 +426,9 @@ class RemoteSpan(torch.nn.Module):
             raise RemoteFailed(f"guest refused step {req.step}: {reply.reason}: {reply.detail}")
         self._sock.close(0)
         self._sock = None
-        raise RemoteFailed(f"no answer from the guest at {self.endpoint} within {self.step_timeout_s:.0f}s")
+        raise RemoteFailed(
+            f"no answer from the guest at {self.endpoint} within {self.step_timeout_s:.0f}s"
+        )
 
     def close(self) -> None:
         self.mirror.close()

@@ -5,7 +5,7 @@ How a running request moves from decode worker D1 to D2 (``MigrateRequest``):
 1. At D1's next batch boundary the scheduler thread picks the request and
    pre-copies it: its complete pages go into D1's radix tree (SGLang's
    ``checkpoint``), whose write-through publishes them to the global store
-   while the request decodes on for :data:`PRECOPY_S`. At the first boundary
+   while the request decodes on for ``BANA_REQUEST_PRECOPY_S`` seconds. At the first boundary
    after that it sets the request's ``to_finish`` to :class:`FinishMigrated`:
    the step in flight commits its token and the request ends there, as at
    any request end. SGLang releases its KV into the tree, and the
@@ -33,12 +33,12 @@ worker directly never ends early. Greedy tokens are those of a plain run.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
+from bana_sglang import envs
 from bana_sglang.attention.remote import remote_kv
-from bana_sglang.wire.agent import MARK, PREFIX
 from bana_sglang.wire import agent as m
+from bana_sglang.wire.agent import MARK, PREFIX
 
 logger = logging.getLogger("bana_sglang.migrate.agent")
 
@@ -46,7 +46,6 @@ MIN_LEFT = 4  # a request with fewer tokens left than this is not worth moving
 HANDOFF_TTL_S = 300.0  # a handoff nobody took is forgotten after this
 # Pre-copy: the request decodes on for this long after its pages were handed to the
 # store's write-through, then stops (0: no pre-copy, stop at the first boundary).
-PRECOPY_S = float(os.environ.get("BANA_REQUEST_PRECOPY_S", "0.2"))
 
 
 def finish_migrated(migration: str):
@@ -64,8 +63,11 @@ def finish_migrated(migration: str):
             self.migration = migration
 
         def to_json(self):
-            return {"type": "abort", "message": f"bana: request migrated ({self.migration}); the router "
-                                                "continues it", "matched": MARK + self.migration}
+            return {
+                "type": "abort",
+                "message": f"bana: request migrated ({self.migration}); the router continues it",
+                "matched": MARK + self.migration,
+            }
 
     return FinishMigrated(migration)
 
@@ -77,7 +79,9 @@ def tokens_left(req) -> int:
 
 def why_not_movable(req) -> str:
     if not str(req.rid).startswith(PREFIX):
-        return "was not sent by the router as migratable (streamed, one choice, no logprobs, no tools)"
+        return (
+            "was not sent by the router as migratable (streamed, one choice, no logprobs, no tools)"
+        )
     if req.finished() or req.to_finish is not None:
         return "is finishing"
     if tokens_left(req) < MIN_LEFT:
@@ -97,9 +101,14 @@ def pick(reqs, rid: str = "", moving: frozenset = frozenset()):
         return None, f"request {rid!r} is not running here ({len(reqs)} running)"
     movable = [r for r in reqs if r.rid not in moving and not why_not_movable(r)]
     if not movable:
-        return None, f"none of the {len(reqs)} running request(s) can move (router-marked, at least {MIN_LEFT} " \
-                     "tokens left)"
-    return max(movable, key=lambda r: (tokens_left(r), len(r.origin_input_ids) + len(r.output_ids))), ""
+        return (
+            None,
+            f"none of the {len(reqs)} running request(s) can move (router-marked, at least {MIN_LEFT} "
+            "tokens left)",
+        )
+    return max(
+        movable, key=lambda r: (tokens_left(r), len(r.origin_input_ids) + len(r.output_ids))
+    ), ""
 
 
 class RequestMixin:
@@ -110,9 +119,15 @@ class RequestMixin:
         if self.role != "decode":
             return []
         moving = {rid for rid, x in self.handoffs.items() if x.state in ("copying", "stopping")}
-        out = [m.MovableRequest(rid=r.rid, kv_tokens=len(r.origin_input_ids) + len(r.output_ids),
-                                tokens_left=tokens_left(r)) for r in reqs
-               if r.rid not in moving and not why_not_movable(r)]
+        out = [
+            m.MovableRequest(
+                rid=r.rid,
+                kv_tokens=len(r.origin_input_ids) + len(r.output_ids),
+                tokens_left=tokens_left(r),
+            )
+            for r in reqs
+            if r.rid not in moving and not why_not_movable(r)
+        ]
         return sorted(out, key=lambda x: -x.tokens_left)[:limit]
 
     def _migrate_request(self, req: m.MigrateRequest) -> m.Reply:
@@ -127,7 +142,9 @@ class RequestMixin:
         if why:
             return m.Error(id=req.id, reason="invalid", detail=f"cannot migrate a request: {why}")
         if req.migration in self.migrations:
-            return m.Error(id=req.id, reason="invalid", detail=f"migration id {req.migration!r} is taken")
+            return m.Error(
+                id=req.id, reason="invalid", detail=f"migration id {req.migration!r} is taken"
+            )
         mig = _Migration(req.migration, "source", req.peer, 0, 0, "accepted", kind="request")
         mig.detail = req.rid
         with self._lock:
@@ -153,29 +170,38 @@ class RequestMixin:
                 mig.req = None
                 self.handoffs.pop(r.rid, None)
                 return
-            if time.monotonic() - mig.t_copy < PRECOPY_S:
+            if time.monotonic() - mig.t_copy < envs.BANA_REQUEST_PRECOPY_S.get():
                 with mig.lock:
                     mig.pending = "req_stop"  # not yet: the next boundary
                 return
             self._cut(mig, r)
             return
         reqs = list(getattr(self.worker.scheduler.running_batch, "reqs", None) or [])
-        r, why = pick(reqs, mig.detail, frozenset(rid for rid, x in self.handoffs.items()
-                                                  if x.state in ("copying", "stopping")))
+        r, why = pick(
+            reqs,
+            mig.detail,
+            frozenset(
+                rid for rid, x in self.handoffs.items() if x.state in ("copying", "stopping")
+            ),
+        )
         if r is None:
             mig.finish("failed", "invalid", why)
             self.metrics.add("migrations_failed")
             return
         mig.req, mig.detail = r, r.rid
         self.handoffs[r.rid] = mig
-        copied = self._precopy(r) if PRECOPY_S > 0 else 0
+        copied = self._precopy(r) if envs.BANA_REQUEST_PRECOPY_S.get() > 0 else 0
         if copied:
             mig.state, mig.t_copy = "copying", time.monotonic()
             mig.bytes_done = copied * self._kv_bytes_per_token()
             with mig.lock:
                 mig.pending = "req_stop"
-            logger.info("request migration %s: %s: %d tokens' pages go to the global store while it decodes",
-                        mig.migration, r.rid, copied)
+            logger.info(
+                "request migration %s: %s: %d tokens' pages go to the global store while it decodes",
+                mig.migration,
+                r.rid,
+                copied,
+            )
             return
         self._cut(mig, r)
 
@@ -208,8 +234,14 @@ class RequestMixin:
         r.to_finish = finish_migrated(mig.migration)
         mig.state = "stopping"
         self.handoffs[r.rid] = mig
-        logger.info("request migration %s: %s (%d prompt + %d answer tokens, %d left) stops at this boundary",
-                    mig.migration, r.rid, len(r.origin_input_ids), len(r.output_ids), tokens_left(r))
+        logger.info(
+            "request migration %s: %s (%d prompt + %d answer tokens, %d left) stops at this boundary",
+            mig.migration,
+            r.rid,
+            len(r.origin_input_ids),
+            len(r.output_ids),
+            tokens_left(r),
+        )
 
     def _req_settle(self) -> None:
         """Scheduler thread: a stopping request that finished is handed off (or ended otherwise)."""
@@ -217,19 +249,34 @@ class RequestMixin:
         for rid, mig in list(self.handoffs.items()):
             if mig.state == "stopping" and mig.req.finished():
                 r = mig.req
-                if r.finished_reason is not None and MARK in str(r.finished_reason.to_json().get("matched")):
+                if r.finished_reason is not None and MARK in str(
+                    r.finished_reason.to_json().get("matched")
+                ):
                     mig.handoff = (list(r.origin_input_ids), list(r.output_ids))
                     mig.bytes_total = mig.bytes_done = self._kv_bytes_per_token() * (
-                        len(r.origin_input_ids) + len(r.output_ids) - 1)
-                    mig.finish("handed_off", "", f"{rid}: {len(r.output_ids)} tokens here, "
-                                                 f"{tokens_left(r)} left for the next worker")
+                        len(r.origin_input_ids) + len(r.output_ids) - 1
+                    )
+                    mig.finish(
+                        "handed_off",
+                        "",
+                        f"{rid}: {len(r.output_ids)} tokens here, "
+                        f"{tokens_left(r)} left for the next worker",
+                    )
                     self.metrics.add("requests_handed_off")
                 else:
-                    mig.finish("failed", "finished", f"{rid} ended before the boundary "
-                                                     f"({r.finished_reason.to_json().get('type')})")
+                    mig.finish(
+                        "failed",
+                        "finished",
+                        f"{rid} ended before the boundary "
+                        f"({r.finished_reason.to_json().get('type')})",
+                    )
                     self.handoffs.pop(rid, None)
                 mig.req = None
-            elif mig.state != "stopping" and mig.t_end is not None and now - mig.t_end > HANDOFF_TTL_S:
+            elif (
+                mig.state != "stopping"
+                and mig.t_end is not None
+                and now - mig.t_end > HANDOFF_TTL_S
+            ):
                 self.handoffs.pop(rid, None)
 
     def _kv_bytes_per_token(self) -> int:
@@ -242,11 +289,21 @@ class RequestMixin:
     def _handoff(self, req: m.Handoff) -> m.Reply:
         mig = self.handoffs.get(req.rid)
         if mig is None:
-            return m.Error(id=req.id, reason="invalid", detail=f"no request {req.rid!r} was handed off here")
+            return m.Error(
+                id=req.id, reason="invalid", detail=f"no request {req.rid!r} was handed off here"
+            )
         if mig.state == "stopping":
             return m.Error(id=req.id, reason="busy", detail=f"{req.rid} has not stopped yet")
         if mig.state != "handed_off":
-            return m.Error(id=req.id, reason="invalid", detail=f"request migration of {req.rid} {mig.state}")
+            return m.Error(
+                id=req.id, reason="invalid", detail=f"request migration of {req.rid} {mig.state}"
+            )
         inp, out = mig.handoff
-        return m.HandoffInfo(id=req.id, rid=req.rid, migration=mig.migration, peer=mig.peer,
-                             input_ids=inp, output_ids=out)
+        return m.HandoffInfo(
+            id=req.id,
+            rid=req.rid,
+            migration=mig.migration,
+            peer=mig.peer,
+            input_ids=inp,
+            output_ids=out,
+        )

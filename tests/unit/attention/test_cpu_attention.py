@@ -20,7 +20,9 @@ from bana_sglang.kernels import merge as mg
 ATOL = 2e-5  # float32 SDPA vs float64 reference, unit-variance inputs
 
 
-def _pool(n_slots: int, hkv: int, d: int, dv: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _pool(
+    n_slots: int, hkv: int, d: int, dv: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     k = torch.randn(n_slots, hkv, d, generator=gen)
     v = torch.randn(n_slots, hkv, dv, generator=gen)
     return k, v
@@ -78,17 +80,23 @@ def test_extend_batch_mixing_cached_and_uncached(reqs, gqa, need_lse, seed):
     perm = torch.randperm(n_slots, generator=gen)
     kv_indices, ext_lens, start = [], [], 0
     for p, e in reqs:
-        kv_indices.append(perm[start:start + p + e])
+        kv_indices.append(perm[start : start + p + e])
         ext_lens.append(e)
         start += p + e
     q = torch.randn(sum(ext_lens), hq, d, generator=gen)
-    res = ca.extend_attention(q, k_cache, v_cache, kv_indices, ext_lens, scale=0.35, need_lse=need_lse)
+    res = ca.extend_attention(
+        q, k_cache, v_cache, kv_indices, ext_lens, scale=0.35, need_lse=need_lse
+    )
     row = 0
     for slots, (p, e) in zip(kv_indices, reqs):
-        ref = ca.reference_attention(q[row:row + e], k_cache[slots], v_cache[slots], scale=0.35, q_offset=p)
-        torch.testing.assert_close(res.output[row:row + e].double(), ref.output, atol=ATOL, rtol=0)
+        ref = ca.reference_attention(
+            q[row : row + e], k_cache[slots], v_cache[slots], scale=0.35, q_offset=p
+        )
+        torch.testing.assert_close(
+            res.output[row : row + e].double(), ref.output, atol=ATOL, rtol=0
+        )
         if need_lse:
-            torch.testing.assert_close(res.lse[row:row + e].double(), ref.lse, atol=ATOL, rtol=0)
+            torch.testing.assert_close(res.lse[row : row + e].double(), ref.lse, atol=ATOL, rtol=0)
         row += e
 
 
@@ -110,26 +118,32 @@ def test_decode_matches_reference(lens, hq, hkv, need_lse):
     n_slots = sum(lens) + 8
     k_cache, v_cache = _pool(n_slots, hkv, d, d, gen)
     perm = torch.randperm(n_slots, generator=gen)
-    table = torch.zeros(len(lens), max(lens) + 3, dtype=torch.long)  # wider than needed, padded with slot 0
+    table = torch.zeros(
+        len(lens), max(lens) + 3, dtype=torch.long
+    )  # wider than needed, padded with slot 0
     start = 0
     for b, n in enumerate(lens):
-        table[b, :n] = perm[start:start + n]
+        table[b, :n] = perm[start : start + n]
         start += n
     q = torch.randn(len(lens), hq, d, generator=gen)
     res = ca.decode_attention(q, k_cache, v_cache, table, lens, scale=0.25, need_lse=need_lse)
     for b, n in enumerate(lens):
         slots = table[b, :n]
-        ref = ca.reference_attention(q[b:b + 1], k_cache[slots], v_cache[slots], scale=0.25, q_offset=None)
-        torch.testing.assert_close(res.output[b:b + 1].double(), ref.output, atol=ATOL, rtol=0)
+        ref = ca.reference_attention(
+            q[b : b + 1], k_cache[slots], v_cache[slots], scale=0.25, q_offset=None
+        )
+        torch.testing.assert_close(res.output[b : b + 1].double(), ref.output, atol=ATOL, rtol=0)
         if need_lse:
-            torch.testing.assert_close(res.lse[b:b + 1].double(), ref.lse, atol=ATOL, rtol=0)
+            torch.testing.assert_close(res.lse[b : b + 1].double(), ref.lse, atol=ATOL, rtol=0)
 
 
 def test_decode_path_choice_follows_the_measured_costs():
     """Many short requests: one padded call; mixed or long lengths: one call per request
     (bench/bench_decode_paths.py times both on each of these batches)."""
     assert ca.decode_pads([64] * 32) and ca.decode_pads([128] * 64)
-    assert ca.decode_pads([5, 5, 5]) and ca.decode_pads([3, 30, 12, 1])  # the tests above cover both paths
+    assert ca.decode_pads([5, 5, 5]) and ca.decode_pads(
+        [3, 30, 12, 1]
+    )  # the tests above cover both paths
     assert not ca.decode_pads([478, 472, 163, 1466, 1700, 676, 1111])  # the trace's first burst
     assert not ca.decode_pads([128, 128, 256, 256, 384, 512, 1024, 1408])
     assert not ca.decode_pads([700, 20]) and not ca.decode_pads([9])
@@ -148,10 +162,14 @@ def test_decode_kv_dtype_cast_and_bf16():
 
 # --- merge -----------------------------------------------------------------
 
+
 @settings(max_examples=60, deadline=None)
 @given(
-    q_len=st.integers(1, 6), kv_len=st.integers(1, 30), n_parts=st.integers(1, 4),
-    hq_hkv=st.sampled_from([(2, 2), (4, 2), (4, 1)]), seed=st.integers(0, 2**16),
+    q_len=st.integers(1, 6),
+    kv_len=st.integers(1, 30),
+    n_parts=st.integers(1, 4),
+    hq_hkv=st.sampled_from([(2, 2), (4, 2), (4, 1)]),
+    seed=st.integers(0, 2**16),
     causal=st.booleans(),
 )
 def test_merge_of_partitions_equals_whole(q_len, kv_len, n_parts, hq_hkv, seed, causal):
@@ -179,8 +197,11 @@ def test_merge_of_partitions_equals_whole(q_len, kv_len, n_parts, hq_hkv, seed, 
 
 
 @settings(max_examples=40, deadline=None)
-@given(big=st.floats(min_value=1e3, max_value=3e38), sign=st.sampled_from([1.0, -1.0]),
-       seed=st.integers(0, 2**16))
+@given(
+    big=st.floats(min_value=1e3, max_value=3e38),
+    sign=st.sampled_from([1.0, -1.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_merge_extreme_logits(big, sign, seed):
     gen = torch.Generator().manual_seed(seed)
     o_a, o_b = torch.randn(3, 2, 4, generator=gen), torch.randn(3, 2, 4, generator=gen)
@@ -215,7 +236,10 @@ def test_merge_rejects_bad_shapes():
 
 # --- selection and registration ----------------------------------------------
 
-@pytest.mark.parametrize("env,expected", [(None, "bana_cpu"), ("bana", "bana_cpu"), ("stock", "torch_native")])
+
+@pytest.mark.parametrize(
+    "env,expected", [(None, "bana_cpu"), ("bana", "bana_cpu"), ("stock", "torch_native")]
+)
 def test_cpu_default_backend_and_off_switch(monkeypatch, env, expected):
     from bana_sglang import compat
 
@@ -227,7 +251,9 @@ def test_cpu_default_backend_and_off_switch(monkeypatch, env, expected):
     args = compat.server_args("null")
     assert args[args.index("--attention-backend") + 1] == expected
     # An explicit flag always wins over the default.
-    assert "--attention-backend" not in compat.server_args("null", user_args=["--attention-backend", "x"])
+    assert "--attention-backend" not in compat.server_args(
+        "null", user_args=["--attention-backend", "x"]
+    )
 
 
 def test_off_switch_rejects_unknown_value(monkeypatch):

@@ -4,33 +4,60 @@ from __future__ import annotations
 
 import pytest
 
-from bana_sglang.balancer.policy import BALANCERS, BalancerConfig, BalancerError, KVBlockMigration, LayerMigration, MigrationCostModel, ModelShape, RequestMigration, RunningRequest, get_balancer, utilisation
-from bana_sglang.types import split_speeds
-from bana_sglang.types import RequestId, Tier, WorkerId, WorkerLoad
+from bana_sglang.balancer.policy import (
+    BALANCERS,
+    BalancerConfig,
+    BalancerError,
+    KVBlockMigration,
+    LayerMigration,
+    MigrationCostModel,
+    ModelShape,
+    RequestMigration,
+    RunningRequest,
+    get_balancer,
+    utilisation,
+)
+from bana_sglang.types import RequestId, Tier, WorkerId, WorkerLoad, split_speeds
 
 GB = 1_000_000_000
-SHAPE = ModelShape(num_layers=32, layer_weight_bytes=500_000_000, kv_bytes_per_token=131_072,
-                   page_size=512, prefill_tokens_per_s=20_000)
+SHAPE = ModelShape(
+    num_layers=32,
+    layer_weight_bytes=500_000_000,
+    kv_bytes_per_token=131_072,
+    page_size=512,
+    prefill_tokens_per_s=20_000,
+)
 COST = MigrationCostModel(bandwidth_bytes_per_s=25 * GB, fixed_s=0.005)
 CFG = BalancerConfig(consecutive=3, cooldown_s=20.0, min_interval_s=2.0, budget_s=2.0)
 
 
 def W(name, tier, *, busy=0.0, queued=0, kv_used=0, kv_total=400_000, running=0, step=0.0):
-    return WorkerLoad(WorkerId(name), tier, running_requests=running,
-                      queued_prefill_tokens=queued, kv_used_tokens=kv_used,
-                      kv_total_tokens=kv_total, busy_fraction=busy, decode_step_s=step)
+    return WorkerLoad(
+        WorkerId(name),
+        tier,
+        running_requests=running,
+        queued_prefill_tokens=queued,
+        kv_used_tokens=kv_used,
+        kv_total_tokens=kv_total,
+        busy_fraction=busy,
+        decode_step_s=step,
+    )
 
 
 def bana(**cfg):
-    return get_balancer("bana", shape=SHAPE, cost=COST,
-                        config=BalancerConfig(**{**CFG.__dict__, **cfg}))
+    return get_balancer(
+        "bana", shape=SHAPE, cost=COST, config=BalancerConfig(**{**CFG.__dict__, **cfg})
+    )
 
 
 def prefill_hot(queued=20_000):
     """p0 busy with a 1 s backlog: below ``sustained_backlog_s``, so the streak applies."""
-    return [W("p0", Tier.PREFILL, busy=1.0, queued=queued), W("p1", Tier.PREFILL, busy=0.9),
-            W("d0", Tier.DECODE, busy=0.1, kv_used=40_000), W("d1", Tier.DECODE, busy=0.2,
-                                                             kv_used=80_000)]
+    return [
+        W("p0", Tier.PREFILL, busy=1.0, queued=queued),
+        W("p1", Tier.PREFILL, busy=0.9),
+        W("d0", Tier.DECODE, busy=0.1, kv_used=40_000),
+        W("d1", Tier.DECODE, busy=0.2, kv_used=80_000),
+    ]
 
 
 def plan_after(b, loads, k, t0=0.0, **kw):
@@ -73,9 +100,11 @@ def test_budget_limits_the_number_of_layers():
 
 
 def memory_bound():
-    return [W("d0", Tier.DECODE, busy=0.3, kv_used=390_000), W("d1", Tier.DECODE, busy=0.3,
-                                                              kv_used=100_000),
-            W("p0", Tier.PREFILL, busy=0.5)]
+    return [
+        W("d0", Tier.DECODE, busy=0.3, kv_used=390_000),
+        W("d1", Tier.DECODE, busy=0.3, kv_used=100_000),
+        W("p0", Tier.PREFILL, busy=0.5),
+    ]
 
 
 def test_memory_bound_decode_moves_kv_blocks_to_a_decode_peer():
@@ -88,9 +117,13 @@ def test_memory_bound_decode_moves_kv_blocks_to_a_decode_peer():
 
 
 def test_memory_bound_decode_with_running_requests_migrates_one():
-    running = {WorkerId("d0"): [RunningRequest(RequestId("a"), 20_000, 100),
-                                RunningRequest(RequestId("b"), 60_000, 500),
-                                RunningRequest(RequestId("c"), 400_000, 5)]}
+    running = {
+        WorkerId("d0"): [
+            RunningRequest(RequestId("a"), 20_000, 100),
+            RunningRequest(RequestId("b"), 60_000, 500),
+            RunningRequest(RequestId("c"), 400_000, 5),
+        ]
+    }
     p = plan_after(bana(), memory_bound(), 3, running=running)[2]
     a = p.actions[0]
     assert isinstance(a, RequestMigration) and a.request == "b" and a.dst == "d1"
@@ -98,8 +131,9 @@ def test_memory_bound_decode_with_running_requests_migrates_one():
 
 
 def test_balanced_cluster_never_acts():
-    loads = [W(f"p{i}", Tier.PREFILL, busy=0.7) for i in range(4)] + \
-            [W(f"d{i}", Tier.DECODE, busy=0.6, kv_used=250_000) for i in range(4)]
+    loads = [W(f"p{i}", Tier.PREFILL, busy=0.7) for i in range(4)] + [
+        W(f"d{i}", Tier.DECODE, busy=0.6, kv_used=250_000) for i in range(4)
+    ]
     b = bana()
     assert all(b.plan(loads, float(t)).empty for t in range(50))
     idle = [W("p0", Tier.PREFILL, busy=0.3), W("d0", Tier.DECODE)]  # imbalanced but cold
@@ -174,8 +208,13 @@ def test_split_speeds_and_the_utilisation_they_give():
             split_speeds(32, bad, 0.5)
     queued = int(CFG.queue_horizon_s * SHAPE.prefill_tokens_per_s)  # one horizon of work
     alone = W("p0", Tier.PREFILL, busy=0.5, queued=queued)
-    fast = WorkerLoad(WorkerId("p0"), Tier.PREFILL, queued_prefill_tokens=queued, busy_fraction=0.5,
-                      prefill_speed=2.0)
+    fast = WorkerLoad(
+        WorkerId("p0"),
+        Tier.PREFILL,
+        queued_prefill_tokens=queued,
+        busy_fraction=0.5,
+        prefill_speed=2.0,
+    )
     assert utilisation(alone, SHAPE, CFG) == pytest.approx(1.5)
     assert utilisation(fast, SHAPE, CFG) == pytest.approx(1.0)
 
@@ -187,13 +226,20 @@ def test_engaged_workers_are_never_picked():
     for engaged in ({"p0"}, {"d0", "d1"}, {"p0", "d0"}):
         p = plan_after(bana(), prefill_hot(), 3, engaged={WorkerId(w) for w in engaged})[2]
         assert not any({a.src, a.dst} & engaged for a in p.actions), (engaged, p)
-    assert plan_after(bana(), prefill_hot(), 3, engaged={WorkerId("d0"), WorkerId("d1")})[2].actions[0].dst == "p1"
+    assert (
+        plan_after(bana(), prefill_hot(), 3, engaged={WorkerId("d0"), WorkerId("d1")})[2]
+        .actions[0]
+        .dst
+        == "p1"
+    )
 
 
 def test_one_action_per_eight_workers_in_one_plan():
-    hot = [W(f"p{i}", Tier.PREFILL, busy=1.0, queued=20_000) for i in range(3)] + \
-        [W(f"p{i}", Tier.PREFILL, busy=0.2) for i in range(3, 8)] + \
-        [W(f"d{i}", Tier.DECODE, busy=0.1, kv_used=40_000) for i in range(8)]
+    hot = (
+        [W(f"p{i}", Tier.PREFILL, busy=1.0, queued=20_000) for i in range(3)]
+        + [W(f"p{i}", Tier.PREFILL, busy=0.2) for i in range(3, 8)]
+        + [W(f"d{i}", Tier.DECODE, busy=0.1, kv_used=40_000) for i in range(8)]
+    )
     p = plan_after(bana(), hot, 3)[2]
     assert len(p.actions) == 2  # 16 workers: two actions
     pairs = [(a.src, a.dst) for a in p.actions]
@@ -209,8 +255,11 @@ def test_layers_equalise_against_the_peers_compute_and_its_memory_takes_the_weig
     """A decode peer with much KV in use but little compute busy can take about half of a
     hot donor's layers (its compute is what the layers use); the predicted peak counts
     the weights in its KV memory."""
-    loads = [W("p0", Tier.PREFILL, busy=1.0, queued=20_000), W("p1", Tier.PREFILL, busy=0.9),
-             W("d0", Tier.DECODE, busy=0.1, kv_used=200_000)]
+    loads = [
+        W("p0", Tier.PREFILL, busy=1.0, queued=20_000),
+        W("p1", Tier.PREFILL, busy=0.9),
+        W("d0", Tier.DECODE, busy=0.1, kv_used=200_000),
+    ]
     a = plan_after(bana(), loads, 3)[2].actions[0]
     assert isinstance(a, LayerMigration) and a.dst == "d0"
     # U(p0) = 1.2: equalising against d0's compute (0.1) gives phi = 0.46 (14 layers);
@@ -227,9 +276,13 @@ def test_tpot_guard_keeps_a_decode_peers_step_within_the_slo():
     """With a TPOT SLO, a decode peer takes only the layers whose time share keeps its
     step within tpot_headroom x SLO; a peer already there takes none (the next one does)."""
     hot = [W("p0", Tier.PREFILL, busy=1.0, queued=20_000), W("p1", Tier.PREFILL, busy=0.9)]
-    a = plan_after(bana(tpot_slo_s=0.1), [*hot, W("d0", Tier.DECODE, busy=0.1, step=0.01)], 3)[2].actions[0]
+    a = plan_after(bana(tpot_slo_s=0.1), [*hot, W("d0", Tier.DECODE, busy=0.1, step=0.01)], 3)[
+        2
+    ].actions[0]
     assert a.num_layers == 14  # 0.01 s step: share <= 0.875, phi <= 0.47: the unguarded 14 layers
-    a = plan_after(bana(tpot_slo_s=0.1), [*hot, W("d0", Tier.DECODE, busy=0.1, step=0.02)], 3)[2].actions[0]
+    a = plan_after(bana(tpot_slo_s=0.1), [*hot, W("d0", Tier.DECODE, busy=0.1, step=0.02)], 3)[
+        2
+    ].actions[0]
     assert a.num_layers == 13  # 0.02 s: share <= 0.75, phi <= 0.43
     capped = bana(tpot_slo_s=0.1)
     a = plan_after(capped, [*hot, W("d0", Tier.DECODE, busy=0.1, step=0.06)], 3)[2].actions[0]
@@ -237,12 +290,18 @@ def test_tpot_guard_keeps_a_decode_peers_step_within_the_slo():
     assert a.num_layers == 6
     phi = a.num_layers / 32
     assert 0.06 / (1 - phi / (1 - phi) * 1.0) <= 0.08 + 1e-9
-    slow = [*hot, W("d0", Tier.DECODE, busy=0.1, step=0.09), W("d1", Tier.DECODE, busy=0.3, step=0.03)]
+    slow = [
+        *hot,
+        W("d0", Tier.DECODE, busy=0.1, step=0.09),
+        W("d1", Tier.DECODE, busy=0.3, step=0.03),
+    ]
     p = plan_after(bana(tpot_slo_s=0.1), slow, 3)[2]
     assert [x.dst for x in p.actions] == ["d1"]
     alone = plan_after(bana(tpot_slo_s=0.1), slow[:3], 3)[2]
     assert all(x.dst != "d0" for x in alone.actions)  # a prefill peer, or nothing
-    assert [x.dst for x in plan_after(bana(tpot_slo_s=0), slow[:3], 3)[2].actions] == ["d0"]  # 0: no guard
+    assert [x.dst for x in plan_after(bana(tpot_slo_s=0), slow[:3], 3)[2].actions] == [
+        "d0"
+    ]  # 0: no guard
     with pytest.raises(BalancerError):
         BalancerConfig(tpot_slo_s=-1)
     with pytest.raises(BalancerError):
@@ -253,17 +312,26 @@ def test_a_decode_host_short_of_memory_gets_its_guest_layers_back():
     """memory_recalls names the hosts whose requests wait for memory they do not have
     (KV usage with the waiting requests past recall_kv_usage); never a prefill host, a
     worker that hosts nothing, or a host merely full; 0 turns it off."""
-    def D(name, used, waiting, tier=Tier.DECODE, inflight=0):
-        return WorkerLoad(WorkerId(name), tier, kv_used_tokens=used, kv_waiting_tokens=waiting,
-                          inflight_tokens=inflight, kv_total_tokens=100_000)
 
-    loads = [D("d0", 99_000, 5_000),  # 1.04: its waiting requests need memory it has not got
-             D("d1", 100_000, 0),  # full, nothing waiting
-             D("d2", 60_000, 5_000),  # requests waiting for a batch slot, memory for them
-             D("d3", 99_000, 5_000),  # pressed, but hosts nothing
-             D("p0", 99_000, 5_000, Tier.PREFILL),
-             # live, the router's in-flight count includes resident requests: not a wait
-             D("d4", 70_000, 0, inflight=70_000)]
+    def D(name, used, waiting, tier=Tier.DECODE, inflight=0):
+        return WorkerLoad(
+            WorkerId(name),
+            tier,
+            kv_used_tokens=used,
+            kv_waiting_tokens=waiting,
+            inflight_tokens=inflight,
+            kv_total_tokens=100_000,
+        )
+
+    loads = [
+        D("d0", 99_000, 5_000),  # 1.04: its waiting requests need memory it has not got
+        D("d1", 100_000, 0),  # full, nothing waiting
+        D("d2", 60_000, 5_000),  # requests waiting for a batch slot, memory for them
+        D("d3", 99_000, 5_000),  # pressed, but hosts nothing
+        D("p0", 99_000, 5_000, Tier.PREFILL),
+        # live, the router's in-flight count includes resident requests: not a wait
+        D("d4", 70_000, 0, inflight=70_000),
+    ]
     b = bana()
     assert b.memory_recalls(loads, {"d0", "d1", "d2", "p0", "d4"}) == ["d0"]
     assert b.memory_recalls(loads, set()) == []

@@ -16,10 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from bana_sglang.balancer.policy import BalancerConfig, MigrationCostModel
 from bana_sglang.balancer.controller import Controller, model_shape, serve
-from bana_sglang.types import Tier, WorkerLoad
+from bana_sglang.balancer.policy import BalancerConfig, MigrationCostModel
 from bana_sglang.router.workers import load_to_json
+from bana_sglang.types import Tier, WorkerLoad
 
 
 class FakeRouter:
@@ -41,11 +41,21 @@ class FakeRouter:
 
             def do_GET(self):
                 if self.path == "/bana/admin/agents":
-                    self._send(200, {"agents": [{"url": u, "movable": mv} for u, mv in fake.movable.items()]})
+                    self._send(
+                        200,
+                        {"agents": [{"url": u, "movable": mv} for u, mv in fake.movable.items()]},
+                    )
                     return
                 assert self.path == "/bana/router/workers"
-                self._send(200, {"workers": [{"url": w.worker_id, "healthy": True, "load": load_to_json(w)}
-                                             for w in fake.loads]})
+                self._send(
+                    200,
+                    {
+                        "workers": [
+                            {"url": w.worker_id, "healthy": True, "load": load_to_json(w)}
+                            for w in fake.loads
+                        ]
+                    },
+                )
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
@@ -80,14 +90,29 @@ def shape(tiny_model):
 
 def controller(router: FakeRouter, shape, **kw) -> Controller:
     cfg = BalancerConfig(consecutive=1, min_interval_s=0.0, cooldown_s=0.0, min_peak=0.5)
-    return Controller(router=router.url, balancer_name=kw.pop("balancer", "bana"), shape=shape,
-                      cost=MigrationCostModel(150e6), config=cfg, **kw)
+    return Controller(
+        router=router.url,
+        balancer_name=kw.pop("balancer", "bana"),
+        shape=shape,
+        cost=MigrationCostModel(150e6),
+        config=cfg,
+        **kw,
+    )
 
 
 def hot_prefill() -> list[WorkerLoad]:
-    return [WorkerLoad("http://p0", Tier.PREFILL, queued_prefill_tokens=9000, busy_fraction=1.0,
-                       kv_total_tokens=32768),
-            WorkerLoad("http://d0", Tier.DECODE, busy_fraction=0.05, kv_used_tokens=100, kv_total_tokens=32768)]
+    return [
+        WorkerLoad(
+            "http://p0",
+            Tier.PREFILL,
+            queued_prefill_tokens=9000,
+            busy_fraction=1.0,
+            kv_total_tokens=32768,
+        ),
+        WorkerLoad(
+            "http://d0", Tier.DECODE, busy_fraction=0.05, kv_used_tokens=100, kv_total_tokens=32768
+        ),
+    ]
 
 
 def test_the_model_shape_comes_from_the_checkpoint(shape):
@@ -100,7 +125,7 @@ def test_a_hot_prefill_tier_moves_tail_layers_to_the_idle_decode_worker(router, 
     router.loads = hot_prefill()
     plan = ctl.tick(now=100.0)
     assert len(plan.actions) == 1
-    (path, body), = router.posts
+    ((path, body),) = router.posts
     assert path == "/bana/admin/migrations"
     assert body["worker"] == "http://p0" and body["peer"] == "http://d0" and body["switch"] is True
     assert body["layers"][1] == 4 and 0 < body["layers"][0] < 4  # the donor's tail layers
@@ -108,11 +133,17 @@ def test_a_hot_prefill_tier_moves_tail_layers_to_the_idle_decode_worker(router, 
     assert (d.kind, d.result, d.migration) == ("layer_migration", "started", body["id"])
     assert d.peak_after < d.peak_before
     # calm again: what it started is recalled, and said so
-    router.loads = [WorkerLoad("http://p0", Tier.PREFILL, kv_total_tokens=32768),
-                    WorkerLoad("http://d0", Tier.DECODE, kv_total_tokens=32768)]
+    router.loads = [
+        WorkerLoad("http://p0", Tier.PREFILL, kv_total_tokens=32768),
+        WorkerLoad("http://d0", Tier.DECODE, kv_total_tokens=32768),
+    ]
     ctl.tick(now=200.0)
     assert router.posts[-1] == (f"/bana/admin/migrations/{body['id']}/recall", {})
-    assert ctl.decisions[-1].kind == "recall" and ctl.decisions[-1].result == "recalled" and not ctl.active
+    assert (
+        ctl.decisions[-1].kind == "recall"
+        and ctl.decisions[-1].result == "recalled"
+        and not ctl.active
+    )
     text = ctl.metrics_text()
     assert 'bana_balancer_decisions_total{kind="layer_migration",result="started"} 1' in text
     assert 'bana_balancer_decisions_total{kind="recall",result="recalled"} 1' in text
@@ -127,8 +158,15 @@ def test_workers_in_a_started_migration_are_not_picked_again(router, shape):
     assert later.empty and later.reason == "no beneficial action" and len(router.posts) == 1
     # a second idle decode worker can take the other prefill worker's tail
     router.loads = hot_prefill() + [
-        WorkerLoad("http://p1", Tier.PREFILL, queued_prefill_tokens=9000, busy_fraction=1.0, kv_total_tokens=32768),
-        WorkerLoad("http://d1", Tier.DECODE, busy_fraction=0.05, kv_total_tokens=32768)]
+        WorkerLoad(
+            "http://p1",
+            Tier.PREFILL,
+            queued_prefill_tokens=9000,
+            busy_fraction=1.0,
+            kv_total_tokens=32768,
+        ),
+        WorkerLoad("http://d1", Tier.DECODE, busy_fraction=0.05, kv_total_tokens=32768),
+    ]
     (act,) = ctl.tick(now=300.0).actions
     assert (act.src, act.dst) == ("http://p1", "http://d1")
 
@@ -143,20 +181,34 @@ def test_a_refused_migration_is_recorded_with_the_answer(router, shape):
 
 def test_a_memory_bound_decode_worker_moves_kv_pages_and_gets_them_back_when_calm(router, shape):
     ctl = controller(router, shape, recall_after_s=0.0)
-    router.loads = [WorkerLoad("http://d0", Tier.DECODE, busy_fraction=0.2, kv_used_tokens=30000,
-                               kv_total_tokens=32768),
-                    WorkerLoad("http://d1", Tier.DECODE, busy_fraction=0.1, kv_used_tokens=1000,
-                               kv_total_tokens=32768)]
+    router.loads = [
+        WorkerLoad(
+            "http://d0", Tier.DECODE, busy_fraction=0.2, kv_used_tokens=30000, kv_total_tokens=32768
+        ),
+        WorkerLoad(
+            "http://d1", Tier.DECODE, busy_fraction=0.1, kv_used_tokens=1000, kv_total_tokens=32768
+        ),
+    ]
     plan = ctl.tick(now=100.0)
     d = ctl.decisions[-1]
     (act,) = plan.actions  # no running request listed: pages, not a whole request
-    (path, body), = router.posts
+    ((path, body),) = router.posts
     assert path == "/bana/admin/migrations" and "layers" not in body
-    assert body["worker"] == "http://d0" and body["peer"] == "http://d1" and body["kv_pages"] == act.pages > 0
-    assert (d.kind, d.result, d.migration, d.detail) == ("kv_block_migration", "started", body["id"],
-                                                         f"{act.pages} KV pages")
-    router.loads = [WorkerLoad("http://d0", Tier.DECODE, kv_total_tokens=32768),
-                    WorkerLoad("http://d1", Tier.DECODE, kv_total_tokens=32768)]
+    assert (
+        body["worker"] == "http://d0"
+        and body["peer"] == "http://d1"
+        and body["kv_pages"] == act.pages > 0
+    )
+    assert (d.kind, d.result, d.migration, d.detail) == (
+        "kv_block_migration",
+        "started",
+        body["id"],
+        f"{act.pages} KV pages",
+    )
+    router.loads = [
+        WorkerLoad("http://d0", Tier.DECODE, kv_total_tokens=32768),
+        WorkerLoad("http://d1", Tier.DECODE, kv_total_tokens=32768),
+    ]
     ctl.tick(now=200.0)
     assert router.posts[-1] == (f"/bana/admin/migrations/{body['id']}/recall", {})
     assert ctl.decisions[-1].detail == f"{act.pages} KV pages" and not ctl.active
@@ -164,22 +216,41 @@ def test_a_memory_bound_decode_worker_moves_kv_pages_and_gets_them_back_when_cal
 
 def test_a_memory_bound_decode_worker_hands_a_listed_request_to_its_peer(router, shape):
     ctl = controller(router, shape)
-    router.loads = [WorkerLoad("http://d0", Tier.DECODE, busy_fraction=0.2, kv_used_tokens=30000,
-                               kv_total_tokens=32768),
-                    WorkerLoad("http://d1", Tier.DECODE, busy_fraction=0.1, kv_used_tokens=1000,
-                               kv_total_tokens=32768)]
-    router.movable = {"http://d0": [{"rid": "bana-m-small", "kv_tokens": 3000, "tokens_left": 50},
-                                    {"rid": "bana-m-big", "kv_tokens": 9000, "tokens_left": 400}]}
+    router.loads = [
+        WorkerLoad(
+            "http://d0", Tier.DECODE, busy_fraction=0.2, kv_used_tokens=30000, kv_total_tokens=32768
+        ),
+        WorkerLoad(
+            "http://d1", Tier.DECODE, busy_fraction=0.1, kv_used_tokens=1000, kv_total_tokens=32768
+        ),
+    ]
+    router.movable = {
+        "http://d0": [
+            {"rid": "bana-m-small", "kv_tokens": 3000, "tokens_left": 50},
+            {"rid": "bana-m-big", "kv_tokens": 9000, "tokens_left": 400},
+        ]
+    }
     plan = ctl.tick(now=100.0)
     (act,) = plan.actions
-    (path, body), = router.posts
+    ((path, body),) = router.posts
     # the largest request that fits the equalising target moves, whole
-    assert body == {"worker": "http://d0", "peer": "http://d1", "id": body["id"], "request": "bana-m-big"}
+    assert body == {
+        "worker": "http://d0",
+        "peer": "http://d1",
+        "id": body["id"],
+        "request": "bana-m-big",
+    }
     d = ctl.decisions[-1]
-    assert (d.kind, d.result, d.migration) == ("request_migration", "started", body["id"]) and act.bytes > 0
+    assert (d.kind, d.result, d.migration) == (
+        "request_migration",
+        "started",
+        body["id"],
+    ) and act.bytes > 0
     assert not ctl.active  # nothing to recall: the request lives on d1 now
-    router.loads = [WorkerLoad("http://d0", Tier.DECODE, kv_total_tokens=32768),
-                    WorkerLoad("http://d1", Tier.DECODE, kv_total_tokens=32768)]
+    router.loads = [
+        WorkerLoad("http://d0", Tier.DECODE, kv_total_tokens=32768),
+        WorkerLoad("http://d1", Tier.DECODE, kv_total_tokens=32768),
+    ]
     ctl.tick(now=200.0)
     assert len(router.posts) == 1
 
@@ -208,8 +279,21 @@ def test_metrics_and_decisions_are_served(router, shape):
 
 
 def test_the_command_line_refuses_an_unknown_policy(tiny_model):
-    out = subprocess.run([sys.executable, "-m", "bana_sglang.balancer.controller", "--model-path", str(tiny_model),
-                          "--balancer", "greedy"], capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bana_sglang.balancer.controller",
+            "--model-path",
+            str(tiny_model),
+            "--balancer",
+            "greedy",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 2 and "greedy" in out.stderr
 
 
@@ -220,12 +304,26 @@ def test_a_layer_host_short_of_memory_gets_the_layers_recalled_before_the_plan(r
     ctl = controller(router, shape, recall_after_s=1e9)
     router.loads = hot_prefill()
     ctl.tick(now=100.0)
-    (_, body), = router.posts
+    ((_, body),) = router.posts
     assert len(ctl.active) == 1
-    router.loads = [WorkerLoad("http://p0", Tier.PREFILL, queued_prefill_tokens=9000, busy_fraction=1.0,
-                               kv_total_tokens=32768),
-                    WorkerLoad("http://d0", Tier.DECODE, busy_fraction=0.3, kv_used_tokens=32000,
-                               kv_waiting_tokens=4000, inflight_tokens=36000, kv_total_tokens=32768)]
+    router.loads = [
+        WorkerLoad(
+            "http://p0",
+            Tier.PREFILL,
+            queued_prefill_tokens=9000,
+            busy_fraction=1.0,
+            kv_total_tokens=32768,
+        ),
+        WorkerLoad(
+            "http://d0",
+            Tier.DECODE,
+            busy_fraction=0.3,
+            kv_used_tokens=32000,
+            kv_waiting_tokens=4000,
+            inflight_tokens=36000,
+            kv_total_tokens=32768,
+        ),
+    ]
     ctl.tick(now=101.0)
     assert (f"/bana/admin/migrations/{body['id']}/recall", {}) in router.posts
     d = next(x for x in ctl.decisions if x.kind == "recall")
@@ -240,9 +338,22 @@ def test_a_layer_host_whose_requests_are_all_resident_keeps_the_layers(router, s
     router.loads = hot_prefill()
     ctl.tick(now=100.0)
     assert len(ctl.active) == 1
-    router.loads = [WorkerLoad("http://p0", Tier.PREFILL, queued_prefill_tokens=9000, busy_fraction=1.0,
-                               kv_total_tokens=32768),
-                    WorkerLoad("http://d0", Tier.DECODE, busy_fraction=0.3, kv_used_tokens=20000,
-                               inflight_tokens=20000, kv_total_tokens=32768)]
+    router.loads = [
+        WorkerLoad(
+            "http://p0",
+            Tier.PREFILL,
+            queued_prefill_tokens=9000,
+            busy_fraction=1.0,
+            kv_total_tokens=32768,
+        ),
+        WorkerLoad(
+            "http://d0",
+            Tier.DECODE,
+            busy_fraction=0.3,
+            kv_used_tokens=20000,
+            inflight_tokens=20000,
+            kv_total_tokens=32768,
+        ),
+    ]
     ctl.tick(now=101.0)
     assert not any(x.kind == "recall" for x in ctl.decisions) and len(ctl.active) == 1

@@ -25,6 +25,7 @@ def _cfg(url: str, tiny_model: Path, space: TokenSpace, **kw) -> client.ClientCo
 
 # --------------------------------------------------------------------------- workloads (no server)
 
+
 def test_token_space_round_trips_as_text(space: TokenSpace, tiny_model: Path) -> None:
     assert space.context_len == 4096
     assert not {0, 1, 2, 3, 4, 5, 6} & set(space.ids)
@@ -44,7 +45,7 @@ def test_mooncake_prompts_follow_hash_ids(space: TokenSpace) -> None:
     blocks: dict[int, tuple[int, ...]] = {}
     for r in wl.requests:
         for k, h in enumerate(r.prefix_ids):
-            chunk = r.prompt[k * block:(k + 1) * block]
+            chunk = r.prompt[k * block : (k + 1) * block]
             if len(chunk) < block:  # the last, partial block: must be a prefix of the full one
                 if h in blocks:
                     assert blocks[h][: len(chunk)] == chunk
@@ -59,7 +60,10 @@ def test_mooncake_prompts_follow_hash_ids(space: TokenSpace) -> None:
     shared = 0
     for a, b in itertools.combinations(wl.requests, 2):
         run = 0
-        while run < min(len(a.prefix_ids), len(b.prefix_ids)) and a.prefix_ids[run] == b.prefix_ids[run]:
+        while (
+            run < min(len(a.prefix_ids), len(b.prefix_ids))
+            and a.prefix_ids[run] == b.prefix_ids[run]
+        ):
             run += 1
         if run and len(a.prompt) >= run * block and len(b.prompt) >= run * block:
             assert a.prompt[: run * block] == b.prompt[: run * block]
@@ -74,25 +78,42 @@ def test_mooncake_time_and_length_scale(space: TokenSpace) -> None:
     rated = workloads.build(WorkloadSpec(name="mooncake", num_requests=40, request_rate=0.5), space)
     assert rated.offered_rate == pytest.approx(0.5)
     rows = [r for r in base.requests if r.prompt_len < 4000 - r.max_tokens]
-    assert all(r.prompt_len + r.max_tokens <= 4096 - workloads.CONTEXT_MARGIN for r in base.requests)
+    assert all(
+        r.prompt_len + r.max_tokens <= 4096 - workloads.CONTEXT_MARGIN for r in base.requests
+    )
     assert rows and rows[0].prompt_len == round(6758 / 16) and rows[0].max_tokens == round(500 / 16)
 
 
 def test_generators(space: TokenSpace) -> None:
-    sp = workloads.build(WorkloadSpec(name="shared-prefix", num_requests=12, num_groups=3, system_len=200,
-                                      input_len=20, request_rate=2.0), space)
+    sp = workloads.build(
+        WorkloadSpec(
+            name="shared-prefix",
+            num_requests=12,
+            num_groups=3,
+            system_len=200,
+            input_len=20,
+            request_rate=2.0,
+        ),
+        space,
+    )
     by_group: dict[str, set[tuple[int, ...]]] = {}
     for r in sp.requests:
         by_group.setdefault(r.group, set()).add(r.prompt[:200])
         assert r.prompt_len == 220
     assert len(by_group) == 3 and all(len(v) == 1 for v in by_group.values())
     assert len({next(iter(v)) for v in by_group.values()}) == 3
-    mixed = workloads.build(WorkloadSpec(name="mixed", num_requests=40, input_len=256, output_len=32), space)
+    mixed = workloads.build(
+        WorkloadSpec(name="mixed", num_requests=40, input_len=256, output_len=32), space
+    )
     assert {r.group for r in mixed.requests} == {"short-in/long-out", "long-in/short-out"}
-    bursty = workloads.build(WorkloadSpec(name="bursty", num_requests=60, request_rate=2.0, burst_on_s=2,
-                                          burst_off_s=3), space)
+    bursty = workloads.build(
+        WorkloadSpec(name="bursty", num_requests=60, request_rate=2.0, burst_on_s=2, burst_off_s=3),
+        space,
+    )
     assert all((r.arrival_s % 5.0) < 2.0 + 1e-9 for r in bursty.requests)
-    assert max(b.arrival_s - a.arrival_s for a, b in zip(bursty.requests, bursty.requests[1:])) >= 3.0
+    assert (
+        max(b.arrival_s - a.arrival_s for a, b in zip(bursty.requests, bursty.requests[1:])) >= 3.0
+    )
     lc = workloads.build(WorkloadSpec(name="long-context", num_requests=5, output_len=16), space)
     assert all(0.6 * 4096 < r.prompt_len <= 4096 - 16 for r in lc.requests)
     az = workloads.build(WorkloadSpec(name="azure", num_requests=20, length_scale=0.25), space)
@@ -107,23 +128,41 @@ def test_unknown_names_list_the_valid_ones(space: TokenSpace) -> None:
 
 
 def test_fair_resources_in_every_plan() -> None:
-    res = configs.Resources(model_path="tiny", num_prefill=2, num_decode=1, omp_threads=1, kv_tokens_total=30000)
+    res = configs.Resources(
+        model_path="tiny", num_prefill=2, num_decode=1, omp_threads=1, kv_tokens_total=30000
+    )
     for name in configs.DEFAULT_CONFIGS:
         plan = configs.get(name).plan(res)
         assert len(plan.workers) == 3, name
         assert plan.env["OMP_NUM_THREADS"] == "1"
         for w in plan.workers:
             argv = list(w.argv)
-            assert argv[argv.index("--max-total-tokens", argv.index("--enable-metrics")) + 1] == "10000", name
+            assert (
+                argv[argv.index("--max-total-tokens", argv.index("--enable-metrics")) + 1]
+                == "10000"
+            ), name
 
 
 def test_metrics_and_results_writer(tmp_path: Path) -> None:
     def rec(rid: int, ttft: float, ok: bool = True) -> client.RequestRecord:
         chunks = ((1.0 + ttft, 1), (1.0 + ttft + 0.1, 1), (1.0 + ttft + 0.2, 2)) if ok else ()
-        return client.RequestRecord(rid=rid, group="", prompt_len=10, max_tokens=4, scheduled_s=1.0, send_s=1.0,
-                                    first_token_s=1.0 + ttft if ok else None, end_s=1.0 + ttft + 0.2,
-                                    chunks=chunks, output_tokens=4 if ok else 0, cached_tokens=5 if ok else None,
-                                    server_prompt_tokens=10, ok=ok, error="" if ok else "HTTP 400: bad")
+        return client.RequestRecord(
+            rid=rid,
+            group="",
+            prompt_len=10,
+            max_tokens=4,
+            scheduled_s=1.0,
+            send_s=1.0,
+            first_token_s=1.0 + ttft if ok else None,
+            end_s=1.0 + ttft + 0.2,
+            chunks=chunks,
+            output_tokens=4 if ok else 0,
+            cached_tokens=5 if ok else None,
+            server_prompt_tokens=10,
+            ok=ok,
+            error="" if ok else "HTTP 400: bad",
+        )
+
     recs = [rec(0, 0.1), rec(1, 0.2), rec(2, 0.3), rec(3, 0.4, ok=False)]
     assert recs[0].itls == pytest.approx([0.1, 0.1, 0.0])
     s = metrics.summarize(recs, metrics.SLO(ttft_s=0.25))
@@ -136,16 +175,31 @@ def test_metrics_and_results_writer(tmp_path: Path) -> None:
     sidebyside.write_results_section("x", "X", "second", md)
     text = md.read_text()
     assert "second" in text and "first" not in text and "other" in text
-    assert client.parse_metrics('sglang:num_running_reqs{a="1"} 3.0\nsglang:num_running_reqs{a="2"} 1\n# x\n') == {
-        "sglang:num_running_reqs": 4.0}
+    assert client.parse_metrics(
+        'sglang:num_running_reqs{a="1"} 3.0\nsglang:num_running_reqs{a="2"} 1\n# x\n'
+    ) == {"sglang:num_running_reqs": 4.0}
 
 
 # --------------------------------------------------------------------------- against a real worker
 
+
 @pytest.mark.slow
-def test_replay_records_every_event_in_order(single_server: str, tiny_model: Path, space: TokenSpace) -> None:
-    wl = workloads.build(WorkloadSpec(name="shared-prefix", num_requests=6, num_groups=2, system_len=96,
-                                      input_len=16, output_len=6, request_rate=8.0, seed=3), space)
+def test_replay_records_every_event_in_order(
+    single_server: str, tiny_model: Path, space: TokenSpace
+) -> None:
+    wl = workloads.build(
+        WorkloadSpec(
+            name="shared-prefix",
+            num_requests=6,
+            num_groups=2,
+            system_len=96,
+            input_len=16,
+            output_len=6,
+            request_rate=8.0,
+            seed=3,
+        ),
+        space,
+    )
     recs = client.replay(_cfg(single_server, tiny_model, space), wl)
     assert [r.rid for r in recs] == [r.rid for r in wl.requests]
     for r, req in zip(recs, sorted(wl.requests, key=lambda q: q.rid)):
@@ -160,20 +214,34 @@ def test_replay_records_every_event_in_order(single_server: str, tiny_model: Pat
         assert r.server_prompt_tokens == r.prompt_len  # the text tokenized back to exactly our ids
     s = metrics.summarize(recs)
     assert s.ok == 6 and s.errors == 0 and s.ttft.n == 6
-    as_ids = client.replay(_cfg(single_server, tiny_model, space, prompt_mode="ids"), wl.requests[:2])
+    as_ids = client.replay(
+        _cfg(single_server, tiny_model, space, prompt_mode="ids"), wl.requests[:2]
+    )
     assert all(r.ok and r.server_prompt_tokens == 112 for r in as_ids)
 
 
 @pytest.mark.slow
-def test_replay_keeps_the_trace_schedule(single_server: str, tiny_model: Path, space: TokenSpace) -> None:
+def test_replay_keeps_the_trace_schedule(
+    single_server: str, tiny_model: Path, space: TokenSpace
+) -> None:
     # Mooncake rows 0-29 arrive at 0, 3, 6, 9 s of trace time; x0.25 -> within 2.25 s.
-    wl = workloads.build(WorkloadSpec(name="mooncake", num_requests=30, time_scale=0.25, length_scale=1 / 128,
-                                      output_scale=1 / 256), space)
+    wl = workloads.build(
+        WorkloadSpec(
+            name="mooncake",
+            num_requests=30,
+            time_scale=0.25,
+            length_scale=1 / 128,
+            output_scale=1 / 256,
+        ),
+        space,
+    )
     assert wl.duration_s == pytest.approx(2.25)
     recs = client.replay(_cfg(single_server, tiny_model, space), wl)
     assert all(r.ok for r in recs), [r.error for r in recs if not r.ok]
     lags = [r.send_s - r.scheduled_s for r in recs]
-    assert min(lags) >= -0.01 and max(lags) < 0.25, lags  # open loop: sent on time, not after the previous
+    assert min(lags) >= -0.01 and max(lags) < 0.25, (
+        lags
+    )  # open loop: sent on time, not after the previous
     assert max(r.send_s for r in recs) >= 2.25 - 0.01
 
 
@@ -183,7 +251,12 @@ def test_replay_counts_errors(single_server: str, tiny_model: Path, space: Token
     reqs = [
         Request(rid=0, arrival_s=0.0, prompt=good, max_tokens=3),
         Request(rid=1, arrival_s=0.0, prompt=good, max_tokens=0),  # invalid max_tokens
-        Request(rid=2, arrival_s=0.05, prompt=workloads.block_tokens(0, "long", 5000, space), max_tokens=3),
+        Request(
+            rid=2,
+            arrival_s=0.05,
+            prompt=workloads.block_tokens(0, "long", 5000, space),
+            max_tokens=3,
+        ),
         Request(rid=3, arrival_s=0.1, prompt=good, max_tokens=3),
     ]
     recs = client.replay(_cfg(single_server, tiny_model, space), reqs)
@@ -192,6 +265,12 @@ def test_replay_counts_errors(single_server: str, tiny_model: Path, space: Token
     assert all(r.error and r.first_token_s is None for r in recs if not r.ok)
     s = metrics.summarize(recs)
     assert (s.requests, s.ok, s.errors) == (4, 2, 2)
-    bad_model = client.replay(client.ClientConfig(single_server.rsplit(":", 1)[0] + ":1", "x", space=space,
-                                                  progress=False, timeout_s=5), reqs[:1])
-    assert not bad_model[0].ok and "Error" in bad_model[0].error and not math.isnan(bad_model[0].e2e)
+    bad_model = client.replay(
+        client.ClientConfig(
+            single_server.rsplit(":", 1)[0] + ":1", "x", space=space, progress=False, timeout_s=5
+        ),
+        reqs[:1],
+    )
+    assert (
+        not bad_model[0].ok and "Error" in bad_model[0].error and not math.isnan(bad_model[0].e2e)
+    )

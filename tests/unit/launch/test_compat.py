@@ -134,15 +134,22 @@ def test_fixes_reach_spawned_children(on_cpu, tmp_path):
     the CPU env imports sgl_kernel and torchvision and gets the PD fix."""
     script = tmp_path / "probe.py"
     script.write_text(_SPAWN_PROBE)
-    out = subprocess.run([sys.executable, str(script)], env=compat.child_env(), capture_output=True,
-                         text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=compat.child_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["standin"] is True
     assert result["torchvision"]
-    assert result["fixes"] == ["MooncakeKVSender.supports_host_tensor_indices=False",
-                               "allocation.get_last_loc uses torch",
-                               f"IdleSleeper.maybe_sleep polls {compat.DEFAULT_IDLE_POLL_MS} ms"]
+    assert result["fixes"] == [
+        "MooncakeKVSender.supports_host_tensor_indices=False",
+        "allocation.get_last_loc uses torch",
+        f"IdleSleeper.maybe_sleep polls {compat.DEFAULT_IDLE_POLL_MS} ms",
+    ]
 
 
 def test_plugin_is_registered_with_sglang():

@@ -17,7 +17,15 @@ def test_plan_2p1d_has_distinct_ports_and_pd_wiring(monkeypatch):
     monkeypatch.setenv("BANA_DEVICE", "cpu")
     plan = launch.plan_cluster(launch.LaunchConfig(num_prefill=2, num_decode=1, port=30500))
     names = [p.name for p in plan.parts]
-    assert names == ["mooncake-master", "kv-storage", "kv-index", "prefill-0", "prefill-1", "decode-0", "router"]
+    assert names == [
+        "mooncake-master",
+        "kv-storage",
+        "kv-index",
+        "prefill-0",
+        "prefill-1",
+        "decode-0",
+        "router",
+    ]
     ports = []
     for part in plan.workers:
         argv = list(part.argv)
@@ -42,13 +50,16 @@ def test_plan_2p1d_has_distinct_ports_and_pd_wiring(monkeypatch):
 def test_the_live_balancer_starts_after_the_router_and_stops_before_it(monkeypatch):
     monkeypatch.setenv("BANA_DEVICE", "cpu")
     assert launch.plan_cluster(launch.LaunchConfig()).balancer is None  # static PD unless asked
-    plan = launch.plan_cluster(launch.LaunchConfig(balancer="bana", api_key="k",
-                                                   balancer_args=("--interval", "0.5")))
+    plan = launch.plan_cluster(
+        launch.LaunchConfig(balancer="bana", api_key="k", balancer_args=("--interval", "0.5"))
+    )
     assert [p.name for p in plan.parts][-2:] == ["router", "balancer"]
     argv = list(plan.balancer.argv)
     assert argv[argv.index("--router") + 1] == plan.endpoint and argv[-2:] == ["--interval", "0.5"]
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
-    assert dict(plan.balancer.env) == {"BANA_API_KEY": "k"} and "k" not in argv  # the key is not on argv
+    assert (
+        dict(plan.balancer.env) == {"BANA_API_KEY": "k"} and "k" not in argv
+    )  # the key is not on argv
 
 
 def test_user_dtype_wins(monkeypatch):
@@ -60,9 +71,13 @@ def test_user_dtype_wins(monkeypatch):
 
 def test_extra_args_reach_the_right_role(monkeypatch):
     monkeypatch.setenv("BANA_DEVICE", "cpu")
-    plan = launch.plan_cluster(launch.LaunchConfig(
-        sglang_args=("--max-total-tokens", "2048"), decode_args=("--max-running-requests", "7"),
-        router_args=("--policy", "round_robin")))
+    plan = launch.plan_cluster(
+        launch.LaunchConfig(
+            sglang_args=("--max-total-tokens", "2048"),
+            decode_args=("--max-running-requests", "7"),
+            router_args=("--policy", "round_robin"),
+        )
+    )
     prefill, decode = plan.workers
     assert prefill.argv.count("--max-total-tokens") == 1  # the user's value replaced the default
     assert "2048" in prefill.argv and "--max-running-requests" not in prefill.argv
@@ -87,29 +102,46 @@ def test_cpu_workers_share_the_machines_cores_unless_told(monkeypatch):
     assert launch.plan_cluster(launch.LaunchConfig(cpu_threads=3)).env["OMP_NUM_THREADS"] == "5"
     monkeypatch.setenv("BANA_DEVICE", "cuda")
     monkeypatch.delenv("OMP_NUM_THREADS")
-    assert "OMP_NUM_THREADS" not in launch.plan_cluster(launch.LaunchConfig()).env  # GPU: torch's default
+    assert (
+        "OMP_NUM_THREADS" not in launch.plan_cluster(launch.LaunchConfig()).env
+    )  # GPU: torch's default
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--num-prefill", "0"], "at least one prefill"),
-    (["--port", "70000"], "not a TCP port"),
-    (["--model-path", "/nonexistent/model"], "neither an embedded model"),
-    (["--balancer", "bana", "--router", "sglang"], "--balancer needs --router bana"),
-    (["--cpu-threads", "-1"], "--cpu-threads -1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-prefill", "0"], "at least one prefill"),
+        (["--port", "70000"], "not a TCP port"),
+        (["--model-path", "/nonexistent/model"], "neither an embedded model"),
+        (["--balancer", "bana", "--router", "sglang"], "--balancer needs --router bana"),
+        (["--cpu-threads", "-1"], "--cpu-threads -1"),
+    ],
+)
 def test_cli_rejects_bad_arguments(argv, message):
-    out = subprocess.run([sys.executable, "-m", "bana_sglang.launch", *argv, "--dry-run"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "bana_sglang.launch", *argv, "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert message in out.stderr
 
 
 def test_cli_help_and_dry_run():
-    out = subprocess.run([sys.executable, "-m", "bana_sglang.launch", "--help"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "bana_sglang.launch", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and "--num-prefill" in out.stdout and "--sglang-args" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "bana_sglang.launch", "--dry-run", "--num-decode", "2"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "bana_sglang.launch", "--dry-run", "--num-decode", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "decode-1:" in out.stdout and "router:" in out.stdout
 
@@ -127,8 +159,12 @@ time.sleep(600)
 def test_stop_reaps_the_whole_tree_even_when_sigterm_is_ignored():
     proc = ManagedProcess("stubborn", [sys.executable, "-c", _TREE])
     proc.start()
-    wait_until(lambda: "ready" in proc.tail(), proc=proc, what="ready line", timeout=30, interval=0.1)
-    wait_until(lambda: len(proc.descendants()) == 1, proc=proc, what="grandchild", timeout=30, interval=0.1)
+    wait_until(
+        lambda: "ready" in proc.tail(), proc=proc, what="ready line", timeout=30, interval=0.1
+    )
+    wait_until(
+        lambda: len(proc.descendants()) == 1, proc=proc, what="grandchild", timeout=30, interval=0.1
+    )
     tree = [psutil.Process(proc.pid), *proc.descendants()]
     t0 = time.monotonic()
     proc.stop(timeout=1.0)
@@ -138,7 +174,9 @@ def test_stop_reaps_the_whole_tree_even_when_sigterm_is_ignored():
 
 
 def test_start_failure_names_the_part_and_shows_its_output():
-    proc = ManagedProcess("broken", [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"])
+    proc = ManagedProcess(
+        "broken", [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"]
+    )
     proc.start()
     with pytest.raises(ProcessStartError) as err:
         wait_until(lambda: False, proc=proc, what="health", timeout=30, interval=0.1)

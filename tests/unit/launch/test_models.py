@@ -34,8 +34,9 @@ def test_tiny_model_shape_and_tokenizer(tiny_model):
     assert len(tok) <= cfg["vocab_size"]
     text = "The prefix cache of worker 42, reused!"
     assert tok.decode(tok(text, add_special_tokens=False).input_ids) == text
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<s><|user|>\nhi<|end|>\n<|assistant|>\n"
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bana_sglang.launch import spec as cluster_spec
 from bana_sglang.launch import plan_spec
+from bana_sglang.launch import spec as cluster_spec
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "docs" / "specs").glob("*.yaml"))
@@ -22,11 +22,21 @@ def two_hosts() -> dict:
     return {
         "model": "tiny",
         "nodes": [
-            {"name": "a", "address": "10.9.0.1", "workers": [
-                {"role": "prefill", "port": 30100, "bootstrap_port": 30101, "agent_port": 30103}]},
-            {"name": "b", "address": "10.9.0.2", "workers": [
-                {"role": "prefill", "port": 30100, "bootstrap_port": 30101},
-                {"role": "decode", "port": 30102}]},
+            {
+                "name": "a",
+                "address": "10.9.0.1",
+                "workers": [
+                    {"role": "prefill", "port": 30100, "bootstrap_port": 30101, "agent_port": 30103}
+                ],
+            },
+            {
+                "name": "b",
+                "address": "10.9.0.2",
+                "workers": [
+                    {"role": "prefill", "port": 30100, "bootstrap_port": 30101},
+                    {"role": "decode", "port": 30102},
+                ],
+            },
         ],
         "master": {"node": "a", "rpc_port": 50051, "metrics_port": 50052},
         "store": {"node": "a", "index_port": 50053, "bytes": "512M"},
@@ -58,24 +68,35 @@ def test_example_specs_are_valid_and_plan_every_node(path):
             argv = list(part.argv)
             assert argv[argv.index("--host") + 1] == n.bind_address
     workers = [name for _, name, _ in spec.workers()]
-    assert sorted(seen) == sorted(["mooncake-master", "router", *workers,
-                                   *(["kv-storage", "kv-index"] if spec.store else [])])
+    assert sorted(seen) == sorted(
+        ["mooncake-master", "router", *workers, *(["kv-storage", "kv-index"] if spec.store else [])]
+    )
 
 
 def test_node_plan_advertises_addresses_and_binds_only_its_own(tmp_path):
     spec = cluster_spec.load(write(tmp_path, two_hosts()))
     a = plan_spec(spec, "a")
     b = plan_spec(spec, "b")
-    assert [p.name for p in a.parts] == ["mooncake-master", "kv-storage", "kv-index", "prefill-0", "router"]
+    assert [p.name for p in a.parts] == [
+        "mooncake-master",
+        "kv-storage",
+        "kv-index",
+        "prefill-0",
+        "router",
+    ]
     assert [p.name for p in b.parts] == ["prefill-1", "decode-0"]
     assert b.master is None and b.router is None and not b.store
     router = list(a.router.argv)
     # peers by their advertised addresses, bind on its own
     assert router[router.index("--host") + 1] == "10.9.0.1"
-    prefills = [tuple(router[i + 1:i + 3]) for i, a in enumerate(router) if a == "--prefill"]
+    prefills = [tuple(router[i + 1 : i + 3]) for i, a in enumerate(router) if a == "--prefill"]
     assert prefills == [("http://10.9.0.1:30100", "30101"), ("http://10.9.0.2:30100", "30101")]
     assert "http://10.9.0.2:30102" in router
-    assert "--watch" in router and "mooncake-master=10.9.0.1:50051" in router and "kv-index=10.9.0.1:50053" in router
+    assert (
+        "--watch" in router
+        and "mooncake-master=10.9.0.1:50051" in router
+        and "kv-index=10.9.0.1:50053" in router
+    )
     # every part of b reaches the master and index on a; Mooncake and SGLang advertise b's address
     decode = " ".join(b.workers[1].argv)
     assert "tcp://10.9.0.1:50053" in decode and "10.9.0.1:50051" in decode
@@ -92,13 +113,16 @@ def test_node_plan_advertises_addresses_and_binds_only_its_own(tmp_path):
 def test_single_machine_plan_gives_every_worker_an_agent():
     from bana_sglang.launch import LaunchConfig, plan_cluster
 
-    plan = plan_cluster(LaunchConfig(num_prefill=2, num_decode=1, port=30000, worker_base_port=30100))
+    plan = plan_cluster(
+        LaunchConfig(num_prefill=2, num_decode=1, port=30000, worker_base_port=30100)
+    )
     assert plan.router.health_url == "http://127.0.0.1:30000/health"
     endpoints = [dict(w.env)["BANA_AGENT_ENDPOINT"] for w in plan.workers]
     assert len(set(endpoints)) == 3
     argv = list(plan.router.argv)
     assert [argv[i + 1] for i, x in enumerate(argv) if x == "--agent"] == [
-        f"{w.health_url.removesuffix('/health')}={e}" for w, e in zip(plan.workers, endpoints)]
+        f"{w.health_url.removesuffix('/health')}={e}" for w, e in zip(plan.workers, endpoints)
+    ]
 
 
 def test_bind_differs_from_advertised_address(tmp_path):
@@ -132,22 +156,40 @@ def test_gpu_worker_devices_and_rdma(tmp_path):
     assert b.env["MOONCAKE_PROTOCOL"] == "rdma" and b.env["BANA_STORE_RDMA_DEVICES"] == "mlx5_0"
 
 
-@pytest.mark.parametrize("mutate, expect", [
-    (lambda d: d["nodes"][0]["workers"][0].pop("bootstrap_port"), "nodes.0.workers.0: a prefill worker needs"),
-    (lambda d: d["nodes"][1]["workers"][1].update(bootstrap_port=1), "bootstrap_port is for prefill"),
-    (lambda d: d["nodes"][1].update(name="a"), "node names must be unique: a"),
-    (lambda d: d["master"].update(node="zz"), "master.node 'zz' is not one of the nodes"),
-    (lambda d: d["nodes"][1]["workers"].pop(), "at least one decode worker"),
-    (lambda d: d["nodes"][0].update(address="127.0.0.1"), "advertises loopback"),
-    (lambda d: d["nodes"][0].update(address="0.0.0.0"), "address '0.0.0.0' is a wildcard"),
-    (lambda d: d["nodes"][0].update(address="not an address!"), "nodes.0: address"),
-    (lambda d: d["nodes"][0]["workers"][0].update(port=50051), "port 50051 on node 'a' is used by both"),
-    (lambda d: d["router"].update(port=70000), "router.port: Input should be less than or equal to 65535"),
-    (lambda d: d["router"].update(policy="nope"), "router.policy 'nope'"),
-    (lambda d: d["store"].update(bytes="lots"), "store.bytes"),
-    (lambda d: d["nodes"][0].update(tranport="tcp"), "nodes.0.tranport: Extra inputs are not permitted"),
-    (lambda d: d["nodes"][0]["workers"][0].update(device="gpu"), "device 'gpu'"),
-])
+@pytest.mark.parametrize(
+    "mutate, expect",
+    [
+        (
+            lambda d: d["nodes"][0]["workers"][0].pop("bootstrap_port"),
+            "nodes.0.workers.0: a prefill worker needs",
+        ),
+        (
+            lambda d: d["nodes"][1]["workers"][1].update(bootstrap_port=1),
+            "bootstrap_port is for prefill",
+        ),
+        (lambda d: d["nodes"][1].update(name="a"), "node names must be unique: a"),
+        (lambda d: d["master"].update(node="zz"), "master.node 'zz' is not one of the nodes"),
+        (lambda d: d["nodes"][1]["workers"].pop(), "at least one decode worker"),
+        (lambda d: d["nodes"][0].update(address="127.0.0.1"), "advertises loopback"),
+        (lambda d: d["nodes"][0].update(address="0.0.0.0"), "address '0.0.0.0' is a wildcard"),
+        (lambda d: d["nodes"][0].update(address="not an address!"), "nodes.0: address"),
+        (
+            lambda d: d["nodes"][0]["workers"][0].update(port=50051),
+            "port 50051 on node 'a' is used by both",
+        ),
+        (
+            lambda d: d["router"].update(port=70000),
+            "router.port: Input should be less than or equal to 65535",
+        ),
+        (lambda d: d["router"].update(policy="nope"), "router.policy 'nope'"),
+        (lambda d: d["store"].update(bytes="lots"), "store.bytes"),
+        (
+            lambda d: d["nodes"][0].update(tranport="tcp"),
+            "nodes.0.tranport: Extra inputs are not permitted",
+        ),
+        (lambda d: d["nodes"][0]["workers"][0].update(device="gpu"), "device 'gpu'"),
+    ],
+)
 def test_invalid_specs_name_the_field(tmp_path, mutate, expect):
     data = two_hosts()
     mutate(data)
@@ -191,8 +233,12 @@ def test_launcher_cli_errors(tmp_path):
     path = write(tmp_path, two_hosts())
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "bana_sglang.launch", *args], capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "bana_sglang.launch", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     r = run("--spec", str(path))
     assert r.returncode == 2 and "has 2 nodes: say which to start with --node (a, b)" in r.stderr

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from bana_sglang.kernels import cpu_attention, merge
-from bana_sglang.wire import kv_blocks as w
 from bana_sglang.migrate.kv.host import KVHost
 from bana_sglang.migrate.kv.lender import KVLender, KVLost, carve_ranges
 from bana_sglang.migrate.transfer import TransferEngine
+from bana_sglang.wire import kv_blocks as w
 
 LAYERS, HQ, HKV, D, PAGE, SLOTS = 2, 4, 2, 8, 4, 128
 
@@ -51,7 +51,7 @@ class Allocator:
     def alloc(self, n: int):
         if n // PAGE > len(self.free_pages):
             return None
-        pages, self.free_pages = self.free_pages[:n // PAGE], self.free_pages[n // PAGE:]
+        pages, self.free_pages = self.free_pages[: n // PAGE], self.free_pages[n // PAGE :]
         return (torch.tensor(pages).unsqueeze(1) * PAGE + torch.arange(PAGE)).reshape(-1)
 
     def free(self, idx: torch.Tensor) -> None:
@@ -97,7 +97,9 @@ def cluster(lens=(37, 22, 9), protected=(0, 0, 0)):
     reqs, page = [], 0
     for i, (n, pre) in enumerate(zip(lens, protected)):
         pages = -(-n // PAGE)
-        slots = (torch.arange(page, page + pages).unsqueeze(1) * PAGE + torch.arange(PAGE)).reshape(-1)[:n]
+        slots = (torch.arange(page, page + pages).unsqueeze(1) * PAGE + torch.arange(PAGE)).reshape(
+            -1
+        )[:n]
         req_to_token[i, :n] = slots.int()
         page += pages
         reqs.append(Req(f"req-{i}", Kv(i, n, pre)))
@@ -118,15 +120,23 @@ def host(engines):
 
 
 def lender_for(engines, host, pool, alloc, req_to_token, mid="kv-1", timeout_s=5.0):
-    lender = KVLender(pool, req_to_token, alloc, Tree(alloc, req_to_token), engines[0], num_layers=LAYERS,
-                      timeout_s=timeout_s, hook_retraction=False)
+    lender = KVLender(
+        pool,
+        req_to_token,
+        alloc,
+        Tree(alloc, req_to_token),
+        engines[0],
+        num_layers=LAYERS,
+        timeout_s=timeout_s,
+        hook_retraction=False,
+    )
     host.open(mid, "lender", LAYERS)
     lender.open_peer(mid, host.endpoint, engines[1].session)
     return lender
 
 
 def full_kv(pool, req_to_token, req, layer):
-    slots = req_to_token[req.kv.req_pool_idx, :req.kv.kv_committed_len].long()
+    slots = req_to_token[req.kv.req_pool_idx, : req.kv.kv_committed_len].long()
     return pool.k[layer][slots].clone(), pool.v[layer][slots].clone()
 
 
@@ -144,8 +154,12 @@ def test_the_oldest_own_complete_pages_of_the_longest_requests_are_picked(engine
     lender.close()
 
 
-@pytest.mark.parametrize("inline", [True, False], ids=["queries-inline", "queries-through-the-transfer-engine"])
-def test_moved_pages_are_freed_and_partial_attention_merges_to_the_whole(engines, host, inline, monkeypatch):
+@pytest.mark.parametrize(
+    "inline", [True, False], ids=["queries-inline", "queries-through-the-transfer-engine"]
+)
+def test_moved_pages_are_freed_and_partial_attention_merges_to_the_whole(
+    engines, host, inline, monkeypatch
+):
     if not inline:
         monkeypatch.setattr(w, "INLINE_MAX", 0)
     pool, alloc, r2t, reqs = cluster()
@@ -161,28 +175,40 @@ def test_moved_pages_are_freed_and_partial_attention_merges_to_the_whole(engines
     assert host.info()["kv-1"]["segments"] == 2
     for s in alloc.free_pages:  # the freed pages get reused by someone else
         for i in range(LAYERS):
-            pool.k[i][s * PAGE:(s + 1) * PAGE] = 1e4
+            pool.k[i][s * PAGE : (s + 1) * PAGE] = 1e4
     remote = lender.plan([0, 1, 2])
     assert sorted(remote) == [0, 1] and (remote[0].start, remote[0].stop) == (0, 36)
     torch.manual_seed(1)
     q = torch.randn(3, HQ, D)
     for layer in range(LAYERS):
-        pend = lender.attend_begin(layer, q, remote, scale=D ** -0.5)
+        pend = lender.attend_begin(layer, q, remote, scale=D**-0.5)
         got = lender.attend_end(pend)
         assert sorted(got) == [0, 1]
         for b, req in enumerate(reqs):
             k, v = ref[(req.rid, layer)]
-            want = cpu_attention.reference_attention(q[b:b + 1], k, v, scale=D ** -0.5, q_offset=None).output
+            want = cpu_attention.reference_attention(
+                q[b : b + 1], k, v, scale=D**-0.5, q_offset=None
+            ).output
             seg = remote.get(b)
-            row = r2t[b, :req.kv.kv_committed_len].long()
-            if seg is not None:  # the local part skips the remote positions (their slots are someone else's)
-                row = torch.cat((row[:seg.start], row[seg.stop:]))
-            local = cpu_attention.attend(q[b:b + 1], pool.k[layer][row], pool.v[layer][row], scale=D ** -0.5,
-                                         q_offset=None, need_lse=True)
+            row = r2t[b, : req.kv.kv_committed_len].long()
+            if (
+                seg is not None
+            ):  # the local part skips the remote positions (their slots are someone else's)
+                row = torch.cat((row[: seg.start], row[seg.stop :]))
+            local = cpu_attention.attend(
+                q[b : b + 1],
+                pool.k[layer][row],
+                pool.v[layer][row],
+                scale=D**-0.5,
+                q_offset=None,
+                need_lse=True,
+            )
             out = local.output
             if b in got:
                 o_h, lse_h = got[b]
-                out = merge.merge_two(local.output, local.lse, o_h.unsqueeze(0), lse_h.unsqueeze(0)).output
+                out = merge.merge_two(
+                    local.output, local.lse, o_h.unsqueeze(0), lse_h.unsqueeze(0)
+                ).output
             torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
     assert lender.stats["kv-1"].attend_calls == LAYERS
     lender.close()
@@ -198,7 +224,11 @@ def test_recall_and_release_restore_the_exact_bytes_and_free_every_page_once(eng
     for i in range(LAYERS):
         pool.k[i][taken.long()] = -7.0
     assert lender.recall_migration("kv-1") == (2, 0)  # 11 pages fit exactly
-    assert not lender.segments and host.info()["kv-1"]["segments"] in (0, 1, 2)  # drops are not awaited
+    assert not lender.segments and host.info()["kv-1"]["segments"] in (
+        0,
+        1,
+        2,
+    )  # drops are not awaited
     for r in reqs:
         for i in range(LAYERS):
             k, v = full_kv(pool, r2t, r, i)
@@ -252,7 +282,7 @@ def sglang_cpu_backup(pool, req_to_token):
 
     def backup(req, tree_cache, req_to_token_pool, allocator, backend):
         assert backend == "cpu_tensor"
-        idx = req_to_token[req.kv.req_pool_idx, :req.kv.kv_committed_len].long()
+        idx = req_to_token[req.kv.req_pool_idx, : req.kv.kv_committed_len].long()
         req.kv.retraction_backup = RetractionBackup(MHATokenToKVPool.get_cpu_copy(pool, idx))
         return True
 
@@ -281,7 +311,7 @@ def test_a_retraction_without_free_pages_backs_the_remote_positions_up_from_the_
     assert lender.carve == {}
     alloc.free(taken)
     # resumed later: fresh slots, SGLang's restore writes the backup; the KV is whole again
-    slots = alloc.alloc(-(-r0.kv.kv_committed_len // PAGE) * PAGE)[:r0.kv.kv_committed_len]
+    slots = alloc.alloc(-(-r0.kv.kv_committed_len // PAGE) * PAGE)[: r0.kv.kv_committed_len]
     restore(r0, slots)
     for layer in range(LAYERS):
         torch.testing.assert_close(pool.k[layer][slots], want[layer][0], rtol=0, atol=0)
@@ -297,7 +327,12 @@ def test_a_retraction_with_another_backup_kind_is_not_resumable(engines, host):
     lender.move("kv-1", lender.pick(reqs, pages=4))
     alloc.alloc(alloc.available_size())
     called = []
-    assert lender.backup(reqs[0], lambda *a: called.append(a) or True, (None, None, alloc, "host_pool"), {}) is False
+    assert (
+        lender.backup(
+            reqs[0], lambda *a: called.append(a) or True, (None, None, alloc, "host_pool"), {}
+        )
+        is False
+    )
     assert not called and lender.carve == {0: (0, 16)} and reqs[0].skip_radix_cache_insert
     lender.close()
 
@@ -317,7 +352,9 @@ def test_a_dead_host_loses_its_segments_without_hanging(engines):
     lender.close_peer("kv-1")  # lost segments never talk to the host again
     assert "kv-1" not in lender.peers
     # a lost segment is never read again, and its request's release carves its range
-    assert lender.attend_begin(1, torch.randn(3, HQ, D), lender.plan([0, 1, 2]), scale=0.3).calls == []
+    assert (
+        lender.attend_begin(1, torch.randn(3, HQ, D), lender.plan([0, 1, 2]), scale=0.3).calls == []
+    )
     lender.tree_cache.claim_kv_row(reqs[0])
     assert reqs[0].skip_radix_cache_insert and lender.carve == {0: (0, 16)}
     lender.close()
@@ -328,14 +365,40 @@ def test_the_kv_channel_refuses_bad_requests(engines, host):
     lender = lender_for(engines, host, pool, alloc, r2t)
     peer = lender.peers["kv-1"]
     with pytest.raises(KVLost, match="invalid: segment 'nope' is not hosted"):
-        peer.call(w.Attend, layer=0, keys=["nope"], scale=1.0, session=engines[0].session, addr=peer.send.addr,
-                  nbytes=64, layout=[])
+        peer.call(
+            w.Attend,
+            layer=0,
+            keys=["nope"],
+            scale=1.0,
+            session=engines[0].session,
+            addr=peer.send.addr,
+            nbytes=64,
+            layout=[],
+        )
     with pytest.raises(KVLost, match="outside the buffer"):
-        peer.call(w.HostKV, session=engines[0].session, addr=peer.send.addr, nbytes=16, layers=LAYERS,
-                  kv_heads=HKV, head_dim=D, dtype="float32", segments=[w.Segment(key="a", tokens=4, offset=0)])
+        peer.call(
+            w.HostKV,
+            session=engines[0].session,
+            addr=peer.send.addr,
+            nbytes=16,
+            layers=LAYERS,
+            kv_heads=HKV,
+            head_dim=D,
+            dtype="float32",
+            segments=[w.Segment(key="a", tokens=4, offset=0)],
+        )
     with pytest.raises(KVLost, match="unknown dtype"):
-        peer.call(w.HostKV, session=engines[0].session, addr=peer.send.addr, nbytes=1 << 20, layers=LAYERS,
-                  kv_heads=HKV, head_dim=D, dtype="Tensor", segments=[])
+        peer.call(
+            w.HostKV,
+            session=engines[0].session,
+            addr=peer.send.addr,
+            nbytes=1 << 20,
+            layers=LAYERS,
+            kv_heads=HKV,
+            head_dim=D,
+            dtype="Tensor",
+            segments=[],
+        )
     other = lender.peers["kv-1"]
     other.migration = "kv-unknown"
     with pytest.raises(KVLost, match="no KV migration 'kv-unknown'"):

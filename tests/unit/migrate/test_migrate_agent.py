@@ -12,24 +12,33 @@ import msgspec
 import pytest
 import torch
 
-from bana_sglang.wire import agent as m
 from bana_sglang.migrate.agent import MigrationAgent, crc32
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
+from bana_sglang.wire import agent as m
 
 
 def layers(seed: int, n: int = 4, width: int = 64) -> torch.nn.ModuleList:
     torch.manual_seed(seed)
     return torch.nn.ModuleList(
-        torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.LayerNorm(2 * width),
-                            torch.nn.Linear(2 * width, width)) for _ in range(n))
+        torch.nn.Sequential(
+            torch.nn.Linear(width, 2 * width),
+            torch.nn.LayerNorm(2 * width),
+            torch.nn.Linear(2 * width, width),
+        )
+        for _ in range(n)
+    )
 
 
 class Running:
     def __init__(self, name: str, role: str, seed: int, n: int = 4, width: int = 64):
         self.layers = layers(seed, n, width)
-        self.agent = MigrationAgent(name, role, self.layers, "tcp://127.0.0.1:*", peer_timeout_s=2.0)
+        self.agent = MigrationAgent(
+            name, role, self.layers, "tcp://127.0.0.1:*", peer_timeout_s=2.0
+        )
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.agent.serve_forever, args=(self.stop,), daemon=True)
+        self.thread = threading.Thread(
+            target=self.agent.serve_forever, args=(self.stop,), daemon=True
+        )
         self.thread.start()
         self.client = AgentClient(self.agent.endpoint, timeout_s=5)
 
@@ -61,7 +70,11 @@ def wait_state(client: AgentClient, mid: str, timeout: float = 30) -> m.Reply:
 def test_ping_and_status_say_who_executes_what(pair):
     x, _ = pair
     pong = x.client.call(m.Ping)
-    assert isinstance(pong, m.Pong) and (pong.worker, pong.role, pong.num_layers) == ("prefill-0", "prefill", 4)
+    assert isinstance(pong, m.Pong) and (pong.worker, pong.role, pong.num_layers) == (
+        "prefill-0",
+        "prefill",
+        4,
+    )
     st = x.client.call(m.Status)
     assert st.placement == [m.Placement(start=0, stop=4, executor="prefill-0")]
     assert st.migrations == [] and st.guest_bytes == 0
@@ -82,11 +95,17 @@ def test_layers_are_staged_on_the_peer_with_equal_checksums(pair):
     own_y = [crc32(p.data) for i in (1, 2) for _, p in y.layers[i].named_parameters()]
     assert own_y != want
     sx, sy = x.client.call(m.Status), y.client.call(m.Status)
-    assert [(i.migration, i.side, i.state, i.crc32) for i in sx.migrations] == [("mig-1", "source", "staged", want)]
+    assert [(i.migration, i.side, i.state, i.crc32) for i in sx.migrations] == [
+        ("mig-1", "source", "staged", want)
+    ]
     assert [(i.migration, i.side, i.state, i.peer) for i in sy.migrations] == [
-        ("mig-1", "guest", "verified", "prefill-0")]
+        ("mig-1", "guest", "verified", "prefill-0")
+    ]
     assert sy.guest_bytes == size
-    assert x.agent.metrics.values["migrations_staged"] == 1 and x.agent.metrics.values["sent_bytes"] == size
+    assert (
+        x.agent.metrics.values["migrations_staged"] == 1
+        and x.agent.metrics.values["sent_bytes"] == size
+    )
     assert y.agent.metrics.values["guest_bytes_received"] == size
     # cancel after staging: the peer frees its copy
     assert isinstance(x.client.call(m.Cancel, migration="mig-1"), m.Ok)
@@ -116,7 +135,11 @@ def test_a_peer_with_another_architecture_refuses_the_offer():
     try:
         x.client.call(m.MigrateLayers, migration="arch", start=0, stop=1, peer=z.agent.endpoint)
         r = wait_state(x.client, "arch")
-        assert isinstance(r, m.Failed) and r.reason == "peer_refused" and "same architecture" in r.detail
+        assert (
+            isinstance(r, m.Failed)
+            and r.reason == "peer_refused"
+            and "same architecture" in r.detail
+        )
     finally:
         x.close()
         z.close()
@@ -131,7 +154,10 @@ def test_an_unreachable_peer_fails_the_migration_and_the_source_keeps_serving(pa
 
 
 def test_peer_killed_mid_transfer_fails_cleanly():
-    x, y = Running("prefill-0", "prefill", 1, n=6, width=512), Running("decode-0", "decode", 2, n=6, width=512)
+    x, y = (
+        Running("prefill-0", "prefill", 1, n=6, width=512),
+        Running("decode-0", "decode", 2, n=6, width=512),
+    )
     try:
         real_read = y.agent._engine().read
 
@@ -148,7 +174,9 @@ def test_peer_killed_mid_transfer_fails_cleanly():
         r = wait_state(x.client, "mid", timeout=30)
         assert isinstance(r, m.Failed) and r.reason in ("peer_unreachable", "cancelled"), r
         assert isinstance(x.client.call(m.Ping), m.Pong)
-        assert x.client.call(m.Status).placement == [m.Placement(start=0, stop=6, executor="prefill-0")]
+        assert x.client.call(m.Status).placement == [
+            m.Placement(start=0, stop=6, executor="prefill-0")
+        ]
     finally:
         x.close()
 
@@ -159,17 +187,43 @@ def test_malformed_unknown_version_and_stale_messages_get_a_reason(pair):
     cases = [
         (b"\xc1 not msgpack", "malformed"),
         (msgspec.msgpack.encode([1, 2]), "malformed"),
-        (msgspec.msgpack.encode({"type": "teleport", "id": 5, "v": 1, "deadline": time.time() + 5}), "unknown_type"),
-        (msgspec.msgpack.encode({"type": "ping", "id": 6, "v": 99, "deadline": time.time() + 5}),
-         "unsupported_version"),
-        (msgspec.msgpack.encode({"type": "ping", "id": 7, "v": 1, "deadline": time.time() - 1}), "stale_deadline"),
-        (msgspec.msgpack.encode({"type": "migrate_layers", "id": 8, "v": 1, "deadline": time.time() + 5,
-                                 "migration": "x y!", "start": 0, "stop": 1, "peer": "tcp://h:1"}), "malformed"),
+        (
+            msgspec.msgpack.encode(
+                {"type": "teleport", "id": 5, "v": 1, "deadline": time.time() + 5}
+            ),
+            "unknown_type",
+        ),
+        (
+            msgspec.msgpack.encode({"type": "ping", "id": 6, "v": 99, "deadline": time.time() + 5}),
+            "unsupported_version",
+        ),
+        (
+            msgspec.msgpack.encode({"type": "ping", "id": 7, "v": 1, "deadline": time.time() - 1}),
+            "stale_deadline",
+        ),
+        (
+            msgspec.msgpack.encode(
+                {
+                    "type": "migrate_layers",
+                    "id": 8,
+                    "v": 1,
+                    "deadline": time.time() + 5,
+                    "migration": "x y!",
+                    "start": 0,
+                    "stop": 1,
+                    "peer": "tcp://h:1",
+                }
+            ),
+            "malformed",
+        ),
     ]
     for frame, reason in cases:
         r = c.send_raw(frame)
         assert isinstance(r, m.Error) and r.reason == reason, (frame, r)
-    assert c.send_raw(msgspec.msgpack.encode({"type": "ping", "id": 6, "v": 99, "deadline": 0})).id == 6
+    assert (
+        c.send_raw(msgspec.msgpack.encode({"type": "ping", "id": 6, "v": 99, "deadline": 0})).id
+        == 6
+    )
     assert x.agent.metrics.values["rejected_requests"] == len(cases) + 1
     assert isinstance(c.call(m.Ping), m.Pong)  # still serving
 
@@ -191,8 +245,10 @@ def test_the_admin_listing_is_not_held_by_a_silent_agent(pair, monkeypatch):
 
     monkeypatch.setattr(admin, "SILENT_AGENT_TIMEOUT_S", 0.6)
     x, _ = pair
-    api = admin.AdminAPI((("http://live", x.agent.endpoint), ("http://dead", "tcp://127.0.0.1:9")),
-                         is_down=lambda url: url == "http://dead")
+    api = admin.AdminAPI(
+        (("http://live", x.agent.endpoint), ("http://dead", "tcp://127.0.0.1:9")),
+        is_down=lambda url: url == "http://dead",
+    )
 
     async def listings() -> list[tuple[float, dict]]:
         out = []
@@ -212,4 +268,6 @@ def test_the_admin_listing_is_not_held_by_a_silent_agent(pair, monkeypatch):
     dead = [st["http://dead"] for _, st in got]
     assert all(isinstance(d, str) for d in dead)
     assert "has not answered yet" in dead[0]
-    assert any("no reply" in d for d in dead), dead  # a finished probe's error is reported, then probed again
+    assert any("no reply" in d for d in dead), (
+        dead
+    )  # a finished probe's error is reported, then probed again

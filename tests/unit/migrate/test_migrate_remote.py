@@ -14,11 +14,11 @@ import pytest
 import torch
 from test_migrate_agent import pair, wait_state  # noqa: F401 (pair: a fixture)
 
-from bana_sglang.wire import agent as m
-from bana_sglang.wire import layer_steps as s
 from bana_sglang.migrate.agent import TransferEngine
 from bana_sglang.migrate.layers.guest import _GuestPlan
 from bana_sglang.migrate.layers.owner import SlotMirror, StepBuffer, unpack
+from bana_sglang.wire import agent as m
+from bana_sglang.wire import layer_steps as s
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +30,17 @@ def test_a_packed_step_crosses_the_transfer_engine_intact(engines):
     a, b = engines
     out, into = StepBuffer(a, capacity=64), StepBuffer(b, capacity=64)  # both must grow
     torch.manual_seed(0)
-    tensors = {"hidden_states": torch.randn(7, 33), "positions": torch.arange(7), "empty": torch.zeros(0, 4),
-               "miss_k": torch.randn(2, 5, 2, 16).to(torch.bfloat16), "flags": torch.tensor([True, False])}
+    tensors = {
+        "hidden_states": torch.randn(7, 33),
+        "positions": torch.arange(7),
+        "empty": torch.zeros(0, 4),
+        "miss_k": torch.randn(2, 5, 2, 16).to(torch.bfloat16),
+        "flags": torch.tensor([True, False]),
+    }
     layout, nbytes = out.pack(tensors)
     assert all(slot.offset % 64 == 0 for slot in layout) and nbytes >= sum(
-        t.numel() * t.element_size() for t in tensors.values())
+        t.numel() * t.element_size() for t in tensors.values()
+    )
     into.ensure(nbytes)
     b.read(a.session, [into.buf[:nbytes]], [out.addr])
     got = into.views(layout, nbytes)
@@ -51,7 +57,9 @@ def test_a_layout_outside_its_buffer_or_of_an_unknown_dtype_is_refused():
     assert unpack(buf, ok, 256)["h"].shape == (4, 4)
     with pytest.raises(ValueError, match="outside"):
         unpack(buf, [s.TensorSlot(name="h", dtype="float32", shape=[64, 4], offset=0)], 256)
-    with pytest.raises(ValueError, match="outside"):  # nbytes is the sender's claim: smaller than the buffer
+    with pytest.raises(
+        ValueError, match="outside"
+    ):  # nbytes is the sender's claim: smaller than the buffer
         unpack(buf, ok, 100)
     with pytest.raises(ValueError, match="unknown dtype"):
         unpack(buf, [s.TensorSlot(name="h", dtype="Tensor", shape=[1], offset=0)], 256)
@@ -79,7 +87,9 @@ def test_the_slot_mirror_forgets_released_pages_and_unhooks():
     assert mirror.hooked
     mirror.valid[:] = True
     alloc._release_page_ids(torch.tensor([1, 3]))  # slots 4..7 and 12..15
-    assert alloc.released and torch.equal(alloc.released[0], torch.tensor([1, 3]))  # the original still ran
+    assert alloc.released and torch.equal(
+        alloc.released[0], torch.tensor([1, 3])
+    )  # the original still ran
     want = torch.ones(40, dtype=torch.bool)
     want[4:8] = want[12:16] = False
     assert torch.equal(mirror.valid, want)
@@ -105,32 +115,57 @@ def test_the_guest_plan_rebuilds_the_batch_attention_layout():
     dec = _GuestPlan("decode", [3, 2, 1], [1, 1, 1], slots)
     assert dec.is_decode and dec.kv_table.tolist() == [[10, 11, 12], [20, 21, 0], [30, 0, 0]]
     ext = _GuestPlan("extend", [3, 2, 1], [2, 2, 1], slots)
-    assert not ext.is_decode and [t.tolist() for t in ext.kv_indices] == [[10, 11, 12], [20, 21], [30]]
+    assert not ext.is_decode and [t.tolist() for t in ext.kv_indices] == [
+        [10, 11, 12],
+        [20, 21],
+        [30],
+    ]
     assert ext.extend_lens == (2, 2, 1)
 
 
 def test_the_step_channel_rejects_bad_frames_with_a_reason():
     assert s.decode_request(b"\x81garbage").reason == "malformed"
-    frame = msgspec.msgpack.encode({"type": "run_layers", "id": 3, "v": 9, "deadline": time.time() + 5})
+    frame = msgspec.msgpack.encode(
+        {"type": "run_layers", "id": 3, "v": 9, "deadline": time.time() + 5}
+    )
     assert s.decode_request(frame).reason == "unsupported_version"
-    frame = msgspec.msgpack.encode({"type": "ping", "id": 4, "v": 1, "deadline": time.time() - 1,
-                                    "migration": "x"})
+    frame = msgspec.msgpack.encode(
+        {"type": "ping", "id": 4, "v": 1, "deadline": time.time() - 1, "migration": "x"}
+    )
     assert s.decode_request(frame).reason == "stale_deadline"
-    frame = msgspec.msgpack.encode({"type": "run_layers", "id": 5, "v": 1, "deadline": time.time() + 5,
-                                    "migration": "x", "step": 0, "mode": "sideways", "session": "h:1", "addr": 1,
-                                    "nbytes": 0, "layout": [], "seq_lens": [], "extend_lens": []})
+    frame = msgspec.msgpack.encode(
+        {
+            "type": "run_layers",
+            "id": 5,
+            "v": 1,
+            "deadline": time.time() + 5,
+            "migration": "x",
+            "step": 0,
+            "mode": "sideways",
+            "session": "h:1",
+            "addr": 1,
+            "nbytes": 0,
+            "layout": [],
+            "seq_lens": [],
+            "extend_lens": [],
+        }
+    )
     assert s.decode_request(frame).reason == "malformed"  # mode is extend or decode
 
 
 def test_the_agent_refuses_what_it_cannot_switch_or_recall(pair):  # noqa: F811 (the imported fixture)
     x, y = pair
-    r = x.client.call(m.MigrateLayers, migration="sw", start=0, stop=2, peer=y.agent.endpoint, switch=True)
+    r = x.client.call(
+        m.MigrateLayers, migration="sw", start=0, stop=2, peer=y.agent.endpoint, switch=True
+    )
     assert isinstance(r, m.Error) and r.reason == "invalid" and "no model runner" in r.detail
     r = x.client.call(m.Recall, migration="nope")
     assert isinstance(r, m.Error) and r.reason == "invalid" and "no migration" in r.detail
     # staged only: nothing runs remotely, so there is nothing to recall
-    assert isinstance(x.client.call(m.MigrateLayers, migration="st", start=0, stop=2, peer=y.agent.endpoint),
-                      m.Accepted)
+    assert isinstance(
+        x.client.call(m.MigrateLayers, migration="st", start=0, stop=2, peer=y.agent.endpoint),
+        m.Accepted,
+    )
     assert isinstance(wait_state(x.client, "st"), m.Done)
     r = x.client.call(m.Recall, migration="st")
     assert isinstance(r, m.Error) and "staged, not remote" in r.detail
@@ -139,7 +174,9 @@ def test_the_agent_refuses_what_it_cannot_switch_or_recall(pair):  # noqa: F811 
     assert isinstance(r, m.Error) and r.reason == "invalid"
     r = y.client.call(m.OpenGuest, migration="nope", kv_rows=16)
     assert isinstance(r, m.Error) and r.reason == "invalid"
-    assert [(p.start, p.stop, p.executor) for p in x.client.call(m.Status).placement] == [(0, 4, "prefill-0")]
+    assert [(p.start, p.stop, p.executor) for p in x.client.call(m.Status).placement] == [
+        (0, 4, "prefill-0")
+    ]
 
 
 def test_two_mirrors_on_one_allocator_each_see_every_release_until_closed():
@@ -191,7 +228,9 @@ def _wait_all_threads_stopped(pid: int, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_read_from_a_frozen_peer_times_out_and_the_late_bytes_land_in_a_buffer_kept_for_them(engines):
+def test_a_read_from_a_frozen_peer_times_out_and_the_late_bytes_land_in_a_buffer_kept_for_them(
+    engines,
+):
     """A remote step's read runs on the scheduler thread: from a peer that stops
     (SIGSTOP) it must give up at its timeout, not block until Mooncake drops the
     connection; the destination stays registered until the late read ends."""
@@ -201,8 +240,12 @@ def test_a_read_from_a_frozen_peer_times_out_and_the_late_bytes_land_in_a_buffer
     import sys
 
     _, te = engines
-    peer = subprocess.Popen([sys.executable, "-c", _FROZEN_PEER], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
+    peer = subprocess.Popen(
+        [sys.executable, "-c", _FROZEN_PEER],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+    )
     try:
         session, addr = peer.stdout.readline().split()
         want = torch.arange(1 << 16, dtype=torch.int32)
@@ -212,7 +255,9 @@ def test_a_read_from_a_frozen_peer_times_out_and_the_late_bytes_land_in_a_buffer
         assert torch.equal(dst, want)
         dst.zero_()
         os.kill(peer.pid, signal.SIGSTOP)
-        _wait_all_threads_stopped(peer.pid)  # kill() only queues the stop; a busy machine may run the peer on
+        _wait_all_threads_stopped(
+            peer.pid
+        )  # kill() only queues the stop; a busy machine may run the peer on
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="within 0.5s"):
             te.read(session, [dst], [int(addr)], timeout_s=0.5)
@@ -224,7 +269,9 @@ def test_a_read_from_a_frozen_peer_times_out_and_the_late_bytes_land_in_a_buffer
         while dst.data_ptr() in te._registered:
             assert time.monotonic() < deadline, "the late read never ended"
             time.sleep(0.05)
-        assert torch.equal(dst, want) and not te._inflight  # it landed, then the buffer was released
+        assert (
+            torch.equal(dst, want) and not te._inflight
+        )  # it landed, then the buffer was released
     finally:
         os.kill(peer.pid, signal.SIGCONT)
         peer.kill()

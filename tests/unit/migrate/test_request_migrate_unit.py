@@ -13,8 +13,8 @@ import orjson
 import pytest
 
 from bana_sglang.migrate.requests.handler import MIN_LEFT, pick, why_not_movable
-from bana_sglang.wire.agent import MARK, PREFIX
 from bana_sglang.router.splice import Splicer, mark, migratable
+from bana_sglang.wire.agent import MARK, PREFIX
 
 
 def sse(obj) -> bytes:
@@ -25,69 +25,166 @@ def run(sp: Splicer, data: bytes, step: int = 7) -> list[dict | str]:
     """Feed ``data`` in ``step``-byte pieces; the client's events, parsed."""
     out = b""
     for i in range(0, len(data), step):
-        out += b"".join(sp.feed(data[i:i + step]))
+        out += b"".join(sp.feed(data[i : i + step]))
         if sp.migrated is not None:
             break
-    return [e[6:].decode() if e.startswith(b"data: [") else orjson.loads(e[6:]) for e in out.split(b"\n\n") if e]
+    return [
+        e[6:].decode() if e.startswith(b"data: [") else orjson.loads(e[6:])
+        for e in out.split(b"\n\n")
+        if e
+    ]
 
 
 def gen_event(text, ids, done=None, prompt=5, rid="bana-m-1"):
-    return {"text": text, "output_ids": ids,
-            "meta_info": {"id": rid, "prompt_tokens": prompt, "completion_tokens": len(ids), "finish_reason": done}}
+    return {
+        "text": text,
+        "output_ids": ids,
+        "meta_info": {
+            "id": rid,
+            "prompt_tokens": prompt,
+            "completion_tokens": len(ids),
+            "finish_reason": done,
+        },
+    }
 
 
 def test_a_generate_stream_reads_as_one_answer_across_a_handoff():
-    body = mark({"input_ids": [1, 2, 3, 4, 5], "stream": True, "sampling_params": {"max_new_tokens": 10}},
-                random.Random(0))
+    body = mark(
+        {"input_ids": [1, 2, 3, 4, 5], "stream": True, "sampling_params": {"max_new_tokens": 10}},
+        random.Random(0),
+    )
     sp = Splicer("generate", body)
-    first = sse(gen_event("a", [10])) + sse(gen_event("ab", [10, 11])) + sse(
-        gen_event("abc", [10, 11, 12], {"type": "abort", "matched": MARK + "m1"})) + sse(b"[DONE]")
+    first = (
+        sse(gen_event("a", [10]))
+        + sse(gen_event("ab", [10, 11]))
+        + sse(gen_event("abc", [10, 11, 12], {"type": "abort", "matched": MARK + "m1"}))
+        + sse(b"[DONE]")
+    )
     seen = run(sp, first)
-    assert [e["text"] for e in seen] == ["a", "ab"]  # the handoff event is held back, [DONE] dropped
+    assert [e["text"] for e in seen] == [
+        "a",
+        "ab",
+    ]  # the handoff event is held back, [DONE] dropped
     assert sp.migrated == "m1"
     path, cont = sp.continuation([1, 2, 3, 4, 5], [10, 11, 12])
     assert path == "/generate" and cont["input_ids"] == [1, 2, 3, 4, 5, 10, 11, 12]
     assert cont["sampling_params"] == {"max_new_tokens": 7} and cont["rid"] == body["rid"] + "-c1"
     assert "text" not in cont and sp.migrated is None
-    second = sse(gen_event("d", [13], prompt=8, rid="x")) + sse(
-        gen_event("defg", [13, 14, 15, 16], {"type": "length", "length": 4}, prompt=8, rid="x")) + sse(b"[DONE]")
+    second = (
+        sse(gen_event("d", [13], prompt=8, rid="x"))
+        + sse(
+            gen_event("defg", [13, 14, 15, 16], {"type": "length", "length": 4}, prompt=8, rid="x")
+        )
+        + sse(b"[DONE]")
+    )
     seen = run(sp, second, step=5)
     assert seen[-1] == "[DONE]"
     last = seen[-2]
     assert last["text"] == "abcdefg" and last["output_ids"] == [10, 11, 12, 13, 14, 15, 16]
     assert last["meta_info"]["id"] == "bana-m-1" and last["meta_info"]["prompt_tokens"] == 5
-    assert last["meta_info"]["completion_tokens"] == 7 and last["meta_info"]["finish_reason"]["length"] == 7
+    assert (
+        last["meta_info"]["completion_tokens"] == 7
+        and last["meta_info"]["finish_reason"]["length"] == 7
+    )
 
 
 def test_a_chat_stream_continues_as_chat_chunks_with_the_first_id_and_whole_usage():
-    body = mark({"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 20,
-                 "temperature": 0, "stream_options": {"include_usage": True}, "tools": None}, random.Random(1))
+    body = mark(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": 20,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+            "tools": None,
+        },
+        random.Random(1),
+    )
     sp = Splicer("chat", body)
     head = {"id": "bana-m-x", "created": 7, "model": "tiny", "object": "chat.completion.chunk"}
 
     def chunk(content=None, finish=None, matched=None):
-        return {**head, "choices": [{"index": 0, "delta": {"content": content}, "logprobs": None,
-                                     "finish_reason": finish, "matched_stop": matched}]}
+        return {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": content},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "matched_stop": matched,
+                }
+            ],
+        }
 
-    first = sse(chunk("")) + sse(chunk("Hel")) + sse(chunk("lo")) + sse(chunk(None, "abort", MARK + "m2")) + sse(
-        {**head, "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}}) + sse(
-        b"[DONE]")
+    first = (
+        sse(chunk(""))
+        + sse(chunk("Hel"))
+        + sse(chunk("lo"))
+        + sse(chunk(None, "abort", MARK + "m2"))
+        + sse(
+            {
+                **head,
+                "choices": [],
+                "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12},
+            }
+        )
+        + sse(b"[DONE]")
+    )
     seen = run(sp, first, step=11)
-    assert [c["choices"][0]["delta"]["content"] for c in seen] == ["", "Hel", "lo"]  # the abort chunk is held
+    assert [c["choices"][0]["delta"]["content"] for c in seen] == [
+        "",
+        "Hel",
+        "lo",
+    ]  # the abort chunk is held
     path, cont = sp.continuation(list(range(9)), [50, 51, 52])
     assert path == "/v1/completions" and cont["prompt"] == list(range(9)) + [50, 51, 52]
     assert cont["max_tokens"] == 17 and cont["stream"] is True and cont["temperature"] == 0
     assert "messages" not in cont and "tools" not in cont
     comp = {"id": "other", "object": "text_completion", "created": 99, "model": "tiny"}
-    second = sse({**comp, "choices": [{"index": 0, "text": " world", "logprobs": None, "finish_reason": None,
-                                       "matched_stop": None}]}) + sse(
-        {**comp, "choices": [{"index": 0, "text": "!", "logprobs": None, "finish_reason": "length",
-                              "matched_stop": None}]}) + sse(
-        {**comp, "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 17, "total_tokens": 29}}) + sse(
-        b"[DONE]")
+    second = (
+        sse(
+            {
+                **comp,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": " world",
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "matched_stop": None,
+                    }
+                ],
+            }
+        )
+        + sse(
+            {
+                **comp,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "!",
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "matched_stop": None,
+                    }
+                ],
+            }
+        )
+        + sse(
+            {
+                **comp,
+                "choices": [],
+                "usage": {"prompt_tokens": 12, "completion_tokens": 17, "total_tokens": 29},
+            }
+        )
+        + sse(b"[DONE]")
+    )
     seen = run(sp, second, step=3)
-    assert all(c["id"] == "bana-m-x" and c["created"] == 7 and c["object"] == "chat.completion.chunk"
-               for c in seen[:-1])
+    assert all(
+        c["id"] == "bana-m-x" and c["created"] == 7 and c["object"] == "chat.completion.chunk"
+        for c in seen[:-1]
+    )
     assert "".join(c["choices"][0]["delta"]["content"] for c in seen[:2]) == " world!"
     assert seen[1]["choices"][0]["finish_reason"] == "length"
     assert seen[2]["usage"] == {"prompt_tokens": 9, "completion_tokens": 20, "total_tokens": 29}
@@ -95,10 +192,23 @@ def test_a_chat_stream_continues_as_chat_chunks_with_the_first_id_and_whole_usag
 
 
 def test_a_completions_handoff_keeps_the_text_of_its_last_chunk():
-    sp = Splicer("completions", mark({"prompt": "x", "stream": True, "max_tokens": 8}, random.Random(2)))
+    sp = Splicer(
+        "completions", mark({"prompt": "x", "stream": True, "max_tokens": 8}, random.Random(2))
+    )
     head = {"id": "c1", "object": "text_completion", "created": 3, "model": "tiny"}
-    first = sse({**head, "choices": [{"index": 0, "text": "ab", "finish_reason": None, "matched_stop": None}]}) + sse(
-        {**head, "choices": [{"index": 0, "text": "c", "finish_reason": "abort", "matched_stop": MARK + "m3"}]})
+    first = sse(
+        {
+            **head,
+            "choices": [{"index": 0, "text": "ab", "finish_reason": None, "matched_stop": None}],
+        }
+    ) + sse(
+        {
+            **head,
+            "choices": [
+                {"index": 0, "text": "c", "finish_reason": "abort", "matched_stop": MARK + "m3"}
+            ],
+        }
+    )
     seen = run(sp, first)
     assert [c["choices"][0]["text"] for c in seen] == ["ab", "c"]
     assert seen[1]["choices"][0]["finish_reason"] is None and sp.migrated == "m3"
@@ -107,7 +217,10 @@ def test_a_completions_handoff_keeps_the_text_of_its_last_chunk():
 
 
 def test_a_request_can_move_twice():
-    sp = Splicer("generate", mark({"input_ids": [1], "stream": True, "sampling_params": {}}, random.Random(3)))
+    sp = Splicer(
+        "generate",
+        mark({"input_ids": [1], "stream": True, "sampling_params": {}}, random.Random(3)),
+    )
     run(sp, sse(gen_event("a", [5], {"type": "abort", "matched": MARK + "m"}, prompt=1)))
     sp.continuation([1], [5])
     seen = run(sp, sse(gen_event("b", [6], {"type": "abort", "matched": MARK + "n"}, prompt=2)))
@@ -116,7 +229,11 @@ def test_a_request_can_move_twice():
     assert cont["input_ids"] == [1, 5, 6] and cont["sampling_params"]["max_new_tokens"] == 128 - 2
     assert cont["rid"].endswith("-c2")
     (last,) = run(sp, sse(gen_event("c", [7], {"type": "stop"}, prompt=3)))
-    assert last["text"] == "abc" and last["output_ids"] == [5, 6, 7] and last["meta_info"]["completion_tokens"] == 3
+    assert (
+        last["text"] == "abc"
+        and last["output_ids"] == [5, 6, 7]
+        and last["meta_info"]["completion_tokens"] == 3
+    )
 
 
 def test_error_events_and_foreign_lines_pass_through_untouched():
@@ -126,25 +243,34 @@ def test_error_events_and_foreign_lines_pass_through_untouched():
     assert sp.migrated is None
 
 
-@pytest.mark.parametrize("label,body,ok", [
-    ("chat", {"stream": True, "messages": []}, True),
-    ("chat", {"messages": []}, False),  # not streamed
-    ("chat", {"stream": True, "n": 2}, False),
-    ("chat", {"stream": True, "logprobs": True}, False),
-    ("chat", {"stream": True, "tools": [{"type": "function"}]}, False),
-    ("completions", {"stream": True, "prompt": "x"}, True),
-    ("completions", {"stream": True, "echo": True}, False),
-    ("generate", {"stream": True, "text": "x"}, True),
-    ("generate", {"stream": True, "return_logprob": True}, False),
-    ("generate", {"stream": True, "rid": "mine"}, False),  # the caller's rid is left alone
-])
+@pytest.mark.parametrize(
+    "label,body,ok",
+    [
+        ("chat", {"stream": True, "messages": []}, True),
+        ("chat", {"messages": []}, False),  # not streamed
+        ("chat", {"stream": True, "n": 2}, False),
+        ("chat", {"stream": True, "logprobs": True}, False),
+        ("chat", {"stream": True, "tools": [{"type": "function"}]}, False),
+        ("completions", {"stream": True, "prompt": "x"}, True),
+        ("completions", {"stream": True, "echo": True}, False),
+        ("generate", {"stream": True, "text": "x"}, True),
+        ("generate", {"stream": True, "return_logprob": True}, False),
+        ("generate", {"stream": True, "rid": "mine"}, False),  # the caller's rid is left alone
+    ],
+)
 def test_which_requests_are_marked_migratable(label, body, ok):
     assert migratable(label, body) is ok
 
 
 def req(rid, out=5, max_new=100, prompt=10, finished=False):
-    return SimpleNamespace(rid=rid, output_ids=[0] * out, origin_input_ids=[0] * prompt, to_finish=None,
-                           sampling_params=SimpleNamespace(max_new_tokens=max_new), finished=lambda: finished)
+    return SimpleNamespace(
+        rid=rid,
+        output_ids=[0] * out,
+        origin_input_ids=[0] * prompt,
+        to_finish=None,
+        sampling_params=SimpleNamespace(max_new_tokens=max_new),
+        finished=lambda: finished,
+    )
 
 
 def test_the_worker_moves_the_marked_request_with_the_most_tokens_left():

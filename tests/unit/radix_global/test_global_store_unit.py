@@ -10,19 +10,23 @@ import shutil
 import pytest
 
 from bana_sglang import launch
-from bana_sglang.radix_global import summary
 from bana_sglang.radix_global import hooks as flags
+from bana_sglang.radix_global import summary
 from bana_sglang.radix_global.keys import KVLayout, model_identity, namespaced
 
 
 def test_linker_flags_are_what_sglang_parses():
     args = flags.linker_args("tcp://127.0.0.1:5", "127.0.0.1:6", owner="prefill-0")
-    assert args[:3] == ["--enable-unified-cache-external-linker", "--unified-cache-external-linker-backend",
-                        "dynamic"]
+    assert args[:3] == [
+        "--enable-unified-cache-external-linker",
+        "--unified-cache-external-linker-backend",
+        "dynamic",
+    ]
     cfg = json.loads(args[args.index("--unified-cache-external-linker-config") + 1])
     assert cfg["linker"] == flags.LINKER_NAME and cfg["linker_module_path"] == flags.LINKER_MODULE
     assert flags.LinkerConfig.from_extra(cfg["linker_extra_config"], "x") == flags.LinkerConfig(
-        "tcp://127.0.0.1:5", "127.0.0.1:6", "prefill-0")
+        "tcp://127.0.0.1:5", "127.0.0.1:6", "prefill-0"
+    )
 
 
 def test_linker_config_errors_name_the_problem(monkeypatch):
@@ -68,18 +72,25 @@ def test_launcher_worker_flags_with_and_without_the_store():
 
 
 def test_summary_parses_prometheus_text_and_formats_a_table():
-    text = "\n".join([
-        "# HELP bana_store_loaded_bytes_total Bytes loaded",
-        "bana_store_loaded_bytes_total 2000000.0",
-        'bana_store_load_seconds_total{pid="1"} 1.5',
-        'bana_store_load_seconds_total{pid="2"} 0.5',
-        "bana_store_load_wait_seconds_total 0.5",
-        "bana_store_global_hit_tokens_total 288",
-        "bana_store_loaded_bytes_created 1.7e9",
-        "sglang:num_running_reqs 3",
-    ])
+    text = "\n".join(
+        [
+            "# HELP bana_store_loaded_bytes_total Bytes loaded",
+            "bana_store_loaded_bytes_total 2000000.0",
+            'bana_store_load_seconds_total{pid="1"} 1.5',
+            'bana_store_load_seconds_total{pid="2"} 0.5',
+            "bana_store_load_wait_seconds_total 0.5",
+            "bana_store_global_hit_tokens_total 288",
+            "bana_store_loaded_bytes_created 1.7e9",
+            "sglang:num_running_reqs 3",
+        ]
+    )
     m = summary.parse(text)
-    assert m == {"loaded_bytes": 2e6, "load_seconds": 2.0, "load_wait_seconds": 0.5, "global_hit_tokens": 288}
+    assert m == {
+        "loaded_bytes": 2e6,
+        "load_seconds": 2.0,
+        "load_wait_seconds": 0.5,
+        "global_hit_tokens": 288,
+    }
     table = summary.table([("prefill-0", m), ("decode-0", None)])
     assert "75%" in table  # 1 - 0.5 / 2.0 hidden
     assert "decode-0     (no answer)" in table

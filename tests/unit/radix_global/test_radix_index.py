@@ -87,14 +87,14 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(tokens=token_lists, sizes=st.lists(st.integers(50, 450), min_size=7, max_size=7))
     def insert(self, tokens, sizes):
         chain = self._chain(tokens)
-        sizes = sizes[:len(chain)]
+        sizes = sizes[: len(chain)]
         present = self.model.prefix(chain)
         res = self.index.insert(chain, sizes, OwnerId("w"))
         assert res.present == present
-        assert res.accepted == tuple(chain[present:present + len(res.accepted)])
-        assert res.rejected == tuple(chain[present + len(res.accepted):])
+        assert res.accepted == tuple(chain[present : present + len(res.accepted)])
+        assert res.rejected == tuple(chain[present + len(res.accepted) :])
         self.model.check_victims(res.evicted, set(chain))
-        self.model.touch(chain[:present + len(res.accepted)])
+        self.model.touch(chain[: present + len(res.accepted)])
         for i in range(present, present + len(res.accepted)):
             self.model.parent[chain[i]] = chain[i - 1] if i else None
             self.model.size[chain[i]] = sizes[i]
@@ -109,9 +109,9 @@ class IndexMachine(RuleBasedStateMachine):
         chain = self._chain(tokens)
         match = self.index.longest_prefix(chain)
         assert match.length == self.model.prefix(chain)
-        assert [p.page for p in match.pages] == chain[:match.length]
+        assert [p.page for p in match.pages] == chain[: match.length]
         if match.length:
-            self.model.touch(chain[:match.length])
+            self.model.touch(chain[: match.length])
 
     @rule(nbytes=st.integers(0, CAPACITY + 100))
     def evict(self, nbytes):
@@ -138,16 +138,21 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.check_invariants()
         assert set(self.model.parent) == {p for c in self.seen for p in c if p in self.index}
         assert self.index.used_bytes == sum(self.model.size.values()) <= CAPACITY
-        for page, parent in self.model.parent.items():  # closure, independently of the index
+        for _page, parent in self.model.parent.items():  # closure, independently of the index
             assert parent is None or parent in self.model.parent
 
 
-IndexMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=30, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+IndexMachine.TestCase.settings = settings(
+    max_examples=50,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestIndexProperties = IndexMachine.TestCase
 
 
 # ---------------------------------------------------------------------- focused cases
+
 
 def _chain(tokens) -> list[PageHash]:
     return page_chain(tokens, LAYOUT)

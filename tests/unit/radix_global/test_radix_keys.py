@@ -10,7 +10,9 @@ import pytest
 
 from bana_sglang.radix_global.keys import KVLayout, is_page_hash, namespaced, page_chain
 
-L = KVLayout("models/tiny@abc123", "bfloat16", page_size=4, num_kv_heads=2, head_dim=16, num_layers=3)
+L = KVLayout(
+    "models/tiny@abc123", "bfloat16", page_size=4, num_kv_heads=2, head_dim=16, num_layers=3
+)
 
 
 def test_full_pages_only_and_chained():
@@ -52,12 +54,23 @@ def test_namespace_separates_models_layouts_ranks_and_salts():
 
 
 def test_deterministic_across_processes():
-    code = ("from bana_sglang.radix_global.keys import KVLayout, page_chain;"
-            "L = KVLayout('models/tiny@abc123', 'bfloat16', 4, 2, 16, 3);"
-            "print(L.digest, *page_chain(range(12), L, salt='s'))")
-    outs = {tuple(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                 env={**os.environ, "PYTHONHASHSEED": seed}).stdout.split())
-            for seed in ("1", "2")}
+    code = (
+        "from bana_sglang.radix_global.keys import KVLayout, page_chain;"
+        "L = KVLayout('models/tiny@abc123', 'bfloat16', 4, 2, 16, 3);"
+        "print(L.digest, *page_chain(range(12), L, salt='s'))"
+    )
+    outs = {
+        tuple(
+            subprocess.run(
+                [sys.executable, "-c", code],
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "PYTHONHASHSEED": seed},
+            ).stdout.split()
+        )
+        for seed in ("1", "2")
+    }
     assert len(outs) == 1
     (out,) = outs
     assert list(out) == [L.digest, *page_chain(range(12), L, salt="s")]

@@ -18,24 +18,31 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
+from conftest import free_port
 
 from bana_sglang.launch.procs import ManagedProcess, wait_until
-from bana_sglang.wire import index as m
 from bana_sglang.radix_global.keys import KVLayout, page_chain
 from bana_sglang.radix_global.service import READY_LINE, IndexClient
-from conftest import free_port
+from bana_sglang.wire import index as m
 
 LAYOUT = KVLayout("svc-test", "float16", page_size=4, num_kv_heads=2, head_dim=8, num_layers=2)
 
 
 @contextlib.contextmanager
 def index_service(port: int, *extra: str, name: str = "radix-index") -> Iterator[ManagedProcess]:
-    proc = ManagedProcess(name, [sys.executable, "-m", "bana_sglang.radix_global.service",
-                                 "--port", str(port), *extra])
+    proc = ManagedProcess(
+        name,
+        [sys.executable, "-m", "bana_sglang.radix_global.service", "--port", str(port), *extra],
+    )
     proc.start()
     try:
-        wait_until(lambda: any(READY_LINE in line for line in proc.tail()), proc=proc,
-                   what="the ready line", timeout=60, interval=0.05)
+        wait_until(
+            lambda: any(READY_LINE in line for line in proc.tail()),
+            proc=proc,
+            what="the ready line",
+            timeout=60,
+            interval=0.05,
+        )
         yield proc
     finally:
         proc.stop(timeout=10)
@@ -121,14 +128,23 @@ def test_bad_messages_get_error_replies_and_service_keeps_serving(service):
     cases = {
         b"\xc1not msgpack": "malformed",
         enc([1, 2, 3]): "malformed",
-        enc({"type": "lookup", "id": 7, "v": 1, "deadline": time.time() + 5, "chain": ["xyz"]}): "malformed",
+        enc(
+            {"type": "lookup", "id": 7, "v": 1, "deadline": time.time() + 5, "chain": ["xyz"]}
+        ): "malformed",
         enc({"type": "lookup", "id": 8, "v": 1}): "malformed",  # missing fields
         enc({"type": "drop_tables", "id": 9, "v": 1, "deadline": time.time() + 5}): "unknown_type",
-        enc({"type": "stats", "id": 10, "v": 99, "deadline": time.time() + 5}): "unsupported_version",
+        enc(
+            {"type": "stats", "id": 10, "v": 99, "deadline": time.time() + 5}
+        ): "unsupported_version",
         m.encode(m.Stats(id=11, deadline=time.time() - 1)): "stale_deadline",
-        m.encode(m.Commit(id=12, deadline=time.time() + 5, intent=999_999, written=1)): "unknown_intent",
-        m.encode(m.PublishIntent(id=13, deadline=time.time() + 5, chain=chain_of(*range(8)),
-                                 sizes=[1], owner="x")): "invalid",
+        m.encode(
+            m.Commit(id=12, deadline=time.time() + 5, intent=999_999, written=1)
+        ): "unknown_intent",
+        m.encode(
+            m.PublishIntent(
+                id=13, deadline=time.time() + 5, chain=chain_of(*range(8)), sizes=[1], owner="x"
+            )
+        ): "invalid",
     }
     for frame, reason in cases.items():
         reply = _raw(service, frame)

@@ -8,9 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bana_sglang.router.policy import POLICIES, CacheAwareConfig, RouteRequest, RoutingError, get_policy
-from bana_sglang.types import RequestId, Tier, WorkerId, WorkerLoad
+from bana_sglang.router.policy import (
+    POLICIES,
+    CacheAwareConfig,
+    RouteRequest,
+    RoutingError,
+    get_policy,
+)
 from bana_sglang.router.prefix_tree import PagePrefixTree
+from bana_sglang.types import RequestId, Tier, WorkerId, WorkerLoad
 
 
 def P(i: int, **kw) -> WorkerLoad:
@@ -40,7 +46,9 @@ class Oracle:
 
 
 def test_registry_names_and_clear_error():
-    assert {"bana", "round_robin", "power_of_two", "cache_aware", "global_cache_aware"} <= set(POLICIES)
+    assert {"bana", "round_robin", "power_of_two", "cache_aware", "global_cache_aware"} <= set(
+        POLICIES
+    )
     assert get_policy().name == "bana"
     with pytest.raises(RoutingError) as e:
         get_policy("nope")
@@ -57,8 +65,11 @@ def test_snapshot_is_frozen_and_derived_fields():
 
 def test_bana_routes_by_load_only():
     pol = get_policy("bana", oracle=Oracle(global_pages=4, local={WorkerId("p0"): 8}))
-    loads = [P(0, queued_prefill_tokens=50_000), P(1, queued_prefill_tokens=1_000),
-             P(2, queued_prefill_tokens=9_000)]
+    loads = [
+        P(0, queued_prefill_tokens=50_000),
+        P(1, queued_prefill_tokens=1_000),
+        P(2, queued_prefill_tokens=9_000),
+    ]
     # p0 holds the whole prefix locally, but it is the busiest: bana ignores placement.
     assert pol.pick_prefill(req(hashes=range(8)), loads) == "p1"
 
@@ -66,8 +77,11 @@ def test_bana_routes_by_load_only():
 def test_load_aware_policies_compare_queues_at_each_workers_prefill_speed():
     """A donor whose layers partly run on a peer drains its queue faster, the peer
     slower: 10k queued tokens at speed 2 are 5k tokens of work, less than 6k at 1."""
-    loads = [P(0, queued_prefill_tokens=10_000, prefill_speed=2.0), P(1, queued_prefill_tokens=6_000),
-             P(2, queued_prefill_tokens=4_000, prefill_speed=0.5)]
+    loads = [
+        P(0, queued_prefill_tokens=10_000, prefill_speed=2.0),
+        P(1, queued_prefill_tokens=6_000),
+        P(2, queued_prefill_tokens=4_000, prefill_speed=0.5),
+    ]
     assert loads[0].prefill_backlog_tokens == 5_000 and loads[2].prefill_backlog_tokens == 8_000
     assert get_policy("bana").pick_prefill(req(), loads) == "p0"
     assert get_policy("global_cache_aware").pick_prefill(req(), loads) == "p0"
@@ -85,8 +99,10 @@ def test_bana_spreads_a_hot_prefix_while_cache_aware_concentrates_it():
     for name, pol in (("bana", bana), ("cache_aware", ca)):
         q = dict.fromkeys(queued, 0)
         for k in range(20):
-            loads = [P(i, queued_prefill_tokens=q[f"p{i}"], queued_requests=q[f"p{i}"] // 4096)
-                     for i in range(4)]
+            loads = [
+                P(i, queued_prefill_tokens=q[f"p{i}"], queued_requests=q[f"p{i}"] // 4096)
+                for i in range(4)
+            ]
             w = pol.pick_prefill(req(hashes=hashes, rid=str(k)), loads)
             q[w] += 4096
             picks[name].append(w)
@@ -124,10 +140,16 @@ def test_cache_aware_thresholds():
     assert pol.pick_prefill(req(hashes=h), [P(0, running_requests=3), P(1)]) == "p0"
     # Imbalanced (40 - 2 > 32 and 40 > 1.5 * 2): least loaded wins despite the match.
     pol = _ca_with_p0_holding(h)
-    assert pol.pick_prefill(req(hashes=h), [P(0, running_requests=40), P(1, running_requests=2)]) == "p1"
+    assert (
+        pol.pick_prefill(req(hashes=h), [P(0, running_requests=40), P(1, running_requests=2)])
+        == "p1"
+    )
     # Not imbalanced by the absolute threshold (30 - 2 <= 32): still cache affinity.
     pol = _ca_with_p0_holding(h)
-    assert pol.pick_prefill(req(hashes=h), [P(0, running_requests=30), P(1, running_requests=2)]) == "p0"
+    assert (
+        pol.pick_prefill(req(hashes=h), [P(0, running_requests=30), P(1, running_requests=2)])
+        == "p0"
+    )
     # Low match ratio (3 of 10 pages): the smallest tree (p1, empty) wins.
     low = tuple(range(3)) + tuple(range(100, 107))
     assert pol.pick_prefill(req(hashes=low), [P(0), P(1)]) == "p1"
@@ -150,8 +172,11 @@ def test_global_cache_aware_trades_queue_against_cache():
 
 def test_decode_prefers_free_kv_then_less_work():
     pol = get_policy("bana")
-    loads = [D(0, kv_used_tokens=90_000), D(1, kv_used_tokens=20_000, running_requests=9),
-             D(2, kv_used_tokens=20_000, running_requests=2)]
+    loads = [
+        D(0, kv_used_tokens=90_000),
+        D(1, kv_used_tokens=20_000, running_requests=9),
+        D(2, kv_used_tokens=20_000, running_requests=2),
+    ]
     assert pol.pick_decode(req(), loads) == "d2"
 
 
@@ -173,8 +198,10 @@ def test_prefix_tree_match_insert_evict():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=6), min_size=1, max_size=30),
-       st.integers(1, 12))
+@given(
+    st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=6), min_size=1, max_size=30),
+    st.integers(1, 12),
+)
 def test_prefix_tree_closure_and_capacity(chains, cap):
     t = PagePrefixTree(capacity=cap)
     for c in chains:

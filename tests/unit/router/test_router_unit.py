@@ -17,11 +17,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bana_sglang.types import Tier, WorkerId, WorkerLoad
-from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
 from bana_sglang.router.config import RouterConfig
+from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
 from bana_sglang.router.server import Router
 from bana_sglang.router.workers import Reported, Worker, parse_prefill_spec
+from bana_sglang.types import Tier, WorkerId, WorkerLoad
 from bench.fake_pd import MODEL, FakeWorker, free_port
 
 
@@ -30,8 +30,15 @@ async def running(prefill: list[FakeWorker], decode: list[FakeWorker], **cfg_kw)
     for f in prefill + decode:
         await f.start()
     port = free_port()
-    cfg = RouterConfig(prefill=tuple((f.url, f.boot) for f in prefill), decode=tuple(f.url for f in decode),
-                       port=port, poll_interval_s=0.05, probe_min_s=0.05, probe_max_s=0.2, **cfg_kw)
+    cfg = RouterConfig(
+        prefill=tuple((f.url, f.boot) for f in prefill),
+        decode=tuple(f.url for f in decode),
+        port=port,
+        poll_interval_s=0.05,
+        probe_min_s=0.05,
+        probe_max_s=0.2,
+        **cfg_kw,
+    )
     router = Router(cfg)
     runner = web.AppRunner(router.build_app())
     await runner.setup()
@@ -59,6 +66,7 @@ def run(coro):
 
 
 # ---------------------------------------------------------------- pure helpers
+
 
 def test_check_max_tokens():
     assert check_max_tokens(None, name="m", limit=10, allow_zero=False) is None
@@ -88,8 +96,19 @@ def test_chat_text_rejects_bad_messages():
 def test_worker_load_takes_the_larger_of_report_and_own_count():
     w = Worker("http://127.0.0.1:1", Tier.PREFILL, bootstrap_port=2)
     w.reported = Reported.from_loads_json(
-        {"loads": [{"num_running_reqs": 1, "num_waiting_reqs": 2, "num_waiting_uncached_tokens": 50,
-                    "num_used_tokens": 10, "max_total_num_tokens": 100}]}, at=1.0)
+        {
+            "loads": [
+                {
+                    "num_running_reqs": 1,
+                    "num_waiting_reqs": 2,
+                    "num_waiting_uncached_tokens": 50,
+                    "num_used_tokens": 10,
+                    "max_total_num_tokens": 100,
+                }
+            ]
+        },
+        at=1.0,
+    )
     assert w.load().num_requests == 3 and w.load().queued_prefill_tokens == 50
     for _ in range(5):
         w.begin(100)  # a burst the last poll has not seen
@@ -103,13 +122,23 @@ def test_decode_load_reports_its_step_time_from_the_generation_rate():
     their ratio is the step time the balancer's TPOT guard reads; unknown is 0."""
     d = Worker("http://127.0.0.1:1", Tier.DECODE)
     d.reported = Reported.from_loads_json(
-        {"loads": [{"num_running_reqs": 6, "gen_throughput": 150.0, "max_total_num_tokens": 100},
-                   {"num_running_reqs": 2, "gen_throughput": 50.0, "max_total_num_tokens": 100}]}, at=1.0)
+        {
+            "loads": [
+                {"num_running_reqs": 6, "gen_throughput": 150.0, "max_total_num_tokens": 100},
+                {"num_running_reqs": 2, "gen_throughput": 50.0, "max_total_num_tokens": 100},
+            ]
+        },
+        at=1.0,
+    )
     assert d.load().decode_step_s == pytest.approx(8 / 200)
-    d.reported = Reported.from_loads_json({"loads": [{"num_running_reqs": 0, "gen_throughput": 0.0}]}, at=2.0)
+    d.reported = Reported.from_loads_json(
+        {"loads": [{"num_running_reqs": 0, "gen_throughput": 0.0}]}, at=2.0
+    )
     assert d.load().decode_step_s == 0.0
     p = Worker("http://127.0.0.1:2", Tier.PREFILL, bootstrap_port=3)
-    p.reported = Reported.from_loads_json({"loads": [{"num_running_reqs": 3, "gen_throughput": 30.0}]}, at=1.0)
+    p.reported = Reported.from_loads_json(
+        {"loads": [{"num_running_reqs": 3, "gen_throughput": 30.0}]}, at=1.0
+    )
     assert p.load().decode_step_s == 0.0  # a prefill worker's "generation" is its first tokens
     with pytest.raises(ValueError, match="decode_step_s"):
         WorkerLoad(WorkerId("x"), Tier.DECODE, decode_step_s=-1.0)
@@ -122,18 +151,29 @@ def test_decode_load_reports_the_kv_of_requests_waiting_for_its_memory():
     count (which includes resident requests) does not enter it."""
     d = Worker("http://127.0.0.1:1", Tier.DECODE)
     d.reported = Reported.from_loads_json(
-        {"loads": [{"num_used_tokens": 90, "num_total_tokens": 130, "max_total_num_tokens": 100},
-                   {"num_used_tokens": 50, "num_total_tokens": 50, "max_total_num_tokens": 100}]}, at=1.0)
+        {
+            "loads": [
+                {"num_used_tokens": 90, "num_total_tokens": 130, "max_total_num_tokens": 100},
+                {"num_used_tokens": 50, "num_total_tokens": 50, "max_total_num_tokens": 100},
+            ]
+        },
+        at=1.0,
+    )
     d.begin(500)
     load = d.load()
-    assert load.kv_waiting_tokens == 40 and load.kv_used_tokens == 140 and load.kv_total_tokens == 200
+    assert (
+        load.kv_waiting_tokens == 40 and load.kv_used_tokens == 140 and load.kv_total_tokens == 200
+    )
     assert load.inflight_tokens == 500
-    d.reported = Reported.from_loads_json({"loads": [{"num_used_tokens": 10, "max_total_num_tokens": 100}]},
-                                          at=2.0)
+    d.reported = Reported.from_loads_json(
+        {"loads": [{"num_used_tokens": 10, "max_total_num_tokens": 100}]}, at=2.0
+    )
     assert d.load().kv_waiting_tokens == 0  # an answer without the field: nothing known to wait
     p = Worker("http://127.0.0.1:2", Tier.PREFILL, bootstrap_port=3)
     p.reported = Reported.from_loads_json(
-        {"loads": [{"num_used_tokens": 10, "num_total_tokens": 400, "max_total_num_tokens": 100}]}, at=1.0)
+        {"loads": [{"num_used_tokens": 10, "num_total_tokens": 400, "max_total_num_tokens": 100}]},
+        at=1.0,
+    )
     assert p.load().kv_waiting_tokens == 0  # a prefill worker's waiting prompts are its queue
     with pytest.raises(ValueError, match="kv_waiting_tokens"):
         WorkerLoad(WorkerId("x"), Tier.DECODE, kv_waiting_tokens=-1)
@@ -159,6 +199,7 @@ def test_bad_worker_specs_are_named():
 
 # ---------------------------------------------------------------- router over fakes
 
+
 def test_pd_pairing_injects_one_room_for_both_and_accepts_missing_model():
     async def go():
         p, d = FakeWorker("prefill"), FakeWorker("decode")
@@ -173,6 +214,7 @@ def test_pd_pairing_injects_one_room_for_both_and_accepts_missing_model():
                 assert r.status == 404
                 err = (await r.json())["error"]
                 assert err["code"] == "model_not_found" and "other" in err["message"]
+
     run(go())
 
 
@@ -182,8 +224,9 @@ def test_refused_and_5xx_prefill_workers_are_retried_elsewhere_and_marked_down()
         good, d = FakeWorker("prefill"), FakeWorker("decode")
         async with running([bad1, bad2, good], [d], policy="round_robin") as (router, c):
             for i in range(6):
-                async with c.post("/generate", json={"text": f"q {i}",
-                                                     "sampling_params": {"max_new_tokens": 2}}) as r:
+                async with c.post(
+                    "/generate", json={"text": f"q {i}", "sampling_params": {"max_new_tokens": 2}}
+                ) as r:
                     assert r.status == 200, await r.text()
                     assert (await r.json())["text"] == "decoded"
             state = {w.url: w for w in router.prefill}
@@ -192,6 +235,7 @@ def test_refused_and_5xx_prefill_workers_are_retried_elsewhere_and_marked_down()
             assert state[good.url].healthy and len(good.bodies) == 6
             text = router.metrics.render().decode()
             assert 'bana_router_retries_total{reason="prefill_failed"}' in text
+
     run(go())
 
 
@@ -200,19 +244,22 @@ def test_a_decode_that_reports_missing_kv_blames_the_prefill_and_stays_routable(
     but its decode peer answers 500 "KVTransferError" first: the prefill is
     blamed and the request retried on another pair, the (only) decode worker
     stays up, and no request fails."""
+
     async def go():
         gone, good = FakeWorker("prefill", "hang"), FakeWorker("prefill")
         d = FakeWorker("decode", kv_wait_s=0.3)
         async with running([gone, good], [d], policy="round_robin") as (router, c):
             for i in range(4):
-                async with c.post("/generate", json={"text": f"q {i}",
-                                                     "sampling_params": {"max_new_tokens": 2}}) as r:
+                async with c.post(
+                    "/generate", json={"text": f"q {i}", "sampling_params": {"max_new_tokens": 2}}
+                ) as r:
                     assert r.status == 200, await r.text()
             state = {w.url: w for w in router.workers}
             assert state[d.url].healthy
             assert not state[gone.url].healthy
             assert "could not receive the KV" in state[gone.url].down_reason
             assert len(good.bodies) == 4
+
     run(go())
 
 
@@ -220,15 +267,22 @@ def test_a_request_whose_kv_host_died_is_recomputed_and_the_decode_worker_stays_
     """A decode worker answers 503 "KV blocks lost" (the peer holding pages of the
     request died, KV-block migration): the request is sent again (recomputed) and
     the decode worker, which is healthy, is not marked down."""
+
     async def go():
         p, d = FakeWorker("prefill"), FakeWorker("decode", "kv_lost_once")
         async with running([p], [d]) as (router, c):
-            async with c.post("/generate", json={"text": "q", "sampling_params": {"max_new_tokens": 2}}) as r:
+            async with c.post(
+                "/generate", json={"text": "q", "sampling_params": {"max_new_tokens": 2}}
+            ) as r:
                 assert r.status == 200, await r.text()
                 assert (await r.json())["text"] == "decoded"
             assert len(d.bodies) == 2 and len(p.bodies) == 2  # sent twice, to the same pair
             assert all(w.healthy for w in router.workers)
-            assert 'bana_router_retries_total{reason="kv_blocks_lost"} 1.0' in router.metrics.render().decode()
+            assert (
+                'bana_router_retries_total{reason="kv_blocks_lost"} 1.0'
+                in router.metrics.render().decode()
+            )
+
     run(go())
 
 
@@ -240,42 +294,62 @@ def test_a_slow_load_answer_does_not_take_a_worker_out_of_routing(monkeypatch):
     monkeypatch.setattr(monitor, "LOADS_TIMEOUT_S", 0.2)
 
     async def go():
-        slow, fast, d = FakeWorker("prefill", loads_delay_s=1.0), FakeWorker("prefill"), FakeWorker("decode")
+        slow, fast, d = (
+            FakeWorker("prefill", loads_delay_s=1.0),
+            FakeWorker("prefill"),
+            FakeWorker("decode"),
+        )
         async with running([slow, fast], [d], policy="round_robin") as (router, c):
             await asyncio.sleep(0.6)  # several polls of the slow worker time out
             assert all(w.healthy for w in router.workers)
             for i in range(4):
-                async with c.post("/v1/completions", json={"prompt": f"q{i}", "max_tokens": 2}) as r:
+                async with c.post(
+                    "/v1/completions", json={"prompt": f"q{i}", "max_tokens": 2}
+                ) as r:
                     assert r.status == 200
             assert len(slow.bodies) == 2 and len(fast.bodies) == 2
             assert fast.url in {w.url for w in router.prefill if w.reported.at > 0}  # not held up
+
     run(go())
 
 
 def test_all_prefill_workers_failing_gives_502_not_a_hang():
     async def go():
-        async with running([FakeWorker("prefill", "error500")], [FakeWorker("decode")]) as (router, c):
+        async with running([FakeWorker("prefill", "error500")], [FakeWorker("decode")]) as (
+            router,
+            c,
+        ):
             async with c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
                 assert r.status == 502
                 assert "no worker pair" in (await r.json())["error"]["message"]
+
     run(go())
 
 
 def test_stream_is_relayed_and_a_mid_stream_failure_ends_with_an_error_event():
     async def go():
         async with running([FakeWorker("prefill")], [FakeWorker("decode")]) as (router, c):
-            async with c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True}) as r:
+            async with c.post(
+                "/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True}
+            ) as r:
                 text = await r.text()
             assert text.count("data: {") == 4 and text.endswith("data: [DONE]\n\n")
-        async with running([FakeWorker("prefill")], [FakeWorker("decode", "break_stream")]) as (router, c):
-            async with c.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True}) as r:
+        async with running([FakeWorker("prefill")], [FakeWorker("decode", "break_stream")]) as (
+            router,
+            c,
+        ):
+            async with c.post(
+                "/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True}
+            ) as r:
                 assert r.status == 200
                 text = await r.text()
-            events = [json.loads(line[6:]) for line in text.splitlines()
-                      if line.startswith("data: {")]
+            events = [
+                json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")
+            ]
             assert events[:2] == [{"i": 0}, {"i": 1}]
             assert "failed mid-stream" in events[-1]["error"]["message"]
             assert text.endswith("data: [DONE]\n\n")
+
     run(go())
 
 
@@ -283,8 +357,12 @@ def test_prompt_only_requests_skip_decode_and_logprob_windows_are_all_numbers():
     async def go():
         p, d = FakeWorker("prefill"), FakeWorker("decode")
         async with running([p], [d]) as (router, c):
-            req = {"text": ["w1 w2 w3 w4 w5 w6", "w1 w2 w3 w4 w5 w6 w7"],
-                   "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 3}
+            req = {
+                "text": ["w1 w2 w3 w4 w5 w6", "w1 w2 w3 w4 w5 w6 w7"],
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+                "logprob_start_len": 3,
+            }
             async with c.post("/generate", json=req) as r:
                 assert r.status == 200, await r.text()
                 out = await r.json()
@@ -295,13 +373,19 @@ def test_prompt_only_requests_skip_decode_and_logprob_windows_are_all_numbers():
                 lps = item["meta_info"]["input_token_logprobs"]
                 assert [e[1] for e in lps] == list(range(3, n))  # the asked window, in order
                 assert all(isinstance(e[0], float) for e in lps)
+
     run(go())
 
 
 def test_api_key_body_size_and_json_errors():
     async def go():
-        async with running([FakeWorker("prefill")], [FakeWorker("decode")], api_key="k3y",
-                           max_body_bytes=4096, max_tokens_limit=100) as (router, c):
+        async with running(
+            [FakeWorker("prefill")],
+            [FakeWorker("decode")],
+            api_key="k3y",
+            max_body_bytes=4096,
+            max_tokens_limit=100,
+        ) as (router, c):
             async with c.get("/v1/models") as r:
                 assert r.status == 401
             async with c.get("/v1/models", headers={"Authorization": "Bearer wrong"}) as r:
@@ -313,12 +397,20 @@ def test_api_key_body_size_and_json_errors():
                 assert r.status == 400 and "JSON" in (await r.json())["error"]["message"]
             async with c.post("/v1/completions", json={"prompt": "x" * 5000}, headers=h) as r:
                 assert r.status == 413
-            async with c.post("/v1/completions", json={"prompt": "x", "max_tokens": 101}, headers=h) as r:
-                assert r.status == 400 and "max-tokens-limit" in (await r.json())["error"]["message"]
+            async with c.post(
+                "/v1/completions", json={"prompt": "x", "max_tokens": 101}, headers=h
+            ) as r:
+                assert (
+                    r.status == 400 and "max-tokens-limit" in (await r.json())["error"]["message"]
+                )
             async with c.post("/generate", json={"text": "x", "input_ids": [1]}, headers=h) as r:
                 assert r.status == 400
             async with c.get("/metrics", headers=h) as r:
-                assert 'bana_router_requests_total{endpoint="completions",status="413"}' in await r.text()
+                assert (
+                    'bana_router_requests_total{endpoint="completions",status="413"}'
+                    in await r.text()
+                )
+
     run(go())
 
 
@@ -326,36 +418,63 @@ def _status(worker: str, placement: list[tuple[int, int, str]], states: tuple[st
     from bana_sglang.wire import agent as m
 
     return m.StatusResult(
-        id="s", worker=worker, role="prefill", num_layers=4, guest_bytes=0,
+        id="s",
+        worker=worker,
+        role="prefill",
+        num_layers=4,
+        guest_bytes=0,
         placement=[m.Placement(start=a, stop=b, executor=e) for a, b, e in placement],
-        migrations=[m.MigrationInfo(migration=f"m{i}", side="source", peer="x", start=2, stop=4, state=s,
-                                    bytes_done=0, bytes_total=1, seconds=0.0) for i, s in enumerate(states)])
+        migrations=[
+            m.MigrationInfo(
+                migration=f"m{i}",
+                side="source",
+                peer="x",
+                start=2,
+                stop=4,
+                state=s,
+                bytes_done=0,
+                bytes_total=1,
+                seconds=0.0,
+            )
+            for i, s in enumerate(states)
+        ],
+    )
 
 
 def test_prefill_speeds_come_from_the_agents_placements_while_layers_are_away():
     """prefill-0's layers [2, 4) run on decode-0: the donor drains its queue twice as
     fast, decode-0 gives them the donor's busy share; the router's loads carry both,
     and once every placement is home again the loop sets 1.0 and goes idle."""
-    from bana_sglang.types import split_speeds
     from bana_sglang.router.admin import AdminAPI, layer_split_speeds
+    from bana_sglang.types import split_speeds
 
-    away = {"http://p0": _status("prefill-0", [(0, 2, "prefill-0"), (2, 4, "decode-0")], ("remote",)),
-            "http://d0": _status("decode-0", [(0, 4, "decode-0")]),
-            "http://p1": _status("prefill-1", [(0, 4, "prefill-1")])}
+    away = {
+        "http://p0": _status("prefill-0", [(0, 2, "prefill-0"), (2, 4, "decode-0")], ("remote",)),
+        "http://d0": _status("decode-0", [(0, 4, "decode-0")]),
+        "http://p1": _status("prefill-1", [(0, 4, "prefill-1")]),
+    }
     speeds = layer_split_speeds(away, {"http://p0": 0.6})
-    assert speeds == pytest.approx({"http://p0": 2.0, "http://d0": split_speeds(4, 2, 0.6)[1],
-                                    "http://p1": 1.0})
+    assert speeds == pytest.approx(
+        {"http://p0": 2.0, "http://d0": split_speeds(4, 2, 0.6)[1], "http://p1": 1.0}
+    )
     assert speeds["http://d0"] == pytest.approx(0.4)
     # a peer whose agent did not answer is left out (it keeps 1.0); the donor is still known
     assert layer_split_speeds({"http://p0": away["http://p0"]}, {}) == {"http://p0": 2.0}
     # every layer away: counted as all but one, never an error that would stop the loop
-    whole = {"http://p0": _status("prefill-0", [(0, 4, "decode-0")]), "http://d0": away["http://d0"]}
+    whole = {
+        "http://p0": _status("prefill-0", [(0, 4, "decode-0")]),
+        "http://d0": away["http://d0"],
+    }
     assert layer_split_speeds(whole, {"http://p0": 1.0}) == pytest.approx(
-        {"http://p0": 4.0, "http://d0": split_speeds(4, 3, 1.0)[1]})
+        {"http://p0": 4.0, "http://d0": split_speeds(4, 3, 1.0)[1]}
+    )
 
     admin = AdminAPI(())
-    rounds = [away, {**away, "http://p0": _status("prefill-0", [(0, 4, "prefill-0")], ("recalling",))},
-              {**away, "http://p0": _status("prefill-0", [(0, 4, "prefill-0")], ("home",))}]
+    rounds = [
+        away,
+        {**away, "http://p0": _status("prefill-0", [(0, 4, "prefill-0")], ("recalling",))},
+        {**away, "http://p0": _status("prefill-0", [(0, 4, "prefill-0")], ("home",))},
+    ]
     calls, applied = [], []
 
     async def statuses():

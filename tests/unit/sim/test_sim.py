@@ -67,7 +67,9 @@ def test_the_no_wait_floor_bounds_every_ttft_without_a_balancer(system, trace_sl
         assert res.migrations > 0
     else:
         assert not below, below[:3]
-    assert res.ttft_floor_mean == pytest.approx(sum(r.floor_s for r in sim.records) / len(sim.records))
+    assert res.ttft_floor_mean == pytest.approx(
+        sum(r.floor_s for r in sim.records) / len(sim.records)
+    )
     assert res.ttft_mean > res.ttft_floor_mean or system == "bana"
 
 
@@ -150,8 +152,12 @@ def test_memory_pressure_uses_kv_and_request_migration(tmp_path):
 
 def test_colocated_and_generated_workloads_finish():
     base = SimConfig(profile="h100_llama3_8b", num_workers=4)
-    for name, kw in (("bursty", dict(n=150)), ("mixed", dict(n=150)),
-                     ("shared_prefix", dict(n=150)), ("long_context", dict(n=20, rate=0.5))):
+    for name, kw in (
+        ("bursty", dict(n=150)),
+        ("mixed", dict(n=150)),
+        ("shared_prefix", dict(n=150)),
+        ("long_context", dict(n=20, rate=0.5)),
+    ):
         reqs = workloads.get_workload(name, **kw)
         for system in ("colocated", "bana"):
             res = simulate(system_config(system, base), reqs, system=system)
@@ -161,8 +167,14 @@ def test_colocated_and_generated_workloads_finish():
 def test_requests_too_big_for_any_worker_are_rejected_not_lost():
     big = workloads.long_context(n=5, min_len=100_000, max_len=120_000, rate=1.0)
     small = workloads.bursty(n=20, mean_in=500, mean_out=20)
-    reqs = sorted(big + [workloads.SimRequest(r.rid + 100, r.arrival, r.input_len, r.output_len,
-                                              r.hashes) for r in small], key=lambda r: r.arrival)
+    reqs = sorted(
+        big
+        + [
+            workloads.SimRequest(r.rid + 100, r.arrival, r.input_len, r.output_len, r.hashes)
+            for r in small
+        ],
+        key=lambda r: r.arrival,
+    )
     sim = Simulation(SimConfig(profile="cpu_small", num_workers=2), reqs)
     res = sim.run()
     assert sorted(sim.rejected) == [0, 1, 2, 3, 4]
@@ -186,8 +198,14 @@ def test_workload_generators_are_deterministic_and_valid():
 
 def test_profiles_load_with_sources():
     names = list_profiles()
-    assert {"cpu_small", "h100_llama3_8b", "h200_llama3_8b", "a100_llama3_8b",
-            "a100_llama70b_tp8", "h100_llama70b_tp8"} <= set(names)
+    assert {
+        "cpu_small",
+        "h100_llama3_8b",
+        "h200_llama3_8b",
+        "a100_llama3_8b",
+        "a100_llama70b_tp8",
+        "h100_llama70b_tp8",
+    } <= set(names)
     for n in names:
         p = load_profile(n)
         assert p.sources and p.assumptions
@@ -215,15 +233,34 @@ def test_decode_overlap_only_spares_the_decode_peers_steps(trace_slice):
     decode side only: with no layer migration (no balancer) nothing moves; with the
     balancer the decode peers' steps, hence TPOT, get faster."""
     fast = workloads.mooncake(limit=400, time_scale=6.0)
-    static = [simulate(system_config("bana_no_migration", ANCHOR, decode_overlap=o), fast) for o in (0.0, 0.9)]
+    static = [
+        simulate(system_config("bana_no_migration", ANCHOR, decode_overlap=o), fast)
+        for o in (0.0, 0.9)
+    ]
     assert static[0].row() | {"wall_s": 0} == static[1].row() | {"wall_s": 0}
-    strict, hidden = (simulate(system_config("bana", ANCHOR, decode_overlap=o), fast) for o in (0.0, 0.9))
+    strict, hidden = (
+        simulate(system_config("bana", ANCHOR, decode_overlap=o), fast) for o in (0.0, 0.9)
+    )
     assert strict.migrations > 0 and hidden.tpot_mean < strict.tpot_mean
 
 
 def test_cli_run(capsys):
-    assert sim_main(["run", "--system", "bana", "--profile", "a100_llama70b_tp8", "--workers",
-                     "4", "--limit", "60"]) == 0
+    assert (
+        sim_main(
+            [
+                "run",
+                "--system",
+                "bana",
+                "--profile",
+                "a100_llama70b_tp8",
+                "--workers",
+                "4",
+                "--limit",
+                "60",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["finished"] == 60 and out["system"] == "bana"
 
@@ -248,15 +285,19 @@ def test_workers_sharing_a_host_slow_each_other_down_while_both_compute(tmp_path
     from bana_sglang.sim.profiles import save_profile
     from bana_sglang.sim.workloads import SimRequest
 
-    prof = save_profile(replace(load_profile("cpu_small"), host_contention_prefill=2.0,
-                                host_contention_decode=1.5), tmp_path / "shared.json")
+    prof = save_profile(
+        replace(load_profile("cpu_small"), host_contention_prefill=2.0, host_contention_decode=1.5),
+        tmp_path / "shared.json",
+    )
     p = load_profile(prof)
     alone = p.prefill_seconds(2000, 0)
     # a short prompt that decodes for a long time, then a long prompt during its decode
     reqs = [SimRequest(0, 0.0, 64, 3000, (101,)), SimRequest(1, 2.0, 2000, 2, (202,))]
 
     def run(shared: bool):
-        cfg = SimConfig(profile=str(prof), num_workers=2, store="global", page_tokens=64, shared_host=shared)
+        cfg = SimConfig(
+            profile=str(prof), num_workers=2, store="global", page_tokens=64, shared_host=shared
+        )
         sim = Simulation(cfg, reqs, check=True)
         sim.run()
         return {r.rid: r for r in sim.records}
@@ -270,7 +311,10 @@ def test_workers_sharing_a_host_slow_each_other_down_while_both_compute(tmp_path
     overlap = shared[1].first_token - 2.0
     lost = shared[0].finish - apart[0].finish
     assert overlap / 3 <= lost <= 1.1 * overlap / 3
-    assert Simulation(SimConfig(profile=str(prof), num_workers=2, shared_host=True), []).run().finished == 0
+    assert (
+        Simulation(SimConfig(profile=str(prof), num_workers=2, shared_host=True), []).run().finished
+        == 0
+    )
 
 
 def test_throughput_is_the_highest_rate_below_the_first_miss_and_bisection_closes_in():
@@ -338,11 +382,15 @@ def test_a_kv_block_lease_costs_its_host_the_page_reads_and_its_lender_a_hop_per
         src.join(Job(r), 4000)
     sim._reschedule(src)  # its step time, as after any join
     pages = 40
-    sim._on_mig_done(KVBlockMigration(src.wid, dst.wid, pages, pages * 512 * p.kv_bytes_per_token, 0.1), None)
+    sim._on_mig_done(
+        KVBlockMigration(src.wid, dst.wid, pages, pages * 512 * p.kv_bytes_per_token, 0.1), None
+    )
     step = p.decode_step_seconds(2, src.kv_tokens())
     share = p.kv_read_seconds(pages * 512) / step
     assert 0 < share < 0.5
-    assert dst.decode_factor == pytest.approx(1 / (1 - share)) and dst.lent_share == pytest.approx(share)
+    assert dst.decode_factor == pytest.approx(1 / (1 - share)) and dst.lent_share == pytest.approx(
+        share
+    )
     assert src.decode_factor == pytest.approx(1 + p.num_layers * p.remote_attention_hop_s / step)
     assert src.kv_capacity == p.kv_capacity_tokens + pages * 512
     assert not sim._returns  # held until its LEASE_END
@@ -370,12 +418,21 @@ def test_a_layer_lease_ends_early_when_its_decode_host_needs_the_memory(limit):
     from bana_sglang.sim.cluster import Job
     from bana_sglang.sim.workloads import SimRequest
 
-    cfg = system_config("bana", SimConfig(profile="h100_llama3_8b", num_workers=4, page_tokens=512,
-                                          balancer_config=BalancerConfig(recall_kv_usage=limit)))
+    cfg = system_config(
+        "bana",
+        SimConfig(
+            profile="h100_llama3_8b",
+            num_workers=4,
+            page_tokens=512,
+            balancer_config=BalancerConfig(recall_kv_usage=limit),
+        ),
+    )
     sim = Simulation(cfg, [], check=True)
     p, src, dst = sim.p, sim.by_id["p0"], sim.by_id["d0"]
     k = 8
-    act = LayerMigration(src.wid, dst.wid, (p.num_layers - k, p.num_layers), k * p.layer_weight_bytes, 0.1)
+    act = LayerMigration(
+        src.wid, dst.wid, (p.num_layers - k, p.num_layers), k * p.layer_weight_bytes, 0.1
+    )
     sim._start_action(act)  # as a plan's action starts: both workers engaged, then the transfer
     sim._on_mig_done(act, None)
     weights = k * p.layer_weight_bytes // p.kv_bytes_per_token
@@ -410,10 +467,15 @@ def test_a_layer_lease_that_ends_leaves_fresh_snapshots_of_both_workers():
 
     sim = Simulation(system_config("bana", SimConfig(profile="h100_llama3_8b", num_workers=4)), [])
     p, src, dst = sim.p, sim.by_id["p0"], sim.by_id["d0"]
-    act = LayerMigration(src.wid, dst.wid, (p.num_layers - 8, p.num_layers), 8 * p.layer_weight_bytes, 0.1)
+    act = LayerMigration(
+        src.wid, dst.wid, (p.num_layers - 8, p.num_layers), 8 * p.layer_weight_bytes, 0.1
+    )
     sim._start_action(act)
     sim._on_mig_done(act, None)
-    assert src.load(sim.now).prefill_speed > 1 and dst.load(sim.now).kv_total_tokens < p.kv_capacity_tokens
+    assert (
+        src.load(sim.now).prefill_speed > 1
+        and dst.load(sim.now).kv_total_tokens < p.kv_capacity_tokens
+    )
     sim._on_lease_end(next(e[3] for e in sim.events if e[2] == sim_engine.LEASE_END), None)
     assert src.load(sim.now).prefill_speed == pytest.approx(1.0)
     assert dst.load(sim.now).kv_total_tokens == p.kv_capacity_tokens
@@ -427,7 +489,9 @@ def test_a_recalled_leases_late_end_event_leaves_a_newer_equal_lease_alone():
 
     sim = Simulation(system_config("bana", SimConfig(profile="h100_llama3_8b", num_workers=4)), [])
     p, src, dst = sim.p, sim.by_id["p0"], sim.by_id["d0"]
-    act = LayerMigration(src.wid, dst.wid, (p.num_layers - 8, p.num_layers), 8 * p.layer_weight_bytes, 0.1)
+    act = LayerMigration(
+        src.wid, dst.wid, (p.num_layers - 8, p.num_layers), 8 * p.layer_weight_bytes, 0.1
+    )
     sim._start_action(act)
     sim._on_mig_done(act, None)
     first = sim._layer_leases[0]
@@ -438,4 +502,6 @@ def test_a_recalled_leases_late_end_event_leaves_a_newer_equal_lease_alone():
     assert second is not first
     held = dst.kv_capacity
     sim._on_lease_end(first, None)  # the first lease's LEASE_END arrives
-    assert sim._layer_leases == [second] and dst.kv_capacity == held and src.leases == dst.leases == 1
+    assert (
+        sim._layer_leases == [second] and dst.kv_capacity == held and src.leases == dst.leases == 1
+    )

@@ -61,11 +61,23 @@ def test_refused_requests_are_answered_and_never_executed(server):
     client = Client(server.endpoint, CHANNEL, timeout_s=5)
     now = time.time()
     assert client.send_raw(b"\x00not msgpack").reason == "malformed"
-    assert client.send_raw(msgspec.msgpack.encode({"type": "nope", "id": 7, "v": 1, "deadline": now + 5})).reason \
+    assert (
+        client.send_raw(
+            msgspec.msgpack.encode({"type": "nope", "id": 7, "v": 1, "deadline": now + 5})
+        ).reason
         == "unknown_type"
-    assert client.send_raw(encode(Echo(id=8, deadline=now + 5, v=2, text="x"))).reason == "unsupported_version"
-    assert client.send_raw(encode(Echo(id=9, deadline=now - 1, text="x"))).reason == "stale_deadline"
-    assert client.send_raw(encode(Echo(id=10, deadline=now + 5, text="x")), b"extra").reason == "malformed"
+    )
+    assert (
+        client.send_raw(encode(Echo(id=8, deadline=now + 5, v=2, text="x"))).reason
+        == "unsupported_version"
+    )
+    assert (
+        client.send_raw(encode(Echo(id=9, deadline=now - 1, text="x"))).reason == "stale_deadline"
+    )
+    assert (
+        client.send_raw(encode(Echo(id=10, deadline=now + 5, text="x")), b"extra").reason
+        == "malformed"
+    )
     # a type the channel carries but nobody handles
     assert client.request(Unhandled).reason == "unknown_type"
     assert client.request(Echo, text="still serving").text == "still serving"
@@ -74,7 +86,9 @@ def test_refused_requests_are_answered_and_never_executed(server):
 def test_a_handler_that_raises_is_answered_internal_and_the_server_keeps_serving(server):
     client = Client(server.endpoint, CHANNEL, timeout_s=5)
     err = client.request(Boom)
-    assert isinstance(err, Error) and err.reason == "internal" and "RuntimeError: a bug" in err.detail
+    assert (
+        isinstance(err, Error) and err.reason == "internal" and "RuntimeError: a bug" in err.detail
+    )
     assert client.request(Echo, text="after").text == "after"
 
 
