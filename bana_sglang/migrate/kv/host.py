@@ -2,11 +2,12 @@
 requests and compute partial attention over them.
 
 One :class:`KVHost` per worker, opened by its migration agent on the first
-``OpenKVHost``; it serves the :mod:`.kvwire` channel on its own thread and
-ZMQ socket, so the lender's decode steps never wait for this worker's batch
-boundaries. Each hosted segment (``[tokens, layers, 2, kv_heads, head_dim]``,
-one request's pages) is its own tensor registered with the transfer engine:
-the lender reads it back from there on recall.
+``OpenKVHost``; it serves the :mod:`bana_sglang.wire.kv_blocks` channel with a
+:class:`~bana_sglang.wire.transport.Server` on a thread of its own, so the
+lender's decode steps never wait for this worker's batch boundaries. Each
+hosted segment (``[tokens, layers, 2, kv_heads, head_dim]``, one request's
+pages) is its own tensor registered with the transfer engine: the lender reads
+it back from there on recall.
 
 Partial attention uses the same kernel as the ``bana_cpu`` backend
 (:func:`bana_sglang.kernels.cpu_attention.attend` with ``need_lse``): every query sees
@@ -24,11 +25,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import zmq
 
 from bana_sglang.kernels import cpu_attention
 from bana_sglang.migrate.layers.owner import StepBuffer, unpack
 from bana_sglang.wire import kv_blocks as w
+from bana_sglang.wire.transport import Server
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class _Hosted:
 
 
 class KVHost:
-    """Serves :mod:`.kvwire` requests for every lender of this worker."""
+    """Serves :mod:`bana_sglang.wire.kv_blocks` requests for every lender of this worker."""
 
     def __init__(self, engine, host: str, name: str = ""):
         self.engine = engine
@@ -52,13 +53,12 @@ class KVHost:
         self._lock = threading.Lock()
         self.recv = StepBuffer(engine)
         self.send = StepBuffer(engine)
-        self._stop = threading.Event()
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
-        self._thread = threading.Thread(target=self._serve, name="bana-kv-host", daemon=True)
-        self._thread.start()
+        serve = {cls: self._serve for cls in (w.HostKV, w.Attend, w.DropKV)}
+        # an inline Attend's queries are the request's second frame
+        self._server = Server(w.CHANNEL, serve, f"tcp://{host}:*", extra_frames=True)
+        # advertised as bound: the given host, the port the server picked
+        self.endpoint = f"tcp://{host}:{self._server.endpoint.rsplit(':', 1)[1]}"
+        self._server.start("bana-kv-host")
         logger.info("KV-block host of %s on %s", name or "this worker", self.endpoint)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -89,30 +89,8 @@ class KVHost:
             }
 
     # ------------------------------------------------------------------ serving
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(100, zmq.POLLIN):
-                continue
-            frames = self._sock.recv_multipart(copy=False)
-            if len(frames) < 2:
-                continue
-            ident, frame, payload = (
-                frames[0].bytes,
-                frames[1].bytes,
-                frames[2].buffer if len(frames) > 2 else None,
-            )
-            req = w.decode_request(frame)
-            out: list = []
-            if not isinstance(req, w.Error):
-                try:
-                    req = self.handle(req, payload)
-                    if isinstance(req, tuple):
-                        req, *out = req
-                except Exception as e:  # a bug: answer, log, keep serving
-                    logger.exception("KV host: %s failed", type(req).__name__)
-                    req = w.Error(id=req.id, reason="internal", detail=f"{type(e).__name__}: {e}")
-            self._sock.send_multipart([ident, w.encode(req), *out], copy=False)
-        self._sock.close(0)
+    def _serve(self, req, frames: list):
+        return self.handle(req, frames[0] if frames else None)
 
     def handle(self, req, payload=None):
         """The reply to ``req``, or (reply, payload) for an inline Attend."""
@@ -258,8 +236,7 @@ class KVHost:
         )
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._server.close()
         with self._lock:
             tensors = [t for h in self.hosted.values() for t in h.segments.values()]
             self.hosted.clear()

@@ -6,9 +6,10 @@ complete pages of D's longest running requests, copies their K and V (every
 layer) to H through the Mooncake transfer engine, and gives the pages back to
 D's allocator, so D can hold a larger batch. From then on, in every decode
 step and layer, D's ``bana_cpu`` attention (:mod:`bana_sglang.attention.backend`)
-sends the queries of those requests to H (:mod:`.kvwire` ``Attend``), computes
-its own part over the positions it kept, and merges the two with their
-log-sum-exps (:mod:`bana_sglang.kernels.merge`): the same attention, exactly, as over the
+sends the queries of those requests to H (:mod:`bana_sglang.wire.kv_blocks`
+``Attend``, over :class:`~.connection.KVPeer`), computes its own part over the
+positions it kept, and merges the two with their log-sum-exps
+(:mod:`bana_sglang.kernels.merge`): the same attention, exactly, as over the
 whole KV.
 
 What a request's row looks like: positions ``[start, stop)`` of its
@@ -48,141 +49,20 @@ the forward, the release hooks), except :meth:`KVLender.open_peer`.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
-import msgspec
 import torch
-import zmq
 
-from bana_sglang.migrate.layers.owner import StepBuffer, unpack
+from bana_sglang.migrate.kv.connection import KVLost, KVPeer
+from bana_sglang.migrate.kv.segments import KVStats, Pick, Segment, carve_ranges
+from bana_sglang.migrate.layers.owner import unpack
 from bana_sglang.wire import kv_blocks as w
 
 logger = logging.getLogger(__name__)
-
-
-class KVLost(RuntimeError):
-    """The host of a KV-block migration failed; its segments are gone."""
-
-
-@dataclass
-class Segment:
-    migration: str
-    rid: str
-    row: int  # req_to_token row (req_pool_idx)
-    start: int  # positions [start, stop) are on the host
-    stop: int
-    addr: int = 0  # where the host holds it
-    state: str = "remote"  # remote | lost
-
-    @property
-    def tokens(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass
-class Pick:
-    """A request's pages chosen for migration (scheduler thread)."""
-
-    req: object
-    start: int
-    stop: int
-
-
-@dataclass
-class KVStats:
-    segments: int = 0  # moved
-    pages: int = 0
-    bytes_out: int = 0
-    recalled: int = 0  # segments read back
-    recalled_bytes: int = 0
-    dropped: int = 0  # segments whose KV could not come back (no memory, host lost)
-    backed_up: int = 0  # segments written into SGLang's retraction backup of their request
-    attend_calls: int = 0
-    attend_s: float = 0.0  # D's wall time waiting for the host's partial attention
-    host_s: float = 0.0  # the host's compute time
-    move_s: float = 0.0  # the stall of the copy at the batch boundary
-    free_before: int = (
-        -1
-    )  # the allocator's free slots just before and after the move (same boundary)
-    free_after: int = -1
-
-    def as_dict(self) -> dict:
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
-
-
-class KVPeer:
-    """The DEALER socket and step buffers of one KV-block migration."""
-
-    def __init__(self, migration: str, endpoint: str, session: str, engine, timeout_s: float):
-        self.migration, self.endpoint, self.session = migration, endpoint, session
-        self.engine, self.timeout_s = engine, timeout_s
-        self.send = StepBuffer(engine)
-        self.recv = StepBuffer(engine)
-        self._sock: zmq.Socket | None = None
-        self._ids = itertools.count(1)
-        self.payload: bytes | None = None
-
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            self._sock = zmq.Context.instance().socket(zmq.DEALER)
-            # a DropKV posted just before the migration settles still goes out after close()
-            self._sock.setsockopt(zmq.LINGER, 2000)
-            self._sock.connect(self.endpoint)
-        return self._sock
-
-    def post(self, make, payload=None, **fields) -> int:
-        rid = next(self._ids)
-        frame = w.encode(
-            make(id=rid, deadline=time.time() + self.timeout_s, migration=self.migration, **fields)
-        )
-        self._socket().send_multipart([frame] if payload is None else [frame, payload], copy=False)
-        return rid
-
-    def wait(self, rid: int, timeout_s: float | None = None):
-        """The reply to request ``rid``; raises :class:`KVLost` on silence or an error reply.
-        A second frame of the reply (an inline payload) is left in ``self.payload``."""
-        sock = self._socket()
-        end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        while (left := end - time.monotonic()) > 0:
-            if not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                continue
-            frames = sock.recv_multipart()
-            try:
-                reply = w.decode_reply(frames[0])
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                raise KVLost(f"undecodable reply from the KV host: {e}") from e
-            if reply.id != rid:
-                continue  # a late answer (a drop we did not wait for, a step that timed out)
-            if isinstance(reply, w.Error):
-                raise KVLost(f"the KV host refused: {reply.reason}: {reply.detail}")
-            self.payload = frames[1] if len(frames) > 1 else None
-            return reply
-        self.close_socket()
-        raise KVLost(f"no answer from the KV host at {self.endpoint} within {self.timeout_s:.0f}s")
-
-    def call(self, make, **fields):
-        return self.wait(self.post(make, **fields))
-
-    def read(self, dst: list[torch.Tensor], addrs: list[int]) -> None:
-        try:
-            self.engine.read(self.session, dst, addrs, timeout_s=self.timeout_s)
-        except Exception as e:
-            raise KVLost(f"reading from the KV host: {type(e).__name__}: {e}") from e
-
-    def close_socket(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-
-    def close(self) -> None:
-        self.close_socket()
-        self.send.close()
-        self.recv.close()
 
 
 @dataclass
@@ -434,7 +314,7 @@ class KVLender:
             self.pool.get_value_buffer(i)[slots] = buf[:, i, 1]
         self.req_to_token[seg.row, seg.start : seg.stop] = slots.to(self.req_to_token.dtype)
         del self.segments[seg.row]
-        peer.post(w.DropKV, keys=[seg.rid])  # not waited for: the host answers, nobody reads it
+        peer.drop([seg.rid])
         st.recalled += 1
         st.recalled_bytes += buf.numel() * buf.element_size()
         return True
@@ -453,7 +333,7 @@ class KVLender:
         req.skip_radix_cache_insert = True  # its KV is incomplete: never into the tree or the store
         self.stats[seg.migration].dropped += 1
         if seg.state == "remote":  # the host is alive: it only lacked our memory; it can drop it
-            self.peers[seg.migration].post(w.DropKV, keys=[seg.rid])
+            self.peers[seg.migration].drop([seg.rid])
         logger.warning(
             "request %s released without its KV positions [%d, %d) (%s)",
             req.rid,
@@ -489,7 +369,7 @@ class KVLender:
         self.carve[row] = (seg.start, seg.stop)
         # the row's remote slots are stale until the backup is restored: never insert it as it is
         req.skip_radix_cache_insert = True
-        self.peers[seg.migration].post(w.DropKV, keys=[seg.rid])
+        self.peers[seg.migration].drop([seg.rid])
         st = self.stats[seg.migration]
         if not patched:
             if ok:
@@ -568,34 +448,21 @@ class KVLender:
             try:
                 layout, nbytes = peer.send.pack({"q": q[rows].contiguous()})
                 keys = [remote[b].rid for b in rows]
-                if (
-                    nbytes <= w.INLINE_MAX
-                ):  # a few KB: in the message, not two transfer-engine reads
-                    rid = peer.post(
-                        w.Attend,
-                        peer.send.buf[:nbytes].numpy(),
-                        layer=layer,
-                        keys=keys,
-                        scale=scale,
-                        session="",
-                        addr=0,
-                        nbytes=nbytes,
-                        layout=layout,
-                        inline=True,
-                    )
-                else:
-                    rid = peer.post(
-                        w.Attend,
-                        layer=layer,
-                        keys=keys,
-                        scale=scale,
-                        session=self.engine.session,
-                        addr=peer.send.addr,
-                        nbytes=nbytes,
-                        layout=layout,
-                    )
-            except zmq.ZMQError as e:
-                self._lose(mid, f"sending to the KV host: {e}")
+                inline = nbytes <= w.INLINE_MAX  # a few KB: in the message, not two reads
+                rid = peer.post(
+                    w.Attend,
+                    peer.send.buf[:nbytes].numpy() if inline else None,
+                    layer=layer,
+                    keys=keys,
+                    scale=scale,
+                    session="" if inline else self.engine.session,
+                    addr=0 if inline else peer.send.addr,
+                    nbytes=nbytes,
+                    layout=layout,
+                    inline=inline,
+                )
+            except KVLost as e:
+                self._lose(mid, str(e))
                 continue
             pend.calls.append((peer, rid, rows))
         return pend
@@ -636,18 +503,3 @@ class KVLender:
             st.attend_s += time.perf_counter() - t0
             st.host_s += reply.compute_s
         return out
-
-
-def carve_ranges(ranges: list[tuple[int, int]], cut: tuple[int, int]) -> list[tuple[int, int]]:
-    """``ranges`` (ascending, disjoint, half-open) minus ``cut``."""
-    a, b = cut
-    out = []
-    for s, e in ranges:
-        if e <= a or s >= b:
-            out.append((s, e))
-            continue
-        if s < a:
-            out.append((s, a))
-        if e > b:
-            out.append((b, e))
-    return out

@@ -2,10 +2,11 @@
 
 :class:`GuestSpan` holds copies of Y's own layer modules ``[a, b)`` whose
 parameters are the staged guest weights, a guest KV area shaped like X's slot
-space for those layers, and an executor thread with its own ZMQ socket that
-answers :class:`~.steps.RunLayers`. Its attention is :class:`GuestAttention`:
-the ``bana_cpu`` kernels on the guest KV, planned from the shipped slot ids.
-The owner side and the whole protocol: :mod:`.remote`.
+space for those layers, and an executor: a :class:`~bana_sglang.wire.transport.Server`
+of the step channel on a thread of its own, answering
+:class:`~bana_sglang.wire.layer_steps.RunLayers` and ``Ping``. Its attention is
+:class:`GuestAttention`: the ``bana_cpu`` kernels on the guest KV, planned from
+the shipped slot ids. The owner side and the whole protocol: :mod:`.owner`.
 """
 
 from __future__ import annotations
@@ -13,18 +14,17 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-import threading
 import time
 import types
 from collections.abc import Callable
 
 import torch
-import zmq
 
 from bana_sglang.migrate.layers.owner import StepBuffer
 from bana_sglang.wire import layer_steps as s
+from bana_sglang.wire.transport import Server
 
-logger = logging.getLogger("bana_sglang.migrate.layers.owner")
+logger = logging.getLogger(__name__)
 
 
 class _GuestPlan:
@@ -211,15 +211,11 @@ class GuestSpan:
         self.steps = 0
         self.compute_s = 0.0
         self.on_step: Callable[[], None] = lambda: None
-        self._stop = threading.Event()
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
-        self._thread = threading.Thread(
-            target=self._serve, name=f"bana-guest-{migration}", daemon=True
-        )
-        self._thread.start()
+        handlers = {s.RunLayers: self.handle, s.Ping: self.handle}
+        self._server = Server(s.CHANNEL, handlers, f"tcp://{host}:*")
+        # advertised as bound: the given host, the port the server picked
+        self.endpoint = f"tcp://{host}:{self._server.endpoint.rsplit(':', 1)[1]}"
+        self._server.start(f"bana-guest-{migration}")
         logger.info(
             "guest layers [%d, %d) of %s (%s) served on %s; guest KV %.1f MB",
             start,
@@ -229,26 +225,6 @@ class GuestSpan:
             self.endpoint,
             self.kv_bytes / 1e6,
         )
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(100, zmq.POLLIN):
-                continue
-            try:
-                ident, frame = self._sock.recv_multipart()[:2]
-            except ValueError:
-                continue
-            req = s.decode_request(frame)
-            if isinstance(req, s.Error):
-                reply = req
-            else:
-                try:
-                    reply = self.handle(req)
-                except Exception as e:
-                    logger.exception("guest step of %s failed", self.migration)
-                    reply = s.Error(id=req.id, reason="internal", detail=f"{type(e).__name__}: {e}")
-            self._sock.send_multipart([ident, s.encode(reply)])
-        self._sock.close(0)
 
     def handle(self, req) -> s.LayersDone | s.Pong | s.Error:
         if req.migration != self.migration:
@@ -332,8 +308,7 @@ class GuestSpan:
         return proxy.tensors["hidden_states"], proxy.tensors.get("residual")
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._server.close()
         self.recv.close()
         self.send.close()
         self.layers, self.k, self.v = [], [], []

@@ -5,7 +5,7 @@ Owner side (X, in its forward pass):
   ``layers[a+1:b]``. At layer ``a`` it exports the layer-boundary state the way
   SGLang's pipeline parallelism does (``residual_batch.to_pp``: the hidden
   state and the residual), packs it with the batch's attention metadata into
-  one registered buffer, and sends Y a :class:`~.steps.RunLayers`. Y reads the
+  one registered buffer, and sends Y a :class:`~bana_sglang.wire.layer_steps.RunLayers`. Y reads the
   buffer through the Mooncake transfer engine, runs its guest layers, and
   answers with the address of its output buffer, which X reads back the same
   way. X restores the state before layer ``b`` (``attn_boundary.from_pp``, or
@@ -35,17 +35,15 @@ the layers (from the checkpoint) and X computes the step itself.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
 import torch
-import zmq
 
 from bana_sglang.wire import layer_steps as s
+from bana_sglang.wire.transport import ChannelError, Client
 
 logger = logging.getLogger(__name__)
 
@@ -272,9 +270,7 @@ class RemoteSpan(torch.nn.Module):
         self.mirror = SlotMirror(ctx.kv_pool.get_key_buffer(start).shape[0], ctx.allocator)
         self.send = StepBuffer(engine)
         self.recv = StepBuffer(engine)
-        self._zctx = zmq.Context.instance()
-        self._sock: zmq.Socket | None = None
-        self._ids = itertools.count(1)
+        self._client = Client(endpoint, s.CHANNEL, timeout_s=step_timeout_s)
         self.failed: BaseException | None = None
 
     # -- the forward of layer `start`
@@ -392,48 +388,31 @@ class RemoteSpan(torch.nn.Module):
         return h, r
 
     def _call(self, kind, seq_lens, extend_lens, layout, nbytes) -> s.LayersDone:
-        if self._sock is None:
-            self._sock = self._zctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.connect(self.endpoint)
-        rid = next(self._ids)
-        req = s.RunLayers(
-            id=rid,
-            deadline=time.time() + self.step_timeout_s,
-            migration=self.migration,
-            step=self.stats.steps,
-            mode=kind,
-            session=self.engine.session,
-            addr=self.send.addr,
-            nbytes=nbytes,
-            layout=layout,
-            seq_lens=seq_lens,
-            extend_lens=extend_lens,
-        )
-        self._sock.send(s.encode(req))
-        end = time.monotonic() + self.step_timeout_s
-        while (left := end - time.monotonic()) > 0:
-            if not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                continue
-            try:
-                reply = s.decode_reply(self._sock.recv())
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                raise RemoteFailed(f"undecodable reply from the guest: {e}") from e
-            if reply.id != rid:
-                continue  # a late answer to a step that timed out
-            if isinstance(reply, s.LayersDone):
-                return reply
-            raise RemoteFailed(f"guest refused step {req.step}: {reply.reason}: {reply.detail}")
-        self._sock.close(0)
-        self._sock = None
-        raise RemoteFailed(
-            f"no answer from the guest at {self.endpoint} within {self.step_timeout_s:.0f}s"
-        )
+        step = self.stats.steps
+        try:  # a late answer to a step that timed out is skipped; on silence the socket goes
+            reply = self._client.request(
+                s.RunLayers,
+                timeout_s=self.step_timeout_s,
+                migration=self.migration,
+                step=step,
+                mode=kind,
+                session=self.engine.session,
+                addr=self.send.addr,
+                nbytes=nbytes,
+                layout=layout,
+                seq_lens=seq_lens,
+                extend_lens=extend_lens,
+            )
+        except ChannelError as e:
+            raise RemoteFailed(
+                f"no answer from the guest at {self.endpoint} within {self.step_timeout_s:.0f}s"
+            ) from e
+        if isinstance(reply, s.LayersDone):
+            return reply
+        raise RemoteFailed(f"guest refused step {step}: {reply.reason}: {reply.detail}")
 
     def close(self) -> None:
         self.mirror.close()
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+        self._client.close()
         self.send.close()
         self.recv.close()
