@@ -395,7 +395,7 @@ def worker_part(
 ) -> Part:
     """One SGLang PD worker with the extension (and the global store's linker when there is one,
     and the migration agent on ``agent_port``)."""
-    from bana_sglang.radix_global import hooks as flags
+    from bana_sglang.radix_global import config as flags
 
     argv = [
         sys.executable,

@@ -9,20 +9,30 @@ Modules (one role each):
 - ``index``: :class:`~index.GlobalPrefixIndex`, pure and single-threaded:
   prefix-closed, capacity-bounded, LRU-among-leaves eviction, ``forget`` of
   lost pages with their descendants.
-- ``messages``: typed, versioned msgspec messages of the index channel.
-- ``service``: the index service process (ZMQ ROUTER on 127.0.0.1) and
-  :class:`~service.IndexClient` (timeouts, fail-fast during outages, one log
-  line per episode). The service removes evicted/forgotten/abandoned pages from
-  the store itself and detects a store that restarted empty.
+- ``service``: the index service process, answering the index channel
+  (:mod:`bana_sglang.wire.index`) on a :class:`bana_sglang.wire.transport.Server`.
+  It removes evicted/forgotten/abandoned pages from the store itself and
+  detects a store that restarted empty.
+- ``client``: :class:`~client.IndexClient` (timeouts, fail-fast during outages,
+  one log line per episode); torch-free, so the router uses it too.
 - ``mooncake_kv``: the only caller of ``MooncakeDistributedStore``: native codes
-  -> ``StoreError``, outage gate.
-- ``store``: :class:`~store.PageStore`, framed and verified pages (192-byte
-  header: magic, version, layout digest, page hash, dtype, shape, length,
-  CRC32s), zero-copy multi-buffer puts/gets.
+  -> ``StoreError``, outage gate; :class:`~mooncake_kv.StoreConfig`.
+- ``page_format``: the stored form of a page (192-byte header: magic, version,
+  layout digest, page hash, dtype, shape, length, CRC32s; then the payload) and
+  its verification.
+- ``store``: :class:`~store.PageStore`, framed and verified pages, zero-copy
+  multi-buffer puts/gets and layer-wise reads into KV pool slots.
 - ``storage_server``: the dedicated storage process, the only one contributing
   memory (workers and the index use ``global_segment_size=0``).
-- ``worker_cache``: :class:`~worker_cache.GlobalKVCache`, the fail-soft worker
-  facade (lookup -> load -> report loss; intent -> put -> commit).
+- ``worker_cache``: :class:`~worker_cache.GlobalKVCache`, the fail-soft facade
+  over index client + page store (lookup -> load -> report loss; intent -> put
+  -> commit).
+- ``linker``: :class:`~linker.BanaGlobalLinker`, the store behind SGLang's
+  unified-cache external linker (imports SGLang and torch).
+- ``config``: the SGLang flags that attach the linker to a worker and the
+  linker's parsed configuration (cheap: the launcher imports it).
+- ``hooks``: the SGLang hooks the plugin registers for the linker.
+- ``summary``: the per-worker store counters, scraped from ``/metrics``.
 - ``bench_store``: smoke bandwidth of the page store.
 
 Invariants across the subpackage: a load returns verified bytes of the right
@@ -30,10 +40,12 @@ page and layout or a miss; the index is prefix-closed and within capacity; no
 index or store failure raises into a request path (misses instead); only the
 index service removes pages from the store.
 
-Integration with SGLang 0.5.23 (next step, not built here)
----------------------------------------------------------
+Integration with SGLang 0.5.23
+------------------------------
 
-Use the **unified-cache external linker** with the ``dynamic`` backend::
+The launcher attaches the store to every worker (``--no-global-store`` turns it
+off) through the **unified-cache external linker** with the ``dynamic``
+backend (:func:`config.linker_args`)::
 
     --enable-unified-cache-external-linker
     --unified-cache-external-linker-backend dynamic
@@ -50,41 +62,38 @@ Why this hook (``mem_cache/unified_cache/unified_cache_linker.py``,
    device-uncached tail; the linker turns that into one index ``Lookup``
    (``any_parent=True``, since the tail starts below the root) instead of one
    existence probe per page (what ``MooncakeDirectLinker`` and HiCache's
-   ``batch_exists`` do).
+   ``batch_exists`` do), then verifies those pages' headers in one batched
+   ranged read, so a page the index lists but the store lost is a miss.
 2. Layer-wise overlap. The linker owns ``layer_done_counter``
    (``LayerWiseLoadCounter``); ``create_unified_radix_cache`` registers it with
-   the KV pool (``register_layer_transfer_counter``) and the TP worker, so the
-   forward of layer l waits only for layer l while a load thread reads layer
-   l+1. Our page object is layer-major after a fixed header, so layer l of a
-   page is one contiguous byte range: read it with
-   ``batch_get_into_multi_buffer_ranges`` straight into the device slots, as
-   the reference linker does, then ``complete(index, l)``.
+   the KV pool and the TP worker, so the forward of layer l waits only for
+   layer l while the load thread reads layer l+1. The payload is layer-major
+   after the header, so layer l of a page is one contiguous byte range, read
+   with ``batch_get_into_multi_buffer_ranges`` straight into the KV pool slots.
 3. Safe landing. Loads go to request-private slots and join the tree only
    after the forward (``finish_loads``); offloads come from the write-through
    chain (``offload_nodes``, parents first), which maps to intent -> put ->
-   commit. On a PD decode node the linker only offloads.
+   commit.
 
 Keys in the linker: the wrapper hands the linker SGLang's own chained storage
 hashes (``mem_cache/utils.py: get_storage_hash_str``: SHA-256 chain seeded by
 ``extra_key``/``cache_salt``, anchored at the last device-cached page). They fix
 the token prefix but not the model or layout, so the linker maps each through
-``keys.namespaced(h, layout)``. Offloaded nodes start below the root: publish
-them with ``parent=`` (the index accepts a chain after an indexed parent).
+``keys.namespaced(h, layout)``. Offloaded nodes start below the root: they are
+published with ``parent=`` (the index accepts a chain after an indexed parent;
+:class:`linker.BanaLinkerWrapper` passes the parent page).
 
-Two gaps to close in the integration: (a) the wrapper *aborts* requests whose
-load did not land (``finish_loads``), which contradicts "a store error never
-fails a request": verify headers (a ``[0, HEADER_SIZE)`` range read, batched)
-in ``lookup`` so that nearly all failures become misses before the load starts,
-and add a hook (``HookRegistry`` AROUND on ``finish_loads``' caller) that turns
-the remaining failures into a recompute; (b) per-layer checksums (format
-version 2 of the header) so each layer can be verified when it lands.
+Limits: SGLang's wrapper aborts a request whose load did not land, so a store
+failure *after* a load started (the header check in ``lookup`` turns nearly
+all failures into misses before that) costs the request a 503 "External KV
+cache load failed"; the bad pages are reported to the index, and the router's
+retry misses and recomputes. The payload checksum covers the whole page, so it is
+checked when the last layer lands; that layer is released only after it
+matches, so a corrupt page never produces output.
 
 Not chosen: HiCache L3 (``HiCacheStorage``, ``--hicache-storage-backend
 dynamic``) moves pages through a host pool tier (an extra hop) and probes keys
 one by one; a full radix-cache backend via ``register_radix_cache_backend``
 (``mem_cache/registry.py``) would re-implement ``UnifiedRadixCache``, which
-HiCache, the linker and streaming sessions all require. The registry stays
-useful for a thin factory ``create_unified_radix_cache(ctx,
-cache_class=Subclass)`` if the linker ever needs tree context (e.g. a node's
-parent hash) that the wrapper does not pass.
+HiCache, the linker and streaming sessions all require.
 """

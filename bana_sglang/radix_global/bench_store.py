@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 
 from bana_sglang.radix_global.keys import KVLayout, page_chain
-from bana_sglang.radix_global.store import PageStore, StoreConfig
+from bana_sglang.radix_global.mooncake_kv import StoreConfig
+from bana_sglang.radix_global.store import PageStore
 
 
 def _layout(page_bytes: int) -> KVLayout:

@@ -7,7 +7,7 @@ what to evict. It does no I/O: the service (:mod:`service`) turns its
 decisions into store removals.
 
 Invariants (checked by :meth:`GlobalPrefixIndex.check_invariants` and the
-property test ``tests/test_radix_index.py``):
+property test ``tests/unit/radix_global/test_radix_index.py``):
 
 - prefix closure: a page is present only if its parent is present. ``insert``
   accepts a page only when its parent is present (or is accepted earlier in the

@@ -46,7 +46,7 @@ drops those requests' output with a 503 "External KV cache load failed"
 (never wrong tokens), the bad pages are reported to the index, and the
 router retries the request, which now misses and recomputes.
 
-Limits of this version: CPU KV pools (the GPU path needs the CUDA Mooncake
+Limits: CPU KV pools (the GPU path needs the CUDA Mooncake
 wheel or a staging copy), MHA pools with K and V of the same head dim (no
 MLA/SWA/Mamba), TP size 1 per layout (TP rank is part of the key).
 """
@@ -62,6 +62,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     LayerWiseLoadCounter,
     UnifiedCacheLinker,
@@ -69,10 +70,11 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 
 from bana_sglang.counters import CounterSet
-from bana_sglang.radix_global.hooks import LINKER_NAME, LinkerConfig
+from bana_sglang.radix_global.client import IndexClient
+from bana_sglang.radix_global.config import LINKER_NAME, LinkerConfig
 from bana_sglang.radix_global.keys import KVLayout, PageHash, model_identity, namespaced
-from bana_sglang.radix_global.service import IndexClient
-from bana_sglang.radix_global.store import PageStore, StoreConfig
+from bana_sglang.radix_global.mooncake_kv import StoreConfig
+from bana_sglang.radix_global.store import PageStore
 from bana_sglang.radix_global.worker_cache import GlobalKVCache
 
 logger = logging.getLogger(__name__)
@@ -165,8 +167,6 @@ class BanaGlobalLinker(UnifiedCacheLinker):
     """The global KV cache store behind SGLang's unified-cache linker interface."""
 
     def __init__(self, server_args, params, *, components, extra_config=None, forward_stream=None):
-        from sglang.srt.mem_cache.unified_cache.components import ComponentType
-
         unsupported = set(components) - {ComponentType.FULL}
         if unsupported:
             raise ValueError(
@@ -449,6 +449,11 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         return self.offload_results.get_nowait()
 
     # -- lifecycle
+    def make_wrapper(self, cache) -> BanaLinkerWrapper:
+        """The wrapper ``cache`` (a ``UnifiedRadixCache``) drives this linker
+        through (installed by :func:`bana_sglang.radix_global.hooks.init_cache_linker_hook`)."""
+        return BanaLinkerWrapper(cache, self)
+
     def reset(self) -> None:
         self.pending_loads.clear()
         self.load_queue.join()
@@ -495,13 +500,3 @@ class BanaLinkerWrapper(UnifiedCacheLinkerWrapper):
             return super()._offload_node(node_id, transfers)
         finally:
             self.cache_linker.next_offload_parent = None
-
-
-def init_cache_linker_hook(original, cache, cache_linker):
-    """AROUND hook on ``UnifiedRadixCache.init_cache_linker`` (registered by the
-    plugin in every SGLang process): wrap our linker in :class:`BanaLinkerWrapper`;
-    any other linker keeps SGLang's wrapper."""
-    if isinstance(cache_linker, BanaGlobalLinker):
-        cache.linker = BanaLinkerWrapper(cache, cache_linker)
-        return None
-    return original(cache, cache_linker)

@@ -1,18 +1,21 @@
-"""The global index service (one process, ZMQ ROUTER) and its client.
+"""The global index service: one process answering the index channel.
 
 ``python -m bana_sglang.radix_global.service --port P --capacity-bytes N
-[--master HOST:PORT]`` serves :mod:`messages` requests against one
-:class:`~bana_sglang.radix_global.index.GlobalPrefixIndex`. With ``--master`` it
-also owns store housekeeping: it removes evicted, forgotten and abandoned pages
-from the Mooncake store itself (eviction is prefix-aware; Mooncake's own
-eviction should never trigger because the index capacity stays below the
-storage segment), and it notices a store that restarted empty.
+[--master HOST:PORT]`` answers the requests of :mod:`bana_sglang.wire.index`
+(a :class:`bana_sglang.wire.transport.Server`, one handler per request type)
+against one :class:`~bana_sglang.radix_global.index.GlobalPrefixIndex`. With
+``--master`` it also owns store housekeeping: it removes evicted, forgotten and
+abandoned pages from the Mooncake store itself (eviction is prefix-aware;
+Mooncake's own eviction should never trigger because the index capacity stays
+below the storage segment), and it notices a store that restarted empty.
 
 Invariants:
 - the index is touched by the serving thread only; store I/O runs on one
   janitor thread, so a slow or dead store never delays a reply;
 - every request gets exactly one reply (a result or an ``Error``), and no
-  malformed input stops the loop;
+  malformed input stops the loop (the transport's guarantee); expired intents
+  and store resets are handled on the serving thread between bursts of
+  requests;
 - a page becomes visible to lookups only after a commit, and only if its parent
   is indexed (closure); pages written under an intent that is not committed by
   its lease deadline are removed from the store;
@@ -20,10 +23,7 @@ Invariants:
   but the sentinel is gone, the store lost its contents, so the index forgets
   everything (and stray ``bana/kv/`` keys are removed).
 
-:class:`IndexClient` never hangs and never raises for an unavailable service:
-each call has a timeout; after one timeout the client fails fast (a miss) for
-``retry_interval_s`` before trying again, logs once when an outage starts and
-once when it ends, and recovers by itself.
+Its client is :class:`bana_sglang.radix_global.client.IndexClient`.
 """
 
 from __future__ import annotations
@@ -39,16 +39,21 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
-import msgspec
 import zmq
 
-from bana_sglang import envs
-from bana_sglang.radix_global.errors import IndexUnavailable, StoreError
+from bana_sglang.radix_global.errors import StoreError
 from bana_sglang.radix_global.index import GlobalPrefixIndex
 from bana_sglang.radix_global.keys import OwnerId, PageHash
+from bana_sglang.radix_global.mooncake_kv import (
+    HAS_LEASE,
+    NOT_FOUND,
+    MooncakeKV,
+    StoreConfig,
+    page_key,
+)
 from bana_sglang.wire import index as m
+from bana_sglang.wire.transport import Server
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +102,6 @@ class _Janitor(threading.Thread):
 
     def __init__(self, cfg: ServiceConfig, events: queue.Queue[str]):
         super().__init__(name="radix-janitor", daemon=True)
-        from bana_sglang.radix_global.mooncake_kv import MooncakeKV, StoreConfig
-
         assert cfg.master_addr
         self.cfg = cfg
         self.events = events
@@ -129,8 +132,6 @@ class _Janitor(threading.Thread):
         self._halt.set()
 
     def run(self) -> None:
-        from bana_sglang.radix_global.mooncake_kv import HAS_LEASE, NOT_FOUND, page_key
-
         self.kv.connect()
         self._check_epoch()
         self.ready.set()
@@ -228,13 +229,16 @@ class IndexService:
         self._janitor = _Janitor(cfg, self._events) if cfg.master_addr else None
         self._stop = threading.Event()
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if cfg.port == 0:
-            self.port = self._sock.bind_to_random_port(f"tcp://{cfg.host}")
-        else:
-            self._sock.bind(cfg.endpoint)
-            self.port = cfg.port
+        handlers = {
+            m.Lookup: self._lookup,
+            m.PublishIntent: self._publish_intent,
+            m.Commit: self._commit,
+            m.ReportLoss: self._report_loss,
+            m.Stats: self._stats,
+        }
+        bind = cfg.endpoint if cfg.port else f"tcp://{cfg.host}:*"  # port 0: any free port
+        self._server = Server(m.CHANNEL, handlers, bind, ctx=self._ctx)
+        self.port = cfg.port or int(self._server.endpoint.rpartition(":")[2])
 
     def stop(self) -> None:
         self._stop.set()
@@ -249,97 +253,66 @@ class IndexService:
                 logger.warning("store not answering yet; serving without it for now")
         if on_ready:
             on_ready()
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        # wait for requests, answer a burst, then expire intents and apply resets
         try:
             while not self._stop.is_set():
-                if poller.poll(100):
-                    for _ in range(256):  # drain a burst, then do housekeeping
-                        try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._serve(frames)
+                if self._server.wait(100):
+                    self._server.poll(256)
                 self._housekeeping()
         finally:
             if self._janitor:
                 self._janitor.stop()
                 self._janitor.join(timeout=10)
-            self._sock.close(0)
+            self._server.close()
             self._ctx.term()
 
-    def _serve(self, frames: list[bytes]) -> None:
-        ident = frames[0]
-        if len(frames) != 2:
-            reply: m.Reply = m.Error(
-                id=0,
-                reason="malformed",
-                detail=f"expected one frame per request, got {len(frames) - 1}",
-            )
-        else:
-            req = m.decode_request(frames[1])
-            if isinstance(req, m.Error):
-                logger.info("rejected request: %s (%s)", req.reason, req.detail)
-                reply = req
-            else:
-                try:
-                    reply = self.handle(req)
-                except Exception as e:  # a bug must not stop the service
-                    logger.exception("internal error handling %s", type(req).__name__)
-                    reply = m.Error(id=req.id, reason="internal", detail=repr(e))
-        self._sock.send_multipart([ident, m.encode(reply)])
+    # -- handlers, one per request type (no I/O but janitor queueing)
+    def _lookup(self, req: m.Lookup) -> m.Reply:
+        match = self.index.longest_prefix(
+            [PageHash(p) for p in req.chain],
+            touch=req.touch,
+            parent=PageHash(req.parent) if req.parent else None,
+            any_parent=req.any_parent,
+        )
+        return m.LookupResult(
+            id=req.id,
+            length=match.length,
+            sizes=[p.size for p in match.pages],
+            hits=[p.hits for p in match.pages],
+        )
 
-    # -- handlers (pure with respect to I/O except janitor queueing)
-    def handle(self, req: m.Request) -> m.Reply:
-        if isinstance(req, m.Lookup):
-            match = self.index.longest_prefix(
-                [PageHash(p) for p in req.chain],
-                touch=req.touch,
-                parent=PageHash(req.parent) if req.parent else None,
-                any_parent=req.any_parent,
+    def _report_loss(self, req: m.ReportLoss) -> m.Reply:
+        dropped = self.index.forget([PageHash(p) for p in req.pages])
+        self._remove([d.page for d in dropped] + list(req.pages), force=True)
+        if dropped:
+            logger.info(
+                "%s reported %d lost pages; %d forgotten with descendants",
+                req.reporter,
+                len(req.pages),
+                len(dropped),
             )
-            return m.LookupResult(
-                id=req.id,
-                length=match.length,
-                sizes=[p.size for p in match.pages],
-                hits=[p.hits for p in match.pages],
-            )
-        if isinstance(req, m.PublishIntent):
-            return self._publish_intent(req)
-        if isinstance(req, m.Commit):
-            return self._commit(req)
-        if isinstance(req, m.ReportLoss):
-            dropped = self.index.forget([PageHash(p) for p in req.pages])
-            self._remove([d.page for d in dropped] + list(req.pages), force=True)
-            if dropped:
-                logger.info(
-                    "%s reported %d lost pages; %d forgotten with descendants",
-                    req.reporter,
-                    len(req.pages),
-                    len(dropped),
-                )
-            return m.Ok(id=req.id, count=len(dropped))
-        if isinstance(req, m.Stats):
-            s = self.index.stats()
-            return m.StatsResult(
-                id=req.id,
-                pages=s.pages,
-                leaves=s.leaves,
-                used_bytes=s.used_bytes,
-                capacity_bytes=s.capacity_bytes,
-                pending_pages=len(self._pending),
-                pending_bytes=self._pending_bytes,
-                lookups=s.lookups,
-                hit_pages=s.hit_pages,
-                lookup_pages=s.lookup_pages,
-                inserted=s.inserted,
-                evicted=s.evicted,
-                forgotten=s.forgotten,
-                store_removals_queued=self._janitor.queued if self._janitor else 0,
-                store_resets=self._janitor.resets if self._janitor else 0,
-                store_attached=self._janitor is not None,
-            )
-        raise AssertionError(f"unhandled request {type(req).__name__}")
+        return m.Ok(id=req.id, count=len(dropped))
+
+    def _stats(self, req: m.Stats) -> m.Reply:
+        s = self.index.stats()
+        return m.StatsResult(
+            id=req.id,
+            pages=s.pages,
+            leaves=s.leaves,
+            used_bytes=s.used_bytes,
+            capacity_bytes=s.capacity_bytes,
+            pending_pages=len(self._pending),
+            pending_bytes=self._pending_bytes,
+            lookups=s.lookups,
+            hit_pages=s.hit_pages,
+            lookup_pages=s.lookup_pages,
+            inserted=s.inserted,
+            evicted=s.evicted,
+            forgotten=s.forgotten,
+            store_removals_queued=self._janitor.queued if self._janitor else 0,
+            store_resets=self._janitor.resets if self._janitor else 0,
+            store_attached=self._janitor is not None,
+        )
 
     def _publish_intent(self, req: m.PublishIntent) -> m.Reply:
         if len(req.sizes) != len(req.chain):
@@ -452,199 +425,6 @@ class IndexService:
             if event == "reset":
                 dropped = self.index.clear()
                 logger.warning("store reset: forgot %d pages", len(dropped))
-
-
-# ---------------------------------------------------------------------- client
-
-
-class IndexMatch(NamedTuple):
-    """A lookup answer. ``available`` is False when the service could not be asked
-    (then ``length`` is 0: a miss)."""
-
-    length: int
-    sizes: tuple[int, ...]
-    available: bool
-
-
-class IndexClient:
-    """Talks to the index service over a DEALER socket. Not thread-safe: one per
-    thread. High-level calls never raise for an unavailable service."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        timeout_s: float | None = None,
-        retry_interval_s: float | None = None,
-        name: str = "client",
-    ):
-        self.endpoint = endpoint
-        self.name = name
-        # BANA_INDEX_TIMEOUT_S / BANA_INDEX_RETRY_S, read once here
-        self.timeout_s = timeout_s if timeout_s is not None else envs.BANA_INDEX_TIMEOUT_S.get()
-        self.retry_interval_s = (
-            retry_interval_s if retry_interval_s is not None else envs.BANA_INDEX_RETRY_S.get()
-        )
-        self._ctx = zmq.Context.instance()
-        self._sock: zmq.Socket | None = None
-        self._ids = itertools.count(1)
-        self._down_since: float | None = None
-        self._next_try = 0.0
-
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, 1000)
-            s.connect(self.endpoint)
-            self._sock = s
-        return self._sock
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-
-    @property
-    def available(self) -> bool:
-        return self._down_since is None
-
-    def next_id(self) -> int:
-        return next(self._ids)
-
-    def deadline(self) -> float:
-        return time.time() + self.timeout_s
-
-    def call(self, req: msgspec.Struct, *, timeout_s: float | None = None) -> m.Reply:
-        """Send one request, wait for its reply. Raises :class:`IndexUnavailable`
-        on timeout (or while failing fast after one)."""
-        now = time.monotonic()
-        if self._down_since is not None and now < self._next_try:
-            raise IndexUnavailable(
-                "call", "index service unavailable (failing fast)", target=self.endpoint
-            )
-        sock = self._socket()
-        rid = getattr(req, "id", 0)
-        try:
-            sock.send(m.encode(req), zmq.NOBLOCK)
-        except zmq.Again:
-            return self._timed_out("send queue full")
-        end = now + (self.timeout_s if timeout_s is None else timeout_s)
-        while True:
-            left = end - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                if time.monotonic() >= end:
-                    return self._timed_out(f"no reply within {self.timeout_s:.2f}s")
-                continue
-            data = sock.recv()
-            try:
-                reply = m.decode_reply(data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                logger.warning("%s: undecodable reply from %s: %s", self.name, self.endpoint, e)
-                continue
-            if reply.id != rid and not (isinstance(reply, m.Error) and reply.id == 0):
-                continue  # a late reply to an earlier, timed-out request
-            if self._down_since is not None:
-                logger.warning(
-                    "%s: index service %s reachable again after %.1fs",
-                    self.name,
-                    self.endpoint,
-                    time.monotonic() - self._down_since,
-                )
-                self._down_since = None
-            return reply
-
-    def _timed_out(self, why: str) -> m.Reply:
-        # drop the socket: queued requests and late replies go with it
-        self.close()
-        if self._down_since is None:
-            self._down_since = time.monotonic()
-            logger.warning(
-                "%s: index service %s unavailable (%s); treating lookups as misses",
-                self.name,
-                self.endpoint,
-                why,
-            )
-        self._next_try = time.monotonic() + self.retry_interval_s
-        raise IndexUnavailable("call", why, target=self.endpoint)
-
-    def _ask(self, req: msgspec.Struct) -> m.Reply | None:
-        try:
-            reply = self.call(req)
-        except IndexUnavailable:
-            return None
-        if isinstance(reply, m.Error):
-            logger.warning(
-                "%s: index service refused %s: %s (%s)",
-                self.name,
-                type(req).__name__,
-                reply.reason,
-                reply.detail,
-            )
-            return None
-        return reply
-
-    # -- high level (never raise for an unavailable service)
-    def lookup(
-        self,
-        chain: Sequence[PageHash],
-        *,
-        touch: bool = True,
-        parent: PageHash | None = None,
-        any_parent: bool = False,
-    ) -> IndexMatch:
-        reply = self._ask(
-            m.Lookup(
-                id=self.next_id(),
-                deadline=self.deadline(),
-                chain=list(chain),
-                touch=touch,
-                parent=parent,
-                any_parent=any_parent,
-            )
-        )
-        if not isinstance(reply, m.LookupResult):
-            return IndexMatch(0, (), False)
-        return IndexMatch(reply.length, tuple(reply.sizes), True)
-
-    def publish_intent(
-        self,
-        chain: Sequence[PageHash],
-        sizes: Sequence[int],
-        owner: str,
-        *,
-        parent: PageHash | None = None,
-    ) -> m.IntentResult | None:
-        reply = self._ask(
-            m.PublishIntent(
-                id=self.next_id(),
-                deadline=self.deadline(),
-                chain=list(chain),
-                sizes=list(sizes),
-                owner=owner,
-                parent=parent,
-            )
-        )
-        return reply if isinstance(reply, m.IntentResult) else None
-
-    def commit(self, intent: int, written: int) -> int | None:
-        """Pages made visible, or None if the service could not be asked."""
-        reply = self._ask(
-            m.Commit(id=self.next_id(), deadline=self.deadline(), intent=intent, written=written)
-        )
-        return reply.count if isinstance(reply, m.Ok) else None
-
-    def report_loss(self, pages: Sequence[PageHash], reporter: str) -> int | None:
-        reply = self._ask(
-            m.ReportLoss(
-                id=self.next_id(), deadline=self.deadline(), pages=list(pages), reporter=reporter
-            )
-        )
-        return reply.count if isinstance(reply, m.Ok) else None
-
-    def stats(self) -> m.StatsResult | None:
-        reply = self._ask(m.Stats(id=self.next_id(), deadline=self.deadline()))
-        return reply if isinstance(reply, m.StatsResult) else None
 
 
 # ---------------------------------------------------------------------- entry point

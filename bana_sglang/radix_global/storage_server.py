@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 from bana_sglang import _cli
 from bana_sglang.mooncake_env import apply_defaults
+from bana_sglang.radix_global.mooncake_kv import tcp_open
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     apply_defaults()
 
     from mooncake.store import MooncakeDistributedStore
-
-    from bana_sglang.radix_global.mooncake_kv import tcp_open
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

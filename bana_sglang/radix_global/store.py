@@ -1,10 +1,11 @@
-"""KV pages in the Mooncake Store: framing, verification, and the native binding.
+"""KV pages in the Mooncake store: framed, verified puts, gets and layer-wise reads.
 
-Built on :class:`~bana_sglang.radix_global.mooncake_kv.MooncakeKV` (the binding:
-native codes -> ``StoreError``, outage gate). :class:`PageStore` frames KV pages: every stored object is a fixed
-  :data:`HEADER_SIZE`-byte header (magic, format version, layout digest, page
-  hash, dtype, shape, payload length, payload CRC32, header CRC32) followed by
-  the payload. Loads verify every header field and the payload checksum.
+:class:`PageStore` stores each page of one layout as one object (the
+:mod:`~bana_sglang.radix_global.page_format` header, then the payload) through
+:class:`~bana_sglang.radix_global.mooncake_kv.MooncakeKV` (the binding: native
+codes -> ``StoreError``, outage gate), and verifies every header field and the
+payload checksum on load. :class:`LayerwiseRead` reads pages layer by layer
+straight into KV pool slots (the SGLang linker's loads).
 
 Invariants:
 - a load returns the bytes that were stored under that page hash *for this
@@ -33,7 +34,6 @@ shared 2-core machine (load ~15) both gave ~20 MB/s at 64 KB pages and
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import zlib
 from collections.abc import Sequence
@@ -42,9 +42,8 @@ from typing import NamedTuple
 import torch
 
 from bana_sglang.radix_global.errors import StoreError
-from bana_sglang.radix_global.keys import HASH_BYTES, KVLayout, PageHash
-from bana_sglang.radix_global.mooncake_kv import (  # noqa: F401  (re-exported)
-    HAS_LEASE,
+from bana_sglang.radix_global.keys import KVLayout, PageHash
+from bana_sglang.radix_global.mooncake_kv import (
     NOT_FOUND,
     RPC_FAIL,
     UNAVAILABLE,
@@ -53,30 +52,9 @@ from bana_sglang.radix_global.mooncake_kv import (  # noqa: F401  (re-exported)
     describe,
     page_key,
 )
+from bana_sglang.radix_global.page_format import HEADER_SIZE, Miss, PageFormat
 
 logger = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------- page framing
-
-MAGIC = b"BKVP"
-FORMAT_VERSION = 1
-_MAX_DIMS = 8
-# magic, version, header size, layout digest, page hash, dtype name, ndim, 8 dims,
-# payload length, payload crc32, then header crc32 over all of the above.
-_HDR = struct.Struct(f"<4sHH{HASH_BYTES}s{HASH_BYTES}s16sB{_MAX_DIMS}QQI")
-_HDR_CRC = struct.Struct("<I")
-HEADER_SIZE = 192  # fixed; room left for later fields, keeps the payload 64-byte aligned
-assert _HDR.size + _HDR_CRC.size <= HEADER_SIZE
-
-
-class Miss(NamedTuple):
-    """A load that found nothing usable. ``reason``: missing, unavailable,
-    layout_mismatch, page_mismatch, shape_mismatch, size_mismatch, checksum,
-    bad_header, store_error."""
-
-    page: PageHash
-    reason: str
-    detail: str = ""
 
 
 class PutResult(NamedTuple):
@@ -108,11 +86,10 @@ class PageStore:
     def __init__(self, layout: KVLayout, kv: MooncakeKV):
         self.layout = layout
         self.kv = kv
-        self._digest = bytes.fromhex(layout.digest)
+        self.format = PageFormat(layout)
         self._dtype = getattr(torch, layout.dtype)
-        self._dtype_field = layout.dtype.encode("ascii").ljust(16, b"\0")
-        self._shape = layout.page_shape
-        self._payload = layout.page_nbytes
+        self._shape = self.format.shape
+        self._payload = self.format.payload_bytes
         cfg = kv.config
         if self._payload > cfg.staging_bytes:
             raise ValueError(
@@ -136,7 +113,7 @@ class PageStore:
     @property
     def object_size(self) -> int:
         """Bytes one page takes in the store (what the index accounts)."""
-        return HEADER_SIZE + self._payload
+        return self.format.object_size
 
     def register(self, tensor: torch.Tensor) -> None:
         """Register a CPU tensor's memory (e.g. a KV pool) so pages inside it move
@@ -144,59 +121,6 @@ class PageStore:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("only contiguous CPU tensors can be registered")
         self.kv.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-
-    # -- header
-    def _header(self, page: PageHash, payload_crc: int) -> bytes:
-        dims = list(self._shape) + [0] * (_MAX_DIMS - len(self._shape))
-        body = _HDR.pack(
-            MAGIC,
-            FORMAT_VERSION,
-            HEADER_SIZE,
-            self._digest,
-            bytes.fromhex(page),
-            self._dtype_field,
-            len(self._shape),
-            *dims,
-            self._payload,
-            payload_crc,
-        )
-        return body + _HDR_CRC.pack(zlib.crc32(body))
-
-    def _verify_header(self, page: PageHash, header: bytes) -> tuple[Miss | None, int]:
-        """Every header field but the payload checksum; (miss, stored payload CRC32)."""
-        body = header[: _HDR.size]
-        (crc,) = _HDR_CRC.unpack_from(header, _HDR.size)
-        if zlib.crc32(body) != crc:
-            return Miss(page, "bad_header", "header checksum mismatch"), 0
-        (magic, version, hsize, digest, phash, dtype, ndim, *rest) = _HDR.unpack(body)
-        dims, length, pcrc = rest[:_MAX_DIMS], rest[_MAX_DIMS], rest[_MAX_DIMS + 1]
-        if magic != MAGIC or version != FORMAT_VERSION or hsize != HEADER_SIZE:
-            return Miss(page, "bad_header", f"magic {magic!r} version {version} header {hsize}"), 0
-        if digest != self._digest:
-            return Miss(page, "layout_mismatch", f"stored layout {digest.hex()}"), 0
-        if phash != bytes.fromhex(page):
-            return Miss(page, "page_mismatch", f"stored page {phash.hex()}"), 0
-        if dtype != self._dtype_field or tuple(dims[:ndim]) != self._shape:
-            return Miss(
-                page, "shape_mismatch", f"{dtype.rstrip(bytes(1)).decode()} {dims[:ndim]}"
-            ), 0
-        if length != self._payload:
-            return Miss(
-                page, "size_mismatch", f"stored {length} bytes, expected {self._payload}"
-            ), 0
-        return None, pcrc
-
-    def _verify(self, page: PageHash, header: bytes, payload: memoryview) -> Miss | None:
-        miss, pcrc = self._verify_header(page, header)
-        if miss is not None:
-            return miss
-        if len(payload) != self._payload:
-            return Miss(
-                page, "size_mismatch", f"read {len(payload)} bytes, expected {self._payload}"
-            )
-        if zlib.crc32(payload) != pcrc:
-            return Miss(page, "checksum", "payload checksum mismatch")
-        return None
 
     # -- puts
     def _check_payload(self, payload: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -238,9 +162,6 @@ class PageStore:
                     return PutResult(written, failed)
         return PutResult(written, None)
 
-    def put_page(self, page: PageHash, tensor: torch.Tensor) -> bool:
-        return self.put_pages([page], [tensor]).written == 1
-
     def _registered(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and self.kv.is_registered(
             t.data_ptr(), t.numel() * t.element_size()
@@ -273,7 +194,7 @@ class PageStore:
         keys, ptrs, sizes = [], [], []
         for slot, (page, parts) in enumerate(zip(pages, payloads)):
             pptrs, psizes, crc = self._payload_ptrs(parts, slot)
-            hdr = self._header(page, crc)
+            hdr = self.format.header(page, crc)
             hslot = self._headers[slot * HEADER_SIZE : (slot + 1) * HEADER_SIZE]
             self._headers_np[slot * HEADER_SIZE : slot * HEADER_SIZE + len(hdr)] = memoryview(hdr)
             keys.append(page_key(page))
@@ -359,7 +280,7 @@ class PageStore:
                     page, "size_mismatch", f"object is {rc} bytes, expected {self.object_size}"
                 )
             header = self._headers_np[slot * HEADER_SIZE : (slot + 1) * HEADER_SIZE].tobytes()
-            miss = self._verify(page, header, views[slot])
+            miss = self.format.verify(page, header, views[slot])
             if miss is not None:
                 return out, miss
             if direct[slot]:
@@ -490,7 +411,7 @@ class LayerwiseRead:
                         )
                     else:
                         header = st._headers_np[i * HEADER_SIZE : (i + 1) * HEADER_SIZE].tobytes()
-                        bad, crc = st._verify_header(page, header)
+                        bad, crc = st.format.verify_header(page, header)
                     if bad is not None:
                         keep, miss = lo + i, bad
                         break

@@ -1,6 +1,8 @@
 """The worker's view of the global KV cache: index client + page store, fail-soft.
 
-This is what a worker (and later the SGLang linker) calls:
+:class:`GlobalKVCache` is what the SGLang linker publishes through (its loads
+go layer by layer through :meth:`PageStore.layerwise` instead) and what the
+store's tests drive end to end:
 
 - :meth:`GlobalKVCache.load_prefix`: one index round trip for the longest cached
   prefix, then one batched store read; pages that are listed but missing or
@@ -11,7 +13,8 @@ This is what a worker (and later the SGLang linker) calls:
 Invariants:
 - no method raises because the index or the store is down, slow, restarted or
   inconsistent: the outcome is a shorter (possibly empty) hit, or nothing
-  published; the condition is logged once per episode by the clients below;
+  published; the condition is logged once per episode by
+  :class:`~client.IndexClient` and :class:`~mooncake_kv.MooncakeKV`;
 - a loaded page is always the verified page for this layout (see :mod:`store`);
 - store unavailability is not reported as page loss (the pages may come back;
   a store that restarted empty is detected by the index service itself).
@@ -25,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
+from bana_sglang.radix_global.client import IndexClient
 from bana_sglang.radix_global.keys import KVLayout, PageHash, page_chain
-from bana_sglang.radix_global.service import IndexClient
 from bana_sglang.radix_global.store import LoadResult, PageStore
 
 logger = logging.getLogger(__name__)

@@ -26,13 +26,13 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bana_sglang.radix_global.client import IndexClient
 from bana_sglang.radix_global.keys import (
     KVLayout,
     model_identity,
     namespaced,
     sglang_page_hashes,
 )
-from bana_sglang.radix_global.service import IndexClient
 
 logger = logging.getLogger(__name__)
 

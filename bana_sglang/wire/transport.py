@@ -112,11 +112,16 @@ class Server:
             self._answer(frames)
         return n
 
+    def wait(self, timeout_ms: int) -> bool:
+        """Block until a request is waiting (True) or ``timeout_ms`` passed (False):
+        for an owner that answers with :meth:`poll` and has its own work between bursts."""
+        return bool(self._sock.poll(timeout_ms, zmq.POLLIN))
+
     def serve(self, stop: threading.Event | None = None, poll_ms: int = 100) -> None:
         """Answer requests on the calling thread until ``stop`` (or :meth:`close`) is set."""
         stop = stop or self._stop
         while not stop.is_set() and not self._stop.is_set():
-            if self._sock.poll(poll_ms, zmq.POLLIN):
+            if self.wait(poll_ms):
                 self.poll()
 
     def start(self, name: str) -> Server:

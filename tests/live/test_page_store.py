@@ -18,13 +18,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 from conftest import free_port
-from test_radix_service import index_service
+from support.radix_index import index_service
 
 from bana_sglang.launch.procs import ManagedProcess, tcp_open, wait_until
+from bana_sglang.radix_global.client import IndexClient
 from bana_sglang.radix_global.keys import KVLayout, PageHash, page_chain
-from bana_sglang.radix_global.service import IndexClient
+from bana_sglang.radix_global.mooncake_kv import StoreConfig, page_key
 from bana_sglang.radix_global.storage_server import READY_LINE as STORAGE_READY
-from bana_sglang.radix_global.store import Miss, PageStore, StoreConfig, page_key
+from bana_sglang.radix_global.store import Miss, PageStore
 from bana_sglang.radix_global.worker_cache import GlobalKVCache
 
 pytestmark = pytest.mark.slow

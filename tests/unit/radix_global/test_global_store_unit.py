@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from bana_sglang import launch
-from bana_sglang.radix_global import hooks as flags
+from bana_sglang.radix_global import config as flags
 from bana_sglang.radix_global import summary
 from bana_sglang.radix_global.keys import KVLayout, model_identity, namespaced
 

@@ -9,9 +9,7 @@ is down and recovers by itself when it comes back.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 import time
 from collections.abc import Iterator
 
@@ -19,33 +17,13 @@ import msgspec
 import pytest
 import zmq
 from conftest import free_port
+from support.radix_index import index_service
 
-from bana_sglang.launch.procs import ManagedProcess, wait_until
+from bana_sglang.radix_global.client import IndexClient
 from bana_sglang.radix_global.keys import KVLayout, page_chain
-from bana_sglang.radix_global.service import READY_LINE, IndexClient
 from bana_sglang.wire import index as m
 
 LAYOUT = KVLayout("svc-test", "float16", page_size=4, num_kv_heads=2, head_dim=8, num_layers=2)
-
-
-@contextlib.contextmanager
-def index_service(port: int, *extra: str, name: str = "radix-index") -> Iterator[ManagedProcess]:
-    proc = ManagedProcess(
-        name,
-        [sys.executable, "-m", "bana_sglang.radix_global.service", "--port", str(port), *extra],
-    )
-    proc.start()
-    try:
-        wait_until(
-            lambda: any(READY_LINE in line for line in proc.tail()),
-            proc=proc,
-            what="the ready line",
-            timeout=60,
-            interval=0.05,
-        )
-        yield proc
-    finally:
-        proc.stop(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +155,7 @@ def test_client_fails_soft_while_service_is_down_and_recovers(caplog):
     ep = f"tcp://127.0.0.1:{port}"
     c = IndexClient(ep, timeout_s=0.3, retry_interval_s=0.5, name="w")
     chain = chain_of(*range(16))
-    caplog.set_level(logging.WARNING, logger="bana_sglang.radix_global.service")
+    caplog.set_level(logging.WARNING, logger="bana_sglang.radix_global.client")
     t0 = time.monotonic()
     assert c.lookup(chain) == (0, (), False)
     assert time.monotonic() - t0 < 1.5
