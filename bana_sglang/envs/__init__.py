@@ -227,17 +227,17 @@ BANA_AGENT_HOST = _var(
 BANA_MIGRATE_STEP_TIMEOUT_S = _var(
     "BANA_MIGRATE_STEP_TIMEOUT_S",
     float,
-    0.0,
+    30.0,
     "how long an owner waits for its guest's layers in one step before it reloads "
-    "them from the checkpoint (0: the agent's default)",
-    minimum=0,
+    "them from the checkpoint",
+    minimum=0.01,
 )
 BANA_MIGRATE_PEER_TIMEOUT_S = _var(
     "BANA_MIGRATE_PEER_TIMEOUT_S",
     float,
-    0.0,
-    "how long an agent waits for a peer agent's reply (0: the agent's default)",
-    minimum=0,
+    30.0,
+    "how long an agent waits for a peer agent's reply",
+    minimum=0.01,
 )
 BANA_KV_STEP_TIMEOUT_S = _var(
     "BANA_KV_STEP_TIMEOUT_S",

@@ -1,16 +1,26 @@
 """Migration between SGLang PD workers (``docs/MIGRATION.md`` has the protocols).
 
-- ``messages``: the typed, versioned ZMQ control channel (operator -> agent, agent -> agent);
-- ``agent``: the per-worker agent in the SGLang scheduler (``hooks`` wires it in);
-- layer migration: weight staging through the Mooncake transfer engine, then the
-  execution switch (``switch``, ``remote`` on the owner, ``guest`` on the peer,
-  ``steps`` their channel);
-- KV-block migration: pages of running decode requests on a peer that computes
-  partial attention, merged exactly (``kvagent``, ``kvlend`` on the lender,
-  ``kvhost`` on the host, ``kvwire`` their channel);
-- ``balancer``: the pure policy from load snapshots to a migration plan;
-  ``controller``: the live balancer that carries it out;
-- ``python -m bana_sglang.migrate``: the operator's command line.
+Every worker runs one migration agent inside its SGLang scheduler
+(:mod:`.agent`, wired in by :mod:`.hooks`), answering the typed control
+channel of :mod:`bana_sglang.wire.agent` (operator -> agent, agent -> agent;
+:mod:`.client` is its torch-free client). The agent composes one handler per
+mechanism:
 
-Not built: live request migration between decode workers.
+- layer migration (:mod:`.layers`): the weights of a layer range are staged
+  on a peer through the Mooncake transfer engine and checked by CRC32, then
+  the execution can switch there (``handler`` for both sides, ``switch``,
+  ``owner`` in the owner's forward, ``guest`` on the peer);
+- KV-block migration (:mod:`.kv`): KV pages of running decode requests move
+  to a peer that computes partial attention over them, merged exactly
+  (``handler``, ``lender`` on the lender with ``segments`` and
+  ``connection`` to its host, ``host`` on the host);
+- live request migration (:mod:`.requests`): a running decode request stops
+  at a batch boundary with its KV published to the global store, and the
+  router continues it on another decode worker (``handler``).
+
+Shared by the three: :mod:`.services` (what the handlers share with the
+agent), :mod:`.records` (a migration's record, per kind), :mod:`.states`
+(kinds, sides, states, pending actions), :mod:`.config` (the agent's
+settings), :mod:`.errors` and :mod:`.transfer` (the transfer engine, CRC32).
+``python -m bana_sglang.migrate`` is the operator's command line.
 """

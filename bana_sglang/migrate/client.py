@@ -12,6 +12,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from bana_sglang.migrate.errors import MigrateError
 from bana_sglang.wire import agent as m
 from bana_sglang.wire.envelope import Channel
 from bana_sglang.wire.transport import ChannelError, Client
@@ -19,7 +20,7 @@ from bana_sglang.wire.transport import ChannelError, Client
 logger = logging.getLogger(__name__)
 
 
-class AgentUnavailable(RuntimeError):
+class AgentUnavailable(MigrateError, RuntimeError):
     """No reply from an agent within the timeout."""
 
 

@@ -1,18 +1,18 @@
 """Wiring of the migration agent into SGLang's scheduler (plugin hook).
 
-Light to import: the plugin registers :func:`scheduler_hook` in every SGLang
-process; the agent itself is created on the scheduler's first loop iteration,
-only where the launcher asked for one (``BANA_AGENT_ENDPOINT``), on TP rank 0.
+The plugin registers :func:`scheduler_hook` in every SGLang process; the agent
+itself is created on the scheduler's first loop iteration, only where the
+launcher asked for one (``BANA_AGENT_ENDPOINT``), on TP rank 0.
 
-Environment (set per worker by the launcher):
-- ``BANA_AGENT_ENDPOINT``: ``tcp://HOST:PORT`` the agent binds;
-- ``BANA_WORKER_NAME``: the worker's name in the cluster (``prefill-0``);
-- ``BANA_AGENT_HOST``: the address its transfer engine advertises (default:
-  the endpoint's host); ``MOONCAKE_PROTOCOL``: ``tcp`` (default) or ``rdma``;
-- ``BANA_MIGRATE_STEP_TIMEOUT_S``: how long a forward waits for a peer running
-  its migrated layers before it restores them and runs them itself (30);
-  ``BANA_MIGRATE_PEER_TIMEOUT_S``: how long a peer agent may stay silent
-  during staging before the migration fails ``peer_unreachable`` (30).
+Its settings are read once, there (:func:`config_from_envs`; the launcher sets
+them per worker): ``BANA_AGENT_ENDPOINT`` (``tcp://HOST:PORT`` the agent
+binds), ``BANA_WORKER_NAME`` (the worker's name in the cluster,
+``prefill-0``), ``BANA_AGENT_HOST`` (the address its transfer engine
+advertises; default: the endpoint's host), ``MOONCAKE_PROTOCOL`` (``tcp`` or
+``rdma``), and the timeouts and thresholds of :class:`~.config.MigrateConfig`
+(``BANA_MIGRATE_STEP_TIMEOUT_S``, ``BANA_MIGRATE_PEER_TIMEOUT_S``,
+``BANA_KV_STEP_TIMEOUT_S``, ``BANA_KV_HOST_RECLAIM_BELOW``,
+``BANA_REQUEST_PRECOPY_S``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ import logging
 import os
 
 from bana_sglang import envs
+from bana_sglang.migrate.agent import MigrationAgent
+from bana_sglang.migrate.config import MigrateConfig
+from bana_sglang.migrate.services import WorkerHandles
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +47,22 @@ def scheduler_hook(original, scheduler, *args, **kwargs):
     return out
 
 
-def _handles(runner, scheduler=None):
-    """The switch's handles on the worker, or None (staging still works) if this
-    model runner lacks what it needs."""
-    from bana_sglang.migrate.layers.handler import WorkerHandles
+def config_from_envs(endpoint: str) -> MigrateConfig:
+    """The agent's settings, read now from the environment."""
+    return MigrateConfig(
+        te_host=envs.BANA_AGENT_HOST.get() or endpoint.removeprefix("tcp://").rsplit(":", 1)[0],
+        protocol=os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
+        peer_timeout_s=envs.BANA_MIGRATE_PEER_TIMEOUT_S.get(),
+        step_timeout_s=envs.BANA_MIGRATE_STEP_TIMEOUT_S.get(),
+        kv_step_timeout_s=envs.BANA_KV_STEP_TIMEOUT_S.get(),
+        kv_reclaim_below=envs.BANA_KV_HOST_RECLAIM_BELOW.get(),
+        request_precopy_s=envs.BANA_REQUEST_PRECOPY_S.get(),
+    )
 
+
+def _handles(runner, scheduler=None) -> WorkerHandles | None:
+    """The agent's handles on the worker, or None (staging still works) if this
+    model runner lacks what the switch needs."""
     try:
         return WorkerHandles.from_runner(runner, scheduler)
     except Exception:
@@ -60,6 +74,7 @@ def _start(scheduler):
     endpoint = envs.BANA_AGENT_ENDPOINT.get()
     if not endpoint:
         return _DISABLED
+    # SGLang's own module: imported where the hook runs, inside a scheduler
     from sglang.srt.runtime_context import get_parallel
 
     if get_parallel().tp_rank != 0:  # one agent per worker: TP rank 0's
@@ -70,13 +85,6 @@ def _start(scheduler):
     if layers is None:
         logger.error("migration agent disabled: %s has no model.layers", type(model).__name__)
         return _DISABLED
-    from bana_sglang.migrate.agent import (
-        PEER_TIMEOUT_S,
-        STEP_TIMEOUT_S,
-        MigrationAgent,
-    )
-
-    host = envs.BANA_AGENT_HOST.get() or endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
     role = getattr(scheduler.server_args, "disaggregation_mode", "null")
     try:
         agent = MigrationAgent(
@@ -84,11 +92,8 @@ def _start(scheduler):
             role,
             layers,
             endpoint,
-            te_host=host,
-            protocol=os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
+            config=config_from_envs(endpoint),
             worker=_handles(runner, scheduler),
-            step_timeout_s=envs.BANA_MIGRATE_STEP_TIMEOUT_S.get() or STEP_TIMEOUT_S,
-            peer_timeout_s=envs.BANA_MIGRATE_PEER_TIMEOUT_S.get() or PEER_TIMEOUT_S,
         )
     except Exception:
         logger.exception("migration agent disabled: could not start it on %s", endpoint)

@@ -1,5 +1,6 @@
-"""Pieces every side of a migration shares: the transfer engine wrapper, the
-CRC32 of a tensor, and the internal failure type (a reason and a detail)."""
+"""Pieces every side of a migration shares: the Mooncake transfer engine
+wrapper and the CRC32 of a tensor (the failure type of a migration step is
+:class:`bana_sglang.migrate.errors.TransferError`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ class TransferEngine:
     """This agent's Mooncake transfer engine (TCP or RDMA), started on first use."""
 
     def __init__(self, host: str, protocol: str = "tcp", device: str = ""):
-        apply_defaults()
+        apply_defaults()  # Mooncake reads its environment when it loads: set it first
         from mooncake.engine import TransferEngine as _TE
 
         self._te = _TE()
@@ -119,11 +120,3 @@ class TransferEngine:
 def crc32(t: torch.Tensor) -> int:
     """CRC32 of a contiguous CPU tensor's bytes."""
     return zlib.crc32(t.detach().contiguous().view(torch.uint8).numpy()) & 0xFFFFFFFF
-
-
-class Fail(Exception):
-    """A migration step failed with ``reason`` (a channel reason) and ``detail``."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail

@@ -20,6 +20,7 @@ import time
 import torch
 import zmq
 
+from bana_sglang.migrate.errors import MigrateError
 from bana_sglang.migrate.layers.owner import StepBuffer
 from bana_sglang.wire import kv_blocks as w
 from bana_sglang.wire.transport import ChannelError, Client
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 LINGER_MS = 2000
 
 
-class KVLost(RuntimeError):
+class KVLost(MigrateError, RuntimeError):
     """The host of a KV-block migration failed; its segments are gone."""
 
 

@@ -1,383 +1,378 @@
-"""The execution switch of a layer migration, as a mixin of :class:`~.agent.MigrationAgent`.
+"""Layer migration in the agent: staging weights on a peer, then the switch.
 
-Source side: open the peer's guest executor after staging, install the
-:class:`~.remote.RemoteSpan` at a batch boundary and free the weights, recall
-(from the peer's copy or the checkpoint), and restore the layers when the
-peer fails after the switch. Guest side: open the executor
-(:class:`~.guest.GuestSpan`). ``docs/MIGRATION.md`` has the whole protocol.
+Staging (``MigrateLayers`` X -> Y):
+
+1. X checksums (CRC32) every parameter of layers ``[start, stop)`` and
+   registers their memory with its Mooncake transfer engine;
+2. X offers them to Y (:class:`~bana_sglang.wire.agent.HostLayers`:
+   addresses, sizes, checksums; no bytes through ZMQ);
+3. Y allocates a guest area shaped like its own copy of those layers (same
+   architecture), reads X's bytes into it through the transfer engine, and
+   verifies every CRC32;
+4. X follows Y's progress; the migration ends ``staged`` (Y holds a verified
+   copy) or ``failed`` with a reason; ``Cancel`` makes Y drop its copy
+   (``DropGuest``).
+
+With ``switch`` the execution then moves to Y (:mod:`.switch`), and
+:meth:`LayerMigrations.placement` reports who executes which layers. A guest
+area is freed (and unregistered) exactly once.
 """
 
 from __future__ import annotations
 
-import glob
 import logging
-import os
-import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from bana_sglang.migrate.client import AgentClient, AgentUnavailable
-from bana_sglang.migrate.transfer import Fail, crc32
+from bana_sglang.migrate.errors import TransferError
+from bana_sglang.migrate.layers.switch import LayerSwitch, layer_params
+from bana_sglang.migrate.records import LayerMigration, Migration
+from bana_sglang.migrate.services import Services
+from bana_sglang.migrate.states import SETTLED, Side, State
+from bana_sglang.migrate.transfer import crc32
 from bana_sglang.wire import agent as m
 from bana_sglang.wire.agent import describe
 
-if TYPE_CHECKING:
-    from bana_sglang.migrate.agent import _Migration
+logger = logging.getLogger(__name__)
 
-logger = logging.getLogger("bana_sglang.migrate.agent")
-
-DROP_RETRY_S = 600.0  # how long an owner keeps asking a silent peer to drop its copy
+# a source polls its peer this often during a transfer (backing off)
+WATCH_INTERVAL_S = (0.005, 0.2)
 
 
-@dataclass
-class WorkerHandles:
-    """What the execution switch needs of the worker (from its SGLang ModelRunner)."""
-
-    model: torch.nn.Module
-    kv_pool: object
-    req_to_token: torch.Tensor
-    allocator: object
-    model_path: str
-    attention_backend: str
-    tp_size: int = 1
-    scheduler: object = None  # SGLang's Scheduler (KV-block migration: running batch, tree cache)
-
-    @classmethod
-    def from_runner(cls, runner, scheduler=None) -> WorkerHandles:
-        return cls(
-            model=runner.model,
-            kv_pool=runner.token_to_kv_pool,
-            req_to_token=runner.req_to_token_pool.req_to_token,
-            allocator=runner.token_to_kv_pool_allocator,
-            model_path=runner.model_config.model_path,
-            attention_backend=str(runner.server_args.attention_backend),
-            tp_size=int(runner.server_args.tp_size),
-            scheduler=scheduler,
-        )
-
-    def why_not(self) -> str:
-        """Why layers of this worker cannot run remotely, or ''."""
-        if self.tp_size != 1:
-            return f"tensor parallelism {self.tp_size}: remote layers are built for TP 1"
-        if self.attention_backend != "bana_cpu":
-            return (
-                f"attention backend {self.attention_backend!r}: remote layers run the bana_cpu kernels, "
-                "so the owner must too (exact tokens)"
-            )
-        if next(self.model.parameters()).device.type != "cpu":
-            return "the model is not on the CPU: the CUDA path needs the CUDA transfer engine"
-        return ""
+def layer_tensors(
+    layers: torch.nn.ModuleList, start: int, stop: int
+) -> list[tuple[int, str, torch.Tensor]]:
+    return [(i, name, p.data) for i, name, p in layer_params(layers, start, stop)]
 
 
-class SwitchMixin:
-    """The switch's methods; the agent supplies ``layers``, ``migrations``,
-    ``worker``, ``metrics``, ``_work``, ``_engine``, ``_ask`` and the rest."""
+class LayerMigrations:
+    """The agent's layer-migration handlers (both sides) and the switch they lead to.
 
-    def _prepare_switch(self, mig: _Migration, client: AgentClient) -> None:
-        """Worker thread, after staging: open the guest executor on the peer and
-        build the remote span; the scheduler thread installs it (_apply_pending)."""
-        from bana_sglang.migrate.layers.owner import OwnerContext, RemoteSpan
+    ``kv_pages_away()`` says whether KV pages of this worker's requests are on
+    a peer (KV-block migration): their guest layers would read every KV slot."""
 
-        mig.state = "switching"
-        w = self.worker
-        rows = w.kv_pool.get_key_buffer(mig.start).shape[0]
-        reply = self._ask(client, m.OpenGuest, migration=mig.migration, kv_rows=rows)
-        if not isinstance(reply, m.GuestOpened):
-            self._drop_at_peer(client, mig)
-            raise Fail("peer_refused", "opening the guest executor: " + describe(reply))
-        mig.executor, mig.guest_addrs = reply.worker, list(reply.addrs)
-        ctx = OwnerContext(
-            layers=self.layers,
-            kv_pool=w.kv_pool,
-            req_to_token=w.req_to_token,
-            allocator=w.allocator,
-        )
-        try:
-            mig.span = RemoteSpan(
-                mig.migration,
-                mig.start,
-                mig.stop,
-                reply.endpoint,
-                reply.session,
-                self._engine(),
-                ctx,
-                self.step_timeout_s,
-                self._on_remote_failure,
-            )
-        except Exception as e:  # the peer opened its executor: close it
-            self._drop_at_peer(client, mig)
-            raise Fail("internal", f"building the remote span: {type(e).__name__}: {e}") from e
-        with mig.lock:
-            mig.pending = "install"
+    def __init__(self, services: Services, kv_pages_away: Callable[[], bool]):
+        self.sv = services
+        self.kv_pages_away = kv_pages_away
+        self.switch = LayerSwitch(services)
 
-    def _apply_pending(self) -> None:
-        """Scheduler thread, at a batch boundary: swap layer modules."""
-        for mig in list(self.migrations.values()):
-            if mig.side != "source" or not mig.pending:
-                continue
-            with mig.lock:
-                action, mig.pending = mig.pending, ""
-                try:
-                    if action == "install":
-                        self._install(mig)
-                    elif action == "home":
-                        self._swap_home(mig)
-                        self._finish_home(mig, "home", "")
-                    elif action == "checkpoint":
-                        self._restore_from_checkpoint(mig)
-                        self._finish_home(mig, "home", "", note="reloaded from the checkpoint")
-                    elif action.startswith("kv_"):
-                        self._kv_apply(mig, action)
-                    elif action == "req_stop":
-                        self._req_stop(mig)
-                except Exception as e:
-                    logger.exception("migration %s: %s failed", mig.migration, action)
-                    mig.finish("failed", "internal", f"{action}: {type(e).__name__}: {e}")
-        self._kv_settle()
-        self._kv_host_pressure()
-        self._req_settle()
-
-    def _install(self, mig: _Migration) -> None:
-        from bana_sglang.migrate.layers.owner import Skip
-
-        if mig.cancel.is_set():
-            mig.span.close()
-            self._work.submit(self._drop_remote, mig)
-            mig.finish("cancelled", "cancelled", "cancelled before the switch")
-            return
-        mig.params = [(p, tuple(p.shape)) for _, _, p in self._layer_params(mig.start, mig.stop)]
-        mig.home = [self.layers[i] for i in range(mig.start, mig.stop)]
-        self.layers[mig.start] = mig.span
-        for i in range(mig.start + 1, mig.stop):
-            self.layers[i] = Skip(i)
-        # the peer executes them now: free this worker's copy of the weights
-        released = 0
-        for p, _ in mig.params:
-            if self._te is not None:
-                self._te.unregister(p.data)
-            released += p.numel() * p.element_size()
-            p.data = torch.empty(0, dtype=p.dtype)
-        mig.released_bytes = released
-        mig.finish("remote")
-        self.metrics.add("migrations_switched")
-        self.metrics.add("released_bytes", released)
-        logger.info(
-            "migration %s: layers [%d, %d) of %s now run on %s; %.1f MB of weights released here",
-            mig.migration,
-            mig.start,
-            mig.stop,
-            self.name,
-            mig.executor,
-            released / 1e6,
-        )
-
-    def _swap_home(self, mig: _Migration) -> None:
-        for i, module in zip(range(mig.start, mig.stop), mig.home):
-            self.layers[i] = module
-        mig.home = []
-
-    def _finish_home(
-        self, mig: _Migration, state: str, reason: str, detail: str = "", note: str = ""
-    ) -> None:
-        stats = mig.span.stats if mig.span is not None else None
-        mig.span.close()
-        mig.finish(state, reason, detail)
-        self.metrics.add("remote_steps", stats.steps if stats else 0)
-        self.metrics.add("migrations_recalled" if state == "home" else "migrations_restored")
-        self._work.submit(self._drop_remote, mig)
-        logger.info(
-            "migration %s: layers [%d, %d) run on %s again (%s%s) after %d remote steps",
-            mig.migration,
-            mig.start,
-            mig.stop,
-            self.name,
-            state,
-            f", {note}" if note else "",
-            stats.steps if stats else 0,
-        )
-
-    def _drop_remote(self, mig: _Migration) -> None:
-        """Tell the peer to drop its copy (and executor). A peer that does not
-        answer (frozen, partitioned) is asked again with backoff for up to
-        DROP_RETRY_S, on a thread of its own, so its copy is not left behind."""
-        if self._drop_once(mig):
-            return
-
-        def retry() -> None:
-            wait, deadline = 1.0, time.monotonic() + DROP_RETRY_S
-            while not self._closed and time.monotonic() < deadline:
-                time.sleep(wait)
-                if self._drop_once(mig):
-                    logger.info(
-                        "migration %s: the peer dropped its copy after a retry", mig.migration
-                    )
-                    return
-                wait = min(30.0, wait * 2)
-            logger.warning(
-                "migration %s: the peer never confirmed dropping its copy", mig.migration
-            )
-
-        threading.Thread(target=retry, name=f"bana-drop-{mig.migration}", daemon=True).start()
-
-    def _drop_once(self, mig: _Migration) -> bool:
-        client = AgentClient(mig.peer, timeout_s=self.peer_timeout_s, ctx=self._ctx)
-        try:
-            reply = client.call(m.DropGuest, migration=mig.migration)
-        except AgentUnavailable:
-            return False
-        finally:
-            client.close()
-        return isinstance(reply, (m.Ok, m.Error))  # dropped, or nothing there to drop
-
-    def _realloc(self, mig: _Migration) -> None:
-        for p, shape in mig.params:
-            if p.numel() == 0 and shape != (0,):
-                p.data = torch.empty(shape, dtype=p.dtype)
-
-    def _verify_home(self, mig: _Migration) -> None:
-        got = [crc32(p.data) for p, _ in mig.params]
-        bad = [n for n, a, b in zip(mig.names, got, mig.crc) if a != b]
-        if bad:
-            raise RuntimeError(
-                f"{len(bad)} restored tensors differ from their checksum before the "
-                f"migration, e.g. {bad[0]}"
-            )
-
-    def _restore_from_checkpoint(self, mig: _Migration) -> None:
-        """Scheduler thread: put the modules back and reload their weights from disk."""
-        from safetensors import safe_open
-
-        self._realloc(mig)
-        self._swap_home(mig)
-        prefixes = tuple(f"model.layers.{i}." for i in range(mig.start, mig.stop))
-        files = sorted(glob.glob(os.path.join(self.worker.model_path, "*.safetensors")))
-        if not files:
-            raise RuntimeError(f"no *.safetensors checkpoint in {self.worker.model_path}")
-
-        def weights():
-            for path in files:
-                with safe_open(path, "pt") as f:
-                    for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                        if key.startswith(prefixes):
-                            yield key, f.get_tensor(key)
-
-        self.worker.model.load_weights(weights())
-        self._verify_home(mig)
-
-    def _on_remote_failure(self, span, error: BaseException):
-        """Scheduler thread, inside the forward: the peer failed after the switch.
-        Reload the layers here and return layer ``start``'s module, which runs
-        this very step (X's KV for the layers is complete, so nothing is lost)."""
-        mig = self.migrations[span.migration]
-        with mig.lock:
-            logger.error(
-                "migration %s: remote step failed (%s); restoring layers [%d, %d) from the checkpoint",
-                mig.migration,
-                error,
-                mig.start,
-                mig.stop,
-            )
-            if mig.home:
-                self._restore_from_checkpoint(mig)
-            mig.pending = ""
-            self._finish_home(mig, "restored", "peer_lost", str(error))
-        return self.layers[mig.start]
-
-    def _recall(self, req: m.Recall) -> m.Reply:
-        mig = self.migrations.get(req.migration)
-        if mig is None or mig.side != "source":
-            return self._unknown(req.id, req.migration)
-        if mig.kind == "kv":
-            return self._kv_recall(req, mig)
-        if mig.state != "remote":
+    # -- source side
+    def migrate(self, req: m.MigrateLayers) -> m.Reply:
+        sv = self.sv
+        if not req.start < req.stop <= sv.num_layers:
             return m.Error(
                 id=req.id,
                 reason="invalid",
-                detail=f"migration {req.migration!r} is {mig.state}, not remote: nothing to recall",
+                detail=f"layers [{req.start}, {req.stop}) are not a non-empty range of this "
+                f"worker's {sv.num_layers} layers",
             )
-        mig.state, mig.t_end = "recalling", None
-        if req.source == "checkpoint":
-            with mig.lock:
-                mig.pending = "checkpoint"
-        else:
-            self._work.submit(self._recall_from_peer, mig)
+        if taken := sv.taken(req.id, req.migration):
+            return taken
+        busy = [
+            x
+            for x in sv.migrations.values()
+            if x.side == Side.SOURCE
+            and x.state not in SETTLED
+            and x.start < req.stop
+            and req.start < x.stop
+        ]
+        if busy:
+            return m.Error(
+                id=req.id,
+                reason="invalid",
+                detail=f"layers overlap migration {busy[0].migration!r} "
+                f"[{busy[0].start}, {busy[0].stop}) ({busy[0].state})",
+            )
+        if req.switch:
+            why = self._why_not_switch()
+            if why:
+                return m.Error(id=req.id, reason="invalid", detail=why)
+        mig = LayerMigration(
+            migration=req.migration,
+            side=Side.SOURCE,
+            peer=req.peer,
+            start=req.start,
+            stop=req.stop,
+            state=State.ACCEPTED,
+            switch=req.switch,
+        )
+        sv.add(mig)
+        sv.metrics.add("migrations_started")
+        sv.work.submit(self._run_source, mig)
+        logger.info(
+            "migration %s: layers [%d, %d) of %s -> %s accepted",
+            mig.migration,
+            mig.start,
+            mig.stop,
+            sv.name,
+            req.peer,
+        )
         return m.Accepted(id=req.id, migration=req.migration)
 
-    def _recall_from_peer(self, mig: _Migration) -> None:
-        """Worker thread: read the weights back from the peer's verified copy into
-        this worker's (unused) parameters; the scheduler thread swaps them in."""
-        with mig.lock:
-            if mig.state != "recalling":
-                return
-            try:
-                te = self._engine()
-                self._realloc(mig)
-                tensors = [p.data for p, _ in mig.params]
-                for t in tensors:
-                    te.register(t)
-                try:
-                    te.read(mig.span._session, tensors, mig.guest_addrs)
-                finally:
-                    for t in tensors:
-                        te.unregister(t)
-                self._verify_home(mig)
-                mig.pending = "home"
-            except Exception as e:
-                logger.warning(
-                    "migration %s: reading the layers back from %s failed (%s); reloading them from "
-                    "the checkpoint",
-                    mig.migration,
-                    mig.executor,
-                    e,
+    def _why_not_switch(self) -> str:
+        sv = self.sv
+        why = (
+            sv.worker.why_not()
+            if sv.worker
+            else "this agent has no model runner (not inside a worker)"
+        )
+        if why:
+            return f"cannot switch the execution: {why}"
+        if self.kv_pages_away():
+            return (
+                "KV pages of this worker's requests are on a peer (KV-block migration); "
+                "the guest layers would read every KV slot, so recall them first"
+            )
+        away = [
+            x
+            for x in sv.migrations.values()
+            if x.side == Side.GUEST and x.state == State.SERVING and isinstance(x, LayerMigration)
+        ]
+        if away:
+            return (
+                f"this worker executes guest layers ({away[0].migration!r}); "
+                "a worker either lends or hosts layers"
+            )
+        return ""
+
+    def _run_source(self, mig: LayerMigration) -> None:
+        """Worker thread: checksum, offer, follow the peer's read until staged."""
+        sv = self.sv
+        client = sv.peer(mig.peer)
+        try:
+            mig.state = State.CHECKSUMMING
+            tensors = layer_tensors(sv.layers, mig.start, mig.stop)
+            if any(t.device.type != "cpu" or not t.is_contiguous() for _, _, t in tensors):
+                raise TransferError(
+                    "invalid",
+                    "layer migration reads CPU, contiguous parameters only (this worker's "
+                    "are not); the CUDA path needs the CUDA transfer engine",
                 )
-                mig.pending = "checkpoint"
+            te = sv.engine()
+            descs = []
+            for layer, name, t in tensors:
+                te.register(t)
+                descs.append(
+                    m.TensorDesc(
+                        layer=layer,
+                        name=name,
+                        dtype=str(t.dtype).removeprefix("torch."),
+                        shape=list(t.shape),
+                        addr=t.data_ptr(),
+                        nbytes=t.numel() * t.element_size(),
+                        crc32=crc32(t),
+                    )
+                )
+            mig.crc = [d.crc32 for d in descs]
+            mig.names = [f"{d.layer}.{d.name}" for d in descs]
+            mig.bytes_total = sum(d.nbytes for d in descs)
+            if mig.cancel.is_set():
+                raise TransferError("cancelled", "cancelled before the offer")
+            mig.state = State.OFFERED
+            reply = sv.ask(
+                client,
+                m.HostLayers,
+                migration=mig.migration,
+                owner=sv.name,
+                session=te.session,
+                start=mig.start,
+                stop=mig.stop,
+                tensors=descs,
+            )
+            if not isinstance(reply, m.Accepted):
+                raise TransferError("peer_refused", describe(reply))
+            mig.state = State.TRANSFERRING
+            self._follow(client, mig)
+            sv.metrics.add("migrations_staged")
+            sv.metrics.add("sent_bytes", mig.bytes_done)
+            logger.info(
+                "migration %s: layers [%d, %d) staged on %s: %.1f MB verified in %.2fs (%.1f MB/s)",
+                mig.migration,
+                mig.start,
+                mig.stop,
+                mig.peer,
+                mig.bytes_done / 1e6,
+                mig.seconds,
+                mig.bytes_done / 1e6 / max(mig.seconds, 1e-9),
+            )
+            if mig.switch:
+                self.switch.prepare(mig, client)
+            else:
+                mig.finish(State.STAGED)
+        except TransferError as f:
+            cancelled = f.reason == "cancelled"
+            mig.finish(State.CANCELLED if cancelled else State.FAILED, f.reason, f.detail)
+            sv.metrics.add("migrations_failed")
+            logger.warning("migration %s %s: %s %s", mig.migration, mig.state, f.reason, f.detail)
+        except Exception as e:
+            mig.finish(State.FAILED, "internal", f"{type(e).__name__}: {e}")
+            sv.metrics.add("migrations_failed")
+            logger.exception("migration %s failed", mig.migration)
+        finally:
+            client.close()
 
-    def _open_guest(self, req: m.OpenGuest) -> m.Reply:
-        from bana_sglang.migrate.layers.guest import GuestSpan
+    def _follow(self, client, mig: LayerMigration) -> None:
+        """Watch the peer's read until it is done (backing off)."""
+        sv = self.sv
+        wait = WATCH_INTERVAL_S[0]
+        while True:
+            if mig.cancel.is_set():
+                sv.drop_at_peer(client, mig.migration)
+                raise TransferError("cancelled", "cancelled during the transfer")
+            reply = sv.ask(client, m.Watch, migration=mig.migration)
+            if isinstance(reply, m.Progress):
+                mig.bytes_done = reply.bytes_done
+            elif isinstance(reply, m.Done):
+                mig.bytes_done = reply.bytes
+                return
+            else:
+                raise TransferError(
+                    reply.reason if isinstance(reply, (m.Failed, m.Error)) else "internal",
+                    "peer: " + describe(reply),
+                )
+            time.sleep(wait)
+            wait = min(WATCH_INTERVAL_S[1], wait * 2)
 
-        mig = self.migrations.get(req.migration)
-        if mig is None or mig.side != "guest":
-            return self._unknown(req.id, req.migration)
-        if mig.state != "verified":
+    def cancel_staged(self, mig: LayerMigration) -> None:
+        """Staged, not switched: the peer frees its copy (off the scheduler thread)."""
+        mig.finish(State.CANCELLED, "cancelled", "cancelled after staging; the peer drops its copy")
+        self.sv.work.submit(self.switch.drop_remote, mig)
+
+    # -- guest side
+    def host(self, req: m.HostLayers) -> m.Reply:
+        sv = self.sv
+        if taken := sv.taken(req.id, req.migration):
+            return taken
+        if not req.start < req.stop <= sv.num_layers:
             return m.Error(
                 id=req.id,
                 reason="invalid",
-                detail=f"guest layers of {req.migration!r} are {mig.state}",
+                detail=f"layers [{req.start}, {req.stop}) do not exist in this worker's model",
             )
-        mine = [x for x in self.migrations.values() if x.side == "source" and x.home]
-        if mine:
-            return m.Error(
-                id=req.id,
-                reason="invalid",
-                detail=f"this worker's own layers run elsewhere ({mine[0].migration!r}); "
-                "a worker either lends or hosts layers",
+        mine = {(i, n): t for i, n, t in layer_tensors(sv.layers, req.start, req.stop)}
+        for d in req.tensors:
+            own = mine.get((d.layer, d.name))
+            if (
+                own is None
+                or list(own.shape) != d.shape
+                or str(own.dtype).removeprefix("torch.") != d.dtype
+            ):
+                return m.Error(
+                    id=req.id,
+                    reason="invalid",
+                    detail=f"layer {d.layer} {d.name} {d.dtype}{d.shape} does not match this "
+                    "worker's model (layer migration needs the same architecture)",
+                )
+        mig = LayerMigration(
+            migration=req.migration,
+            side=Side.GUEST,
+            peer=req.owner,
+            start=req.start,
+            stop=req.stop,
+            state=State.PULLING,
+            bytes_total=sum(d.nbytes for d in req.tensors),
+            names=[f"{d.layer}.{d.name}" for d in req.tensors],
+        )
+        sv.add(mig)
+        sv.work.submit(self._run_guest, mig, req)
+        return m.Accepted(id=req.id, migration=req.migration)
+
+    def _run_guest(self, mig: LayerMigration, req: m.HostLayers) -> None:
+        """Worker thread: read the owner's bytes into a guest area and verify them."""
+        sv = self.sv
+        try:
+            te = sv.engine()
+            area = [torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in req.tensors]
+            mig.guest = area
+            for t in area:
+                te.register(t)
+            # one batched read per layer: progress is visible between layers
+            for layer in range(req.start, req.stop):
+                if mig.cancel.is_set():
+                    raise TransferError("cancelled", "dropped by its owner during the transfer")
+                idx = [i for i, d in enumerate(req.tensors) if d.layer == layer and d.nbytes]
+                if idx:
+                    te.read(req.session, [area[i] for i in idx], [req.tensors[i].addr for i in idx])
+                    mig.bytes_done += sum(req.tensors[i].nbytes for i in idx)
+            mig.crc = [crc32(t) for t in area]
+            bad = [d.name for d, got in zip(req.tensors, mig.crc) if got != d.crc32]
+            if bad:
+                raise TransferError(
+                    "checksum",
+                    f"{len(bad)} tensors differ from the owner's checksum, e.g. {bad[0]}",
+                )
+            mig.finish(State.VERIFIED)
+            sv.metrics.add("guest_bytes_received", mig.bytes_done)
+            logger.info(
+                "guest layers [%d, %d) of %s verified: %.1f MB in %.2fs",
+                req.start,
+                req.stop,
+                req.owner,
+                mig.bytes_done / 1e6,
+                mig.seconds,
             )
-        weights = {}
-        for name, t in zip(mig.names, mig.guest):
-            layer, pname = name.split(".", 1)
-            weights[(int(layer), pname)] = t
-        span = GuestSpan(
-            mig.migration,
-            mig.peer,
-            self.layers,
-            mig.start,
-            mig.stop,
-            weights,
-            req.kv_rows,
-            self._engine(),
-            self.te_host,
+        except TransferError as f:
+            self._free_guest(mig)
+            dropped = f.reason == "cancelled"
+            mig.finish(State.DROPPED if dropped else State.FAILED, f.reason, f.detail)
+        except Exception as e:
+            self._free_guest(mig)
+            mig.finish(State.FAILED, "transfer", f"{type(e).__name__}: {e}")
+            logger.warning("guest layers of %s (%s) failed: %s", req.owner, mig.migration, e)
+
+    def drop_guest(self, req: m.DropGuest) -> m.Reply:
+        mig = self.sv.migrations.get(req.migration)
+        if mig is None or mig.side != Side.GUEST:
+            return self.sv.unknown(req.id, req.migration)
+        mig.cancel.set()
+        if mig.state == State.PULLING:  # the worker thread frees it when it stops
+            return m.Ok(id=req.id, note="dropping after the current read")
+        self._free_guest(mig)
+        mig.finish(State.DROPPED, "cancelled", "dropped by its owner")
+        return m.Ok(id=req.id, note="dropped")
+
+    def _free_guest(self, mig: Migration) -> None:
+        if not isinstance(mig, LayerMigration):
+            return
+        if mig.side == Side.GUEST and mig.span is not None and mig.guest:
+            mig.span.close()
+        area, mig.guest = mig.guest, []
+        te = self.sv.te
+        if area and te is not None:
+            for t in area:
+                te.unregister(t)
+
+    # -- reports and shutdown
+    def placement(self) -> list[m.Placement]:
+        """Who executes which of this worker's layers (consecutive runs)."""
+        sv = self.sv
+        away = {}
+        for mig in sv.migrations.values():
+            # switched: the modules are away
+            if isinstance(mig, LayerMigration) and mig.side == Side.SOURCE and mig.home:
+                for i in range(mig.start, mig.stop):
+                    away[i] = mig.executor
+        out: list[m.Placement] = []
+        for i in range(sv.num_layers):
+            who = away.get(i, sv.name)
+            if out and out[-1].executor == who:
+                out[-1] = m.Placement(start=out[-1].start, stop=i + 1, executor=who)
+            else:
+                out.append(m.Placement(start=i, stop=i + 1, executor=who))
+        return out
+
+    def guest_bytes(self) -> int:
+        """Bytes of the guest areas this worker holds (weights and guest KV)."""
+        migs = [x for x in self.sv.migrations.values() if isinstance(x, LayerMigration)]
+        held = sum(t.numel() * t.element_size() for x in migs for t in x.guest)
+        return held + sum(
+            x.span.kv_bytes for x in migs if x.side == Side.GUEST and x.span is not None and x.guest
         )
-        span.on_step = lambda: self.metrics.add("guest_steps")
-        mig.span = span
-        mig.state = "serving"
-        return m.GuestOpened(
-            id=req.id,
-            migration=mig.migration,
-            worker=self.name,
-            endpoint=span.endpoint,
-            session=self._engine().session,
-            addrs=[t.data_ptr() for t in mig.guest],
-        )
+
+    def close(self) -> None:
+        for mig in list(self.sv.migrations.values()):
+            self._free_guest(mig)
+            if isinstance(mig, LayerMigration) and mig.side == Side.SOURCE and mig.span is not None:
+                mig.span.close()

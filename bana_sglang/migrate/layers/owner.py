@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bana_sglang.migrate.errors import MigrateError
 from bana_sglang.wire import layer_steps as s
 from bana_sglang.wire.transport import ChannelError, Client
 
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 ALIGN = 64  # byte alignment of every tensor in a packed step buffer
 
 
-class RemoteFailed(RuntimeError):
+class RemoteFailed(MigrateError, RuntimeError):
     """A remote step failed (no answer, an error, a failed read)."""
 
 

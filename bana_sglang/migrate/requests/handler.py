@@ -1,4 +1,4 @@
-"""Live request migration between decode workers, worker side (a mixin of the agent).
+"""Live request migration between decode workers, worker side (the agent's handler).
 
 How a running request moves from decode worker D1 to D2 (``MigrateRequest``):
 
@@ -35,17 +35,17 @@ from __future__ import annotations
 import logging
 import time
 
-from bana_sglang import envs
 from bana_sglang.attention.remote import remote_kv
+from bana_sglang.migrate.records import RequestMigration
+from bana_sglang.migrate.services import Services
+from bana_sglang.migrate.states import HOLDS_REQUEST, Pending, Side, State
 from bana_sglang.wire import agent as m
 from bana_sglang.wire.agent import MARK, PREFIX
 
-logger = logging.getLogger("bana_sglang.migrate.agent")
+logger = logging.getLogger(__name__)
 
 MIN_LEFT = 4  # a request with fewer tokens left than this is not worth moving
 HANDOFF_TTL_S = 300.0  # a handoff nobody took is forgotten after this
-# Pre-copy: the request decodes on for this long after its pages were handed to the
-# store's write-through, then stops (0: no pre-copy, stop at the first boundary).
 
 
 def finish_migrated(migration: str):
@@ -103,22 +103,29 @@ def pick(reqs, rid: str = "", moving: frozenset = frozenset()):
     if not movable:
         return (
             None,
-            f"none of the {len(reqs)} running request(s) can move (router-marked, at least {MIN_LEFT} "
-            "tokens left)",
+            f"none of the {len(reqs)} running request(s) can move (router-marked, at least "
+            f"{MIN_LEFT} tokens left)",
         )
     return max(
         movable, key=lambda r: (tokens_left(r), len(r.origin_input_ids) + len(r.output_ids))
     ), ""
 
 
-class RequestMixin:
-    """The agent supplies ``migrations``, ``worker``, ``metrics``, ``role``, ``_lock``, ``num_layers`` and
-    ``handoffs`` (rid -> its migration)."""
+class RequestMigrations:
+    """The agent's request-migration handlers; ``handoffs`` maps a request's rid
+    to its migration (while it stops, and after it was handed off)."""
+
+    def __init__(self, services: Services):
+        self.sv = services
+        self.handoffs: dict[str, RequestMigration] = {}
+
+    def _moving(self) -> frozenset[str]:
+        return frozenset(rid for rid, x in self.handoffs.items() if x.state in HOLDS_REQUEST)
 
     def movable_requests(self, reqs, limit: int = 32) -> list[m.MovableRequest]:
-        if self.role != "decode":
+        if self.sv.role != "decode":
             return []
-        moving = {rid for rid, x in self.handoffs.items() if x.state in ("copying", "stopping")}
+        moving = self._moving()
         out = [
             m.MovableRequest(
                 rid=r.rid,
@@ -130,74 +137,72 @@ class RequestMixin:
         ]
         return sorted(out, key=lambda x: -x.tokens_left)[:limit]
 
-    def _migrate_request(self, req: m.MigrateRequest) -> m.Reply:
-        from bana_sglang.migrate.agent import _Migration
-
-        w = self.worker
+    def migrate(self, req: m.MigrateRequest) -> m.Reply:
+        sv = self.sv
+        w = sv.worker
         why = ""
         if w is None or w.scheduler is None:
             why = "this agent has no handle on a scheduler (not inside a worker)"
-        elif self.role != "decode":
-            why = f"this is a {self.role} worker: request migration moves running decode requests"
+        elif sv.role != "decode":
+            why = f"this is a {sv.role} worker: request migration moves running decode requests"
         if why:
             return m.Error(id=req.id, reason="invalid", detail=f"cannot migrate a request: {why}")
-        if req.migration in self.migrations:
-            return m.Error(
-                id=req.id, reason="invalid", detail=f"migration id {req.migration!r} is taken"
-            )
-        mig = _Migration(req.migration, "source", req.peer, 0, 0, "accepted", kind="request")
-        mig.detail = req.rid
-        with self._lock:
-            self.migrations[req.migration] = mig
+        if taken := sv.taken(req.id, req.migration):
+            return taken
+        mig = RequestMigration(
+            migration=req.migration,
+            side=Side.SOURCE,
+            peer=req.peer,
+            state=State.ACCEPTED,
+            detail=req.rid,
+        )
+        sv.add(mig)
         with mig.lock:
-            mig.pending = "req_stop"
-        self.metrics.add("request_migrations_started")
+            mig.pending = Pending.REQ_STOP
+        sv.metrics.add("request_migrations_started")
         return m.Accepted(id=req.id, migration=req.migration)
 
-    def _req_stop(self, mig) -> None:
-        """Scheduler thread, at a batch boundary: pre-copy the request's pages to the
-        store while it keeps decoding, then (a later boundary) end it after its step in flight."""
+    def stop(self, mig: RequestMigration) -> None:
+        """Scheduler thread (``Pending.REQ_STOP``), at a batch boundary: pre-copy the
+        request's pages to the store while it keeps decoding, then (a later boundary)
+        end it after its step in flight."""
         if mig.cancel.is_set():
-            mig.finish("cancelled", "cancelled", "cancelled before the request stopped")
+            mig.finish(State.CANCELLED, "cancelled", "cancelled before the request stopped")
             if mig.req is not None:
                 self.handoffs.pop(mig.req.rid, None)
                 mig.req = None
             return
-        if mig.state == "copying":
+        precopy_s = self.sv.config.request_precopy_s
+        if mig.state == State.COPYING:
             r = mig.req
             if r.finished() or r.to_finish is not None:
-                mig.finish("failed", "finished", f"{r.rid} ended while its pages were copied")
+                mig.finish(State.FAILED, "finished", f"{r.rid} ended while its pages were copied")
                 mig.req = None
                 self.handoffs.pop(r.rid, None)
                 return
-            if time.monotonic() - mig.t_copy < envs.BANA_REQUEST_PRECOPY_S.get():
+            if time.monotonic() - mig.t_copy < precopy_s:
                 with mig.lock:
-                    mig.pending = "req_stop"  # not yet: the next boundary
+                    mig.pending = Pending.REQ_STOP  # not yet: the next boundary
                 return
             self._cut(mig, r)
             return
-        reqs = list(getattr(self.worker.scheduler.running_batch, "reqs", None) or [])
-        r, why = pick(
-            reqs,
-            mig.detail,
-            frozenset(
-                rid for rid, x in self.handoffs.items() if x.state in ("copying", "stopping")
-            ),
-        )
+        reqs = list(getattr(self.sv.worker.scheduler.running_batch, "reqs", None) or [])
+        r, why = pick(reqs, mig.detail, self._moving())
         if r is None:
-            mig.finish("failed", "invalid", why)
-            self.metrics.add("migrations_failed")
+            mig.finish(State.FAILED, "invalid", why)
+            self.sv.metrics.add("migrations_failed")
             return
         mig.req, mig.detail = r, r.rid
         self.handoffs[r.rid] = mig
-        copied = self._precopy(r) if envs.BANA_REQUEST_PRECOPY_S.get() > 0 else 0
+        copied = self._precopy(r) if precopy_s > 0 else 0
         if copied:
-            mig.state, mig.t_copy = "copying", time.monotonic()
+            mig.state, mig.t_copy = State.COPYING, time.monotonic()
             mig.bytes_done = copied * self._kv_bytes_per_token()
             with mig.lock:
-                mig.pending = "req_stop"
+                mig.pending = Pending.REQ_STOP
             logger.info(
-                "request migration %s: %s: %d tokens' pages go to the global store while it decodes",
+                "request migration %s: %s: %d tokens' pages go to the global store while it "
+                "decodes",
                 mig.migration,
                 r.rid,
                 copied,
@@ -211,13 +216,14 @@ class RequestMixin:
         publishes them to the global store while the request keeps decoding; the
         stop then only publishes the pages written since. Returns the tokens
         inserted (0: not done: no such tree, or pages of it are on a KV host)."""
-        tree = getattr(self.worker.scheduler, "tree_cache", None)
+        w = self.sv.worker
+        tree = getattr(w.scheduler, "tree_cache", None)
         if tree is None or not hasattr(tree, "checkpoint") or getattr(tree, "disable", False):
             return 0
         lender = remote_kv()
         if lender is not None and r.kv.req_pool_idx in lender.segments:
             return 0  # remote positions have stale slots: they must not enter the tree
-        page = max(1, int(getattr(self.worker.allocator, "page_size", 1) or 1))
+        page = max(1, int(getattr(w.allocator, "page_size", 1) or 1))
         # positions whose KV is surely written (not the step in flight's), whole pages
         written = len(r.origin_input_ids) + len(r.output_ids) - 2
         if hasattr(r, "owned_kv_len"):
@@ -230,12 +236,13 @@ class RequestMixin:
         tree.checkpoint(r, up_to=up_to)
         return max(0, int(r.kv.cache_protected_len or 0) - before)
 
-    def _cut(self, mig, r) -> None:
+    def _cut(self, mig: RequestMigration, r) -> None:
         r.to_finish = finish_migrated(mig.migration)
-        mig.state = "stopping"
+        mig.state = State.STOPPING
         self.handoffs[r.rid] = mig
         logger.info(
-            "request migration %s: %s (%d prompt + %d answer tokens, %d left) stops at this boundary",
+            "request migration %s: %s (%d prompt + %d answer tokens, %d left) stops at this "
+            "boundary",
             mig.migration,
             r.rid,
             len(r.origin_input_ids),
@@ -243,11 +250,11 @@ class RequestMixin:
             tokens_left(r),
         )
 
-    def _req_settle(self) -> None:
+    def settle(self) -> None:
         """Scheduler thread: a stopping request that finished is handed off (or ended otherwise)."""
         now = time.monotonic()
         for rid, mig in list(self.handoffs.items()):
-            if mig.state == "stopping" and mig.req.finished():
+            if mig.state == State.STOPPING and mig.req.finished():
                 r = mig.req
                 if r.finished_reason is not None and MARK in str(
                     r.finished_reason.to_json().get("matched")
@@ -257,15 +264,15 @@ class RequestMixin:
                         len(r.origin_input_ids) + len(r.output_ids) - 1
                     )
                     mig.finish(
-                        "handed_off",
+                        State.HANDED_OFF,
                         "",
                         f"{rid}: {len(r.output_ids)} tokens here, "
                         f"{tokens_left(r)} left for the next worker",
                     )
-                    self.metrics.add("requests_handed_off")
+                    self.sv.metrics.add("requests_handed_off")
                 else:
                     mig.finish(
-                        "failed",
+                        State.FAILED,
                         "finished",
                         f"{rid} ended before the boundary "
                         f"({r.finished_reason.to_json().get('type')})",
@@ -273,28 +280,28 @@ class RequestMixin:
                     self.handoffs.pop(rid, None)
                 mig.req = None
             elif (
-                mig.state != "stopping"
+                mig.state != State.STOPPING
                 and mig.t_end is not None
                 and now - mig.t_end > HANDOFF_TTL_S
             ):
                 self.handoffs.pop(rid, None)
 
     def _kv_bytes_per_token(self) -> int:
-        pool = getattr(self.worker, "kv_pool", None)
+        pool = getattr(self.sv.worker, "kv_pool", None)
         if pool is None:
             return 0
         k = pool.get_key_buffer(0)
-        return 2 * self.num_layers * k[0].numel() * k.element_size()
+        return 2 * self.sv.num_layers * k[0].numel() * k.element_size()
 
-    def _handoff(self, req: m.Handoff) -> m.Reply:
+    def handoff(self, req: m.Handoff) -> m.Reply:
         mig = self.handoffs.get(req.rid)
         if mig is None:
             return m.Error(
                 id=req.id, reason="invalid", detail=f"no request {req.rid!r} was handed off here"
             )
-        if mig.state == "stopping":
+        if mig.state == State.STOPPING:
             return m.Error(id=req.id, reason="busy", detail=f"{req.rid} has not stopped yet")
-        if mig.state != "handed_off":
+        if mig.state != State.HANDED_OFF:
             return m.Error(
                 id=req.id, reason="invalid", detail=f"request migration of {req.rid} {mig.state}"
             )

@@ -14,6 +14,7 @@ import torch
 
 from bana_sglang.migrate.agent import MigrationAgent, crc32
 from bana_sglang.migrate.client import AgentClient, AgentUnavailable
+from bana_sglang.migrate.config import MigrateConfig
 from bana_sglang.wire import agent as m
 
 
@@ -33,7 +34,7 @@ class Running:
     def __init__(self, name: str, role: str, seed: int, n: int = 4, width: int = 64):
         self.layers = layers(seed, n, width)
         self.agent = MigrationAgent(
-            name, role, self.layers, "tcp://127.0.0.1:*", peer_timeout_s=2.0
+            name, role, self.layers, "tcp://127.0.0.1:*", config=MigrateConfig(peer_timeout_s=2.0)
         )
         self.stop = threading.Event()
         self.thread = threading.Thread(
@@ -159,13 +160,13 @@ def test_peer_killed_mid_transfer_fails_cleanly():
         Running("decode-0", "decode", 2, n=6, width=512),
     )
     try:
-        real_read = y.agent._engine().read
+        real_read = y.agent.services.engine().read
 
         def slow_read(*a, **k):  # one layer at a time, slowly: the kill lands mid-transfer
             time.sleep(0.3)
             return real_read(*a, **k)
 
-        y.agent._te.read = slow_read
+        y.agent.services.engine().read = slow_read
         x.client.call(m.MigrateLayers, migration="mid", start=0, stop=6, peer=y.agent.endpoint)
         deadline = time.monotonic() + 10
         while x.agent.migrations["mid"].state != "transferring" and time.monotonic() < deadline:
