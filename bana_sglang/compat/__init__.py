@@ -132,7 +132,7 @@ def cpu_threads(workers_here: int, threads: int = 0) -> int:
     The default of torch (every core in every worker) oversubscribes a machine
     that runs several workers: measured on 2 cores with a 1P1D cluster, decode
     steps during a 2048-token prefill took 0.24 s with 2 threads per worker
-    against 0.095 s with 1 (docs/RESULTS.md, "Simulator fidelity")."""
+    against 0.095 s with 1 (docs/RESULTS.md, "CPU threads per worker")."""
     if threads < 0:
         raise ValueError(f"--cpu-threads {threads}: give a positive count, or 0 for automatic")
     if threads:

@@ -8,6 +8,6 @@
 - :mod:`bana_sglang.kernels.merge`: exact merge of partial attention states (output +
   log-sum-exp) over disjoint KV partitions, for KV-block migration; handles
   empty partitions and extreme logits. Torch reference everywhere, a Triton
-  kernel for two partitions on CUDA (``tests/test_merge_cuda.py``, marked
+  kernel for two partitions on CUDA (``tests/unit/attention/test_merge_cuda.py``, marked
   ``gpu``).
 """
