@@ -1,4 +1,4 @@
-"""``python -m bench``: replay, side-by-side, sweep, cross-check, workloads.
+"""``python -m bench``: replay, side-by-side, sweep, cross-check, workloads, calibrate, fidelity.
 
 Examples (from the repository root)::
 
@@ -15,36 +15,30 @@ Examples (from the repository root)::
     # agreement with SGLang's own benchmark
     python -m bench crosscheck --config colocated
 
-Argument parsing lives here only; everything below takes frozen configs.
+    # the simulator's CPU profile fitted to the live 1P1D cluster, then checked against it
+    python -m bench calibrate --model small --repeats 3
+    python -m bench fidelity --requests 40 --rate 0.3 --repeats 3
+
+Traces: the commands that read one take ``--trace PATH`` (default: the copy shipped
+in ``bench/data/traces``).
+
+Argument parsing lives here only; the commands (:mod:`bench.commands`,
+:mod:`bench.calibrate`, :mod:`bench.fidelity`) build frozen configs from it.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import logging
 import math
-import shlex
 import sys
-import time
 from pathlib import Path
 
 from bana_sglang import _cli
 from bana_sglang.sim.profiles import PROFILE_DIR
-from bench import calibrate, client, configs, crosscheck, fidelity, metrics, sidebyside, workloads
+from bench import calibrate, commands, configs, fidelity, workloads
 
 logger = logging.getLogger("bench")
-
-
-def _rates(text: str) -> tuple[float | None, ...]:
-    out: list[float | None] = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        out.append(
-            None if item in ("trace", "none") else (math.inf if item == "inf" else float(item))
-        )
-    return tuple(out)
 
 
 def _add_workload(p: argparse.ArgumentParser) -> None:
@@ -87,7 +81,7 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
         "--trace",
         default=None,
         metavar="PATH",
-        help="traces: the trace file (default: the shipped copy in bench/data/traces)",
+        help="traces: the trace file (None: the shipped copy in bench/data/traces)",
     )
     g.add_argument(
         "--input-len", type=int, default=256, help="generators: question / prompt length (tokens)"
@@ -135,47 +129,6 @@ def _add_resources(p: argparse.ArgumentParser) -> None:
         "--sglang-args",
         default="",
         help="extra SGLang flags for every worker of every configuration",
-    )
-
-
-def _workload_spec(a: argparse.Namespace) -> workloads.WorkloadSpec:
-    return workloads.WorkloadSpec(
-        name=a.workload,
-        num_requests=a.num_requests,
-        request_rate=a.request_rate,
-        seed=a.seed,
-        length_scale=a.length_scale,
-        output_scale=a.output_scale,
-        time_scale=a.time_scale,
-        trace_offset=a.trace_offset,
-        trace=a.trace,
-        input_len=a.input_len,
-        output_len=a.output_len,
-        num_groups=a.num_groups,
-        system_len=a.system_len,
-        zipf_alpha=a.zipf_alpha,
-        burst_on_s=a.burst_on_s,
-        burst_off_s=a.burst_off_s,
-        clip=not a.no_clip,
-    )
-
-
-def _slo(a: argparse.Namespace) -> metrics.SLO:
-    return metrics.SLO(
-        ttft_s=a.slo_ttft_ms / 1000 if a.slo_ttft_ms else None,
-        tpot_s=a.slo_tpot_ms / 1000 if a.slo_tpot_ms else None,
-    )
-
-
-def _resources(a: argparse.Namespace) -> configs.Resources:
-    return configs.Resources(
-        model_path=a.model_path,
-        num_prefill=a.num_prefill,
-        num_decode=a.num_decode,
-        omp_threads=a.omp_threads,
-        kv_tokens_total=a.kv_tokens_total,
-        base_port=a.base_port,
-        extra_sglang_args=tuple(shlex.split(a.sglang_args)),
     )
 
 
@@ -310,7 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_calibration(sub) -> None:
     """``calibrate`` and ``fidelity``: the simulator's CPU profile against the live cluster."""
     cal = sub.add_parser(
-        "calibrate", help="measure the live 1P1D cluster on this machine and write a CPU profile"
+        "calibrate",
+        help="measure the live 1P1D cluster on this machine and write a CPU profile",
+        description="Start a 1P1D cluster, measure prefill, decode, host contention and joins "
+        "one request at a time, and fit the simulator's CPU profile to them (bench/calibrate.py).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     cal.add_argument("--model", default="small", help="embedded model name or folder")
     cal.add_argument(
@@ -319,29 +276,40 @@ def _add_calibration(sub) -> None:
     cal.add_argument(
         "--out",
         default=None,
-        help="profile JSON to write (default profiles/cpu_small_calibrated.json)",
+        help="profile JSON to write (None: bana_sglang/sim/profiles/cpu_small_calibrated.json)",
     )
-    cal.add_argument("--repeats", type=int, default=2)
+    cal.add_argument("--repeats", type=int, default=2, help="measurements of every point")
     cal.add_argument(
         "--measurements",
         default=None,
         help="refit the measurements of a previous run (its .fit.json) instead of measuring",
     )
-    cal.add_argument("--port", type=int, default=31200)
-    cal.add_argument("--log-dir", default=None)
+    cal.add_argument("--port", type=int, default=31200, help="the router's port (workers above it)")
+    cal.add_argument(
+        "--log-dir", default=None, help="the cluster's logs (None: /tmp/bana-calibrate-<time>)"
+    )
     cal.set_defaults(fn=calibrate.run_calibrate)
     fid = sub.add_parser(
-        "fidelity", help="one trace slice on the live cluster and in the simulator: the errors"
+        "fidelity",
+        help="one trace slice on the live cluster and in the simulator: the errors",
+        description="Replay one slice of the Mooncake conversation trace on a live 1P1D cluster "
+        "and in the simulator with the calibrated profile; print the relative errors of mean and "
+        "p99 TTFT, mean TPOT and throughput (bench/fidelity.py).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    fid.add_argument("--model", default="small")
-    fid.add_argument("--profile-path", default=str(PROFILE_DIR / "cpu_small_calibrated.json"))
+    fid.add_argument("--model", default="small", help="embedded model name or folder")
+    fid.add_argument(
+        "--profile-path",
+        default=str(PROFILE_DIR / "cpu_small_calibrated.json"),
+        help="the simulator's profile (from `python -m bench calibrate`)",
+    )
     fid.add_argument("--requests", type=int, default=40, help="trace rows")
     fid.add_argument("--offset", type=int, default=0, help="first trace row")
     fid.add_argument(
         "--trace",
         default=None,
         metavar="PATH",
-        help="the Mooncake conversation trace (default: the shipped copy in bench/data/traces)",
+        help="the Mooncake conversation trace (None: the shipped copy in bench/data/traces)",
     )
     fid.add_argument(
         "--rate", type=float, default=0.5, help="mean request rate of the slice, req/s"
@@ -359,159 +327,19 @@ def _add_calibration(sub) -> None:
         help="live replays, each on a fresh cluster; the simulator is compared with their mean "
         "and the runs' own spread is printed",
     )
-    fid.add_argument("--port", type=int, default=31200)
-    fid.add_argument("--log-dir", default=None)
+    fid.add_argument("--port", type=int, default=31200, help="the router's port (workers above it)")
+    fid.add_argument(
+        "--log-dir", default=None, help="the clusters' logs (None: /tmp/bana-fidelity-<time>)"
+    )
     fid.add_argument("--json", default=None, help="also write the rows here")
     fid.add_argument(
         "--write-results", action="store_true", help="replace this run's section of docs/RESULTS.md"
     )
-    fid.add_argument("--results-key", default="sim-fidelity")
+    fid.add_argument("--results-key", default="sim-fidelity", help="its section's marker")
     fid.add_argument(
         "--results-title", default="Simulator fidelity (live vs simulated, one trace slice)"
     )
     fid.set_defaults(fn=fidelity.run_fidelity)
-
-
-def _command_line(argv: list[str]) -> str:
-    return "python -m bench " + shlex.join(argv)
-
-
-def cmd_replay(a: argparse.Namespace) -> int:
-    space = workloads.TokenSpace.from_model(configs.model_dir(a.model_path))
-    wl = workloads.build(_workload_spec(a), space)
-    model = a.served_model_name
-    if model is None:
-        import urllib.request
-
-        with urllib.request.urlopen(a.endpoint.rstrip("/") + "/v1/models", timeout=10) as resp:
-            model = json.load(resp)["data"][0]["id"]
-    sampler = None
-    if a.worker_metrics:
-        sampler = client.LoadSampler(dict(item.split("=", 1) for item in a.worker_metrics))
-    print(wl.describe(), *wl.notes, sep="\n")
-    ccfg = client.ClientConfig(
-        a.endpoint, model, space=space, prompt_mode=a.prompt_mode, timeout_s=a.timeout_s
-    )
-    records = client.replay(ccfg, wl, sampler)
-    summary = metrics.summarize(records, _slo(a), sampler.samples if sampler else ())
-    a.out.mkdir(parents=True, exist_ok=True)
-    with (a.out / "records.jsonl").open("w") as f:
-        for rec in records:
-            f.write(json.dumps(rec.to_json()) + "\n")
-    (a.out / "summary.json").write_text(json.dumps(summary.to_json(), indent=1, default=str))
-    print(metrics.format_summary(f"{a.workload} @ {a.endpoint}", summary))
-    print(f"records: {a.out / 'records.jsonl'}")
-    return 0 if summary.ok else 1
-
-
-def cmd_side_by_side(a: argparse.Namespace, argv: list[str]) -> int:
-    started = dt.datetime.now(dt.UTC)
-    out = a.out or a.from_dir or Path("bench/runs") / f"{a.cmd}-{started:%Y%m%d-%H%M%S}"
-    machine = (
-        sidebyside.machine_description()
-    )  # before anything starts: the load average is the others'
-    rates = _rates(a.rates)
-    if a.cmd == "sweep":
-        if None in rates:
-            raise configs.ConfigError("a sweep needs numeric --rates")
-        rates = tuple(sorted(rates))  # ascending: a configuration stops at its first failing rate
-    spec = sidebyside.RunSpec(
-        configs=tuple(x.strip() for x in a.configs.split(",") if x.strip()),
-        workload=_workload_spec(a),
-        resources=_resources(a),
-        rates=rates,
-        slo=_slo(a),
-        out_dir=out,
-        warmup=a.warmup,
-        timeout_s=a.timeout_s,
-        min_goodput=getattr(a, "min_goodput", None),
-    )
-    t0 = time.monotonic()
-    if a.from_dir is not None:
-        results = sidebyside.load_results(a.from_dir, spec.slo)
-        finished = dt.datetime.fromtimestamp((a.from_dir / "summary.json").stat().st_mtime, dt.UTC)
-        try:  # the run's folder is named after its start time
-            began = dt.datetime.strptime(
-                a.from_dir.name.split("-", 1)[1][-15:], "%Y%m%d-%H%M%S"
-            ).replace(tzinfo=dt.UTC)
-        except ValueError:
-            began = finished
-        old = (a.from_dir / "report.md").read_text() if (a.from_dir / "report.md").exists() else ""
-        line = next((x for x in old.splitlines() if x.startswith("Machine: ")), "")
-        machine = (
-            line[len("Machine: ") :].rstrip(".") if line else f"{machine} (load: at re-rendering)"
-        ) + (
-            f"; measured by the run in `{a.from_dir}`, report re-rendered from its records with `--from-dir` "
-            f"at {started:%H:%M} UTC"
-        )
-        started, wall = began, (finished - began).total_seconds()
-        mark = "SGLang flags of every worker (besides model, ports and PD role): `"
-        flag_line = next((x for x in old.splitlines() if x.startswith(mark)), "")
-        flags = flag_line[len(mark) :].rstrip("`.") if flag_line else "not recorded by that run"
-    else:
-        results = sidebyside.run(spec)
-        wall, flags = time.monotonic() - t0, None
-    plots = sidebyside.plot_all(results, out)
-    command = _command_line(argv)
-    if a.from_dir is not None:  # state the measuring command, and how this report was made from it
-        i = next(k for k, x in enumerate(argv) if x.startswith("--from-dir"))
-        measuring = argv[:i] + argv[i + (1 if "=" in argv[i] else 2) :]
-        command = _command_line(measuring)
-    text = sidebyside.report(spec, results, command, plots, machine, started, wall, flags)
-    (out / "report.md").write_text(text + "\n")
-    print("\n" + text)
-    if not a.no_results_md:
-        sidebyside.write_results_section(
-            a.cmd, "Side-by-side" if a.cmd == "side-by-side" else "Request-rate sweep", text
-        )
-    return 0 if results else 1
-
-
-def cmd_crosscheck(a: argparse.Namespace, argv: list[str]) -> int:
-    started = dt.datetime.now(dt.UTC)
-    machine = sidebyside.machine_description()
-    spec = crosscheck.CrossCheckSpec(
-        config=a.config,
-        groups=a.groups,
-        prompts_per_group=a.prompts_per_group,
-        system_len=a.system_len,
-        question_len=a.question_len,
-        output_len=a.output_len,
-        rate=a.rate,
-        seed=a.seed,
-        tol_throughput=a.tol_throughput,
-        tol_ttft=a.tol_ttft,
-        out_dir=a.out,
-    )
-    res = _resources(a)
-    comps, theirs, ours, their_argv = crosscheck.run(spec, res)
-    verdict = "AGREE" if all(c.ok for c in comps) else "DISAGREE"
-    text = "\n".join(
-        [
-            f"Date: {started:%Y-%m-%d %H:%M} UTC. Command: `{_command_line(argv)}`",
-            f"Machine: {machine}.",
-            f"Configuration `{spec.config}` ({configs.get(spec.config).description}); "
-            + (
-                f"one process, OMP_NUM_THREADS={res.omp_threads}, --max-total-tokens {res.kv_tokens_total}."
-                if spec.config == "single"
-                else f"{res.describe()}."
-            ),
-            f"Workload: shared prefix, {spec.groups} groups x {spec.prompts_per_group} prompts, system "
-            f"{spec.system_len} + question {spec.question_len} tokens, {spec.output_len} output tokens, rate "
-            f"{spec.rate:g} req/s; each tool draws its own token ids; prefix caches flushed before each tool.",
-            f"SGLang's tool: `{' '.join(Path(x).name if x == sys.executable else x for x in their_argv)}`",
-            "",
-            crosscheck.table(comps, ours, theirs),
-            "",
-            f"Verdict: {verdict} (throughput within {spec.tol_throughput:.0%}, TTFT within {spec.tol_ttft:.0%}).",
-        ]
-    )
-    print("\n" + text)
-    if not a.no_results_md:
-        sidebyside.write_results_section(
-            "crosscheck", "Cross-check against sglang.bench_serving", text
-        )
-    return 0 if verdict == "AGREE" else 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -524,18 +352,12 @@ def main(argv: list[str] | None = None) -> int:
         return a.fn(a)
     try:
         if a.cmd == "replay":
-            return cmd_replay(a)
+            return commands.cmd_replay(a)
         if a.cmd in ("side-by-side", "sweep"):
-            return cmd_side_by_side(a, argv)
+            return commands.cmd_side_by_side(a, argv)
         if a.cmd == "crosscheck":
-            return cmd_crosscheck(a, argv)
-        wl = workloads.build(
-            _workload_spec(a), workloads.TokenSpace.from_model(configs.model_dir(a.model_path))
-        )
-        print(wl.describe(), *wl.notes, sep="\n")
-        if a.save:
-            workloads.save_jsonl(wl, a.save)
-        return 0
+            return commands.cmd_crosscheck(a, argv)
+        return commands.cmd_workloads(a)
     except (workloads.WorkloadError, configs.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ import httpx
 from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
 from bench import configs
 from bench.bench_migrate import _agents, _burst, _prompts
-from bench.sidebyside import (
+from bench.results import (
     ROOT,
     machine_description,
     parse_cluster_bench_args,

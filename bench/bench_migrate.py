@@ -49,7 +49,7 @@ import torch
 from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
 from bana_sglang.migrate.agent import TransferEngine
 from bench import configs
-from bench.sidebyside import (
+from bench.results import (
     ROOT,
     machine_description,
     parse_cluster_bench_args,

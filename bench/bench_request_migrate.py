@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import random
 import re
 import statistics
@@ -41,10 +40,11 @@ from pathlib import Path
 
 import httpx
 
+from bana_sglang import envs
 from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
 from bench import configs
 from bench.bench_migrate import _agents
-from bench.sidebyside import (
+from bench.results import (
     ROOT,
     machine_description,
     parse_cluster_bench_args,
@@ -239,10 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             {"args": vars(args) | {"out": str(out)}, "contexts": results}, indent=2, default=str
         )
     )
+    precopy = envs.BANA_REQUEST_PRECOPY_S  # the workers read it; the report states it
+    precopy_s = f"{precopy.get():g}" if precopy.is_set else f"{precopy.default:g}, the default"
     report = [
         f"Run: `python -m bench.bench_request_migrate --model {args.model} --contexts {args.contexts} "
         f"--decode-tokens {args.decode_tokens} --move-after {args.move_after} --repeats {args.repeats}` "
-        f"(pre-copy: BANA_REQUEST_PRECOPY_S={os.environ.get('BANA_REQUEST_PRECOPY_S', '0.2, the default')}) on "
+        f"(pre-copy: BANA_REQUEST_PRECOPY_S={precopy_s}) on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine_description()}.",
         "",
         f"One streamed greedy `/generate` request at a time on a 1P2D cluster with the global store, moved "

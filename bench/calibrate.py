@@ -1,4 +1,4 @@
-"""Calibration of the CPU profile on the live system, and the simulator's fidelity.
+"""Calibration of the simulator's CPU profile on the live system.
 
 ``python -m bench calibrate`` starts a 1P1D cluster of the embedded
 ``small`` model (the launcher's defaults: global store on, load-aware router)
@@ -26,9 +26,10 @@ and measures, through the router, one request at a time:
 It writes a profile JSON (default ``profiles/cpu_small_calibrated.json``)
 whose fitted fields cite the run, and prints the fit's residuals.
 
-The live harness here (cluster, client, warm-up, CPU steal, store faults) is
-shared with :mod:`bench.fidelity`, which replays a trace slice live and
-simulated with the profile this writes.
+The fits themselves are pure and live in :mod:`bench.fit`; the live harness
+(cluster, client, warm-up, CPU steal, store faults) in :mod:`bench.live`, shared
+with :mod:`bench.fidelity`, which replays a trace slice live and simulated with
+the profile this writes.
 """
 
 from __future__ import annotations
@@ -41,10 +42,19 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
-from bana_sglang.sim.profiles import PROFILE_DIR, Profile, load_profile, save_profile
-from bench import configs
-from bench.client import ClientConfig, replay_checked
+from bana_sglang.sim.profiles import PROFILE_DIR, load_profile, save_profile
+from bench.fit import calibrate
+from bench.live import (
+    cpu_steal_ticks,
+    fresh_batch,
+    fresh_prompt,
+    live_client,
+    replay,
+    start_cluster,
+    steal_share,
+    store_faults,
+    warm_up,
+)
 from bench.workloads import Request
 
 logger = logging.getLogger("bench.calibrate")
@@ -52,11 +62,9 @@ logger = logging.getLogger("bench.calibrate")
 PREFILL_LENGTHS = (128, 512, 1024, 2048, 3072, 4096)
 CHUNKED_LENGTHS = (6144, 8192)  # longer than a chunk: the later chunks attend over a cached prefix
 # Decode batches (prompt lengths of requests decoding together): short prompts at
-# batch 1, 4 and 8, then a large KV. The lengths are mixed, as in the trace's bursts.
-# (Until 2026-12-01 the CPU kernel ran a batch like the trace's first burst
-# as one padded call, several times slower than these points' per-request path, which
-# made the live decode slower than the calibrated law; bana_sglang.kernels.cpu_attention.decode_pads
-# now chooses by measured cost, so both take the per-request path.)
+# batch 1, 4 and 8, then a large KV. The lengths are mixed, as in the trace's bursts, so
+# that the CPU kernel takes the same path on both (bana_sglang.kernels.cpu_attention.decode_pads
+# chooses a padded call or one call per request by measured cost).
 DECODE_POINTS = (
     (128,),
     (32, 64, 96, 320),
@@ -76,214 +84,6 @@ JOIN_PROMPTS = (256, 1024, 2048)
 JOIN_BUSY_PROMPT = 1024
 JOIN_BUSY_PREFILL = 8192
 JOIN_BUSY_DELAY_S = 0.5
-MIN_DECODE_FIXED_S = 1e-4
-WARM_BURST = (1792, 1536, 1280, 1024, 768, 512, 256, 128)  # 7296 tokens
-
-
-def start_cluster(model: str, port: int, log_dir: Path):
-
-    cfg = LaunchConfig(
-        model_path=str(configs.model_dir(model)),
-        num_prefill=1,
-        num_decode=1,
-        port=port,
-        worker_base_port=port + 10,
-        log_dir=log_dir,
-    )
-    return Cluster(plan_cluster(cfg), log_dir=log_dir, startup_timeout=900)
-
-
-def live_client(endpoint: str):
-    import httpx
-
-    model = httpx.get(endpoint + "/v1/models", timeout=60).json()["data"][0]["id"]
-    return ClientConfig(endpoint=endpoint, model=model, prompt_mode="ids", progress=False)
-
-
-def replay(cfg, reqs):
-
-    return replay_checked(cfg, reqs)
-
-
-def _fresh(seed: int, n: int) -> tuple[int, ...]:
-    import random
-
-    rng = random.Random(seed)
-    return tuple(rng.randrange(10, 8000) for _ in range(n))
-
-
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares ``y = a + b x``; returns ``(a, b)``."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        raise ValueError("need at least two distinct x values")
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    return my - b * mx, b
-
-
-def chunked_prefill_seconds(p: Profile, n: int) -> float:
-    """A fresh ``n``-token prompt prefilled alone in chunks of ``max_prefill_tokens`` (as the simulator does)."""
-    return p.lone_prefill_seconds(n)
-
-
-def fit_prefix_cost(p: Profile, chunked: list[tuple[int, float]]) -> float:
-    """The multiplier on prefix-attention FLOPs that makes chunked prompts' predicted
-    TTFT match the measured ones (least squares; the prediction is linear in it)."""
-    xs, ys = [], []
-    for n, t in chunked:
-        at1 = chunked_prefill_seconds(replace(p, prefix_attention_cost=1.0), n)
-        prefix_s = (
-            chunked_prefill_seconds(replace(p, prefix_attention_cost=2.0), n) - at1
-        )  # its seconds at cost 1
-        xs.append(prefix_s)
-        ys.append(t - (at1 - prefix_s))
-    return max(1.0, sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1e-12))
-
-
-def fit_plane(x1: list[float], x2: list[float], ys: list[float]) -> tuple[float, float, float]:
-    """Least-squares ``y = a + b x1 + c x2`` (normal equations); returns ``(a, b, c)``."""
-    n = len(ys)
-    m1, m2, my = sum(x1) / n, sum(x2) / n, sum(ys) / n
-    u, v, w = [x - m1 for x in x1], [x - m2 for x in x2], [y - my for y in ys]
-    suu, svv, suv = sum(x * x for x in u), sum(x * x for x in v), sum(x * y for x, y in zip(u, v))
-    suw, svw = sum(x * y for x, y in zip(u, w)), sum(x * y for x, y in zip(v, w))
-    det = suu * svv - suv * suv
-    if det <= 1e-12 * max(suu * svv, 1e-300):
-        raise ValueError(
-            "the two regressors are collinear: need points that vary batch and KV apart"
-        )
-    b = (suw * svv - svw * suv) / det
-    c = (svw * suu - suw * suv) / det
-    return my - b * m1 - c * m2, b, c
-
-
-def fit_decode(p: Profile, decode: list[tuple[int, int, float]]) -> Profile:
-    """Step time = fixed + per_request x batch + weights / (hbm_bw x eff) + KV bytes / kv_rate,
-    fitted by least squares on (batch, KV tokens, step time); without a positive
-    batch coefficient, on the KV alone; with points that do not separate them,
-    only the fixed overhead is refitted (the law's other terms as they are)."""
-    batches, kv_bytes = (
-        [b for b, _, _ in decode],
-        [kv * p.kv_bytes_per_token for _, kv, _ in decode],
-    )
-    times = [t for _, _, t in decode]
-    try:
-        a, per_req, per_byte = fit_plane(batches, kv_bytes, times)
-    except ValueError:
-        a = per_req = per_byte = 0.0
-    if per_req < 0 and len(set(kv_bytes)) > 1:  # no per-request cost visible: the KV alone
-        (a, per_byte), per_req = fit_line(kv_bytes, times), 0.0
-    if per_req < 0 or per_byte <= 0:
-        rest = [t - (p.decode_step_seconds(bsz, kv) - p.decode_fixed_s) for bsz, kv, t in decode]
-        return replace(p, decode_fixed_s=max(MIN_DECODE_FIXED_S, statistics.median(rest)))
-    p = replace(p, kv_read_bytes_per_s=1.0 / per_byte, decode_per_request_s=per_req)
-    weights = p.weight_bytes / (p.hbm_bytes_per_s * p.hbm_efficiency)
-    if (
-        a - weights >= MIN_DECODE_FIXED_S
-    ):  # the weights' read stays the profile's; the rest is overhead
-        return replace(p, decode_fixed_s=a - weights)
-    # The intercept is shorter than reading the weights at the profile's bandwidth: on
-    # this machine they are read faster (a CPU's caches can hold much of a small
-    # model). Keep the measured intercept: the weights' read is what is left of it.
-    return replace(
-        p,
-        decode_fixed_s=MIN_DECODE_FIXED_S,
-        hbm_bytes_per_s=p.weight_bytes / (p.hbm_efficiency * max(a - MIN_DECODE_FIXED_S, 1e-6)),
-    )
-
-
-def calibrate(
-    base: Profile,
-    prefill: list[tuple[int, float]],
-    decode: list[tuple[int, int, float]],
-    contention: dict | None = None,
-) -> tuple[Profile, dict]:
-    """Fit ``mfu``/``prefill_fixed_s`` to (prompt tokens, TTFT) and ``decode_fixed_s``
-    to (batch, KV tokens, TPOT); ``contention`` (from :func:`measure_contention`,
-    optionally with ``pd_handoff_s`` and ``prefill_result_lag``) sets the host
-    contention factors and the PD scheduling details. Pure: the numbers in, a
-    profile out."""
-    chunked = [(n, t) for n, t in prefill if n > base.max_prefill_tokens]
-    prefill = [(n, t) for n, t in prefill if n <= base.max_prefill_tokens]
-    xs = [base.prefill_flops(n, 0) for n, _ in prefill]
-    a, b = fit_line(xs, [t for _, t in prefill])
-    if b <= 0:
-        raise ValueError(
-            f"prefill time does not grow with the prompt (slope {b}): too noisy to fit"
-        )
-    mfu = 1.0 / (b * base.peak_flops)
-    # Faster than the profile's peak (its FLOP count or its peak is off): the
-    # fitted effective rate becomes the peak, at full efficiency.
-    p = replace(
-        base,
-        mfu=min(1.0, mfu),
-        peak_flops=base.peak_flops * max(1.0, mfu),
-        prefill_fixed_s=max(0.0, a),
-    )
-    if chunked:
-        p = replace(p, prefix_attention_cost=fit_prefix_cost(p, chunked))
-    p = fit_decode(p, decode)
-    factors = contention_factors(contention) if contention else {}
-    if contention:
-        p = replace(p, **factors)
-        if "pd_handoff_s" in contention:
-            p = replace(p, pd_handoff_s=max(0.0, float(contention["pd_handoff_s"])))
-        if contention.get("join_points"):  # sets pd_handoff_s again, beyond the joins' hold
-            p = fit_join(p, contention["join_points"])
-        if "prefill_result_lag" in contention:
-            p = replace(p, prefill_result_lag=bool(contention["prefill_result_lag"]))
-    fit = {
-        "prefill": [
-            {"tokens": n, "measured_s": t, "fitted_s": chunked_prefill_seconds(p, n)}
-            for n, t in prefill + chunked
-        ],
-        "decode": [
-            {
-                "batch": bsz,
-                "kv_tokens": kv,
-                "measured_s": t,
-                "fitted_s": p.decode_step_seconds(bsz, kv),
-            }
-            for bsz, kv, t in decode
-        ],
-    }
-    if contention:
-        fit["contention"] = {**contention, **factors}
-        if contention.get(
-            "join_points"
-        ):  # what the profile took (its pd_handoff_s replaces the batches')
-            fit["join"] = {
-                "decode_join_s": p.decode_join_s,
-                "decode_join_s_per_token": p.decode_join_s_per_token,
-                "pd_handoff_s": p.pd_handoff_s,
-            }
-    return p, fit
-
-
-def contention_factors(c: dict) -> dict[str, float]:
-    """The profile's contention factors from :func:`measure_contention`'s numbers
-    (never below 1: a faster run under load is noise, not help)."""
-    for k in ("prefill_alone_s", "prefill_shared_s", "decode_alone_s", "decode_shared_s"):
-        if not c.get(k) or c[k] <= 0:
-            raise ValueError(
-                f"contention measurement {k!r} is missing or not positive: {c.get(k)!r}"
-            )
-    out = {
-        "host_contention_prefill": max(1.0, c["prefill_shared_s"] / c["prefill_alone_s"]),
-        "host_contention_decode": max(1.0, c["decode_shared_s"] / c["decode_alone_s"]),
-    }
-    if (
-        "join_idle_hold_s" in c or "join_busy_hold_s" in c
-    ):  # measure_busy_join (fits before it lack them)
-        idle, busy = c.get("join_idle_hold_s"), c.get("join_busy_hold_s")
-        if idle is None or busy is None or idle <= 0 or busy < 0:
-            raise ValueError(
-                f"busy-join measurement needs a positive idle hold and a busy one: idle {idle!r}, "
-                f"busy {busy!r}"
-            )
-        out["host_contention_join"] = max(1.0, busy / idle)
-    return out
 
 
 def decode_gaps_during(decoding: list, t0: float, t1: float) -> list[float]:
@@ -294,29 +94,6 @@ def decode_gaps_during(decoding: list, t0: float, t1: float) -> list[float]:
         ts = [t for t, _ in r.chunks]
         gaps += [b - a for a, b in zip(ts, ts[1:]) if a >= t0 and b <= t1]
     return gaps
-
-
-def _batch(lens, seed: int, max_tokens: int, *, stride: int = 1, rid0: int = 0) -> list:
-    """Requests arriving together with fresh prompts of ``lens`` tokens (request i's
-    prompt seeded ``seed + stride * i``)."""
-
-    return [
-        Request(
-            rid=rid0 + i, arrival_s=0.0, prompt=_fresh(seed + stride * i, n), max_tokens=max_tokens
-        )
-        for i, n in enumerate(lens)
-    ]
-
-
-def warm_up(cfg) -> None:
-    """Two fresh prompts (256 and 2048 tokens) through the cluster before anything
-    is measured: the first requests after start-up pay one-off costs (connections,
-    first allocations) that the profile, calibrated warm, does not model."""
-
-    for i, n in enumerate((256, 2048)):
-        replay(cfg, [Request(rid=i, arrival_s=0.0, prompt=_fresh(900 + i, n), max_tokens=4)])
-    # a burst of mixed lengths decoding together (WARM_BURST tokens of KV at once)
-    replay(cfg, _batch(WARM_BURST, 910, 16, rid0=10))
 
 
 def measure(
@@ -331,14 +108,14 @@ def measure(
         for _ in range(repeats):
             seed += 1
             (rec,) = replay(
-                cfg, [Request(rid=seed, arrival_s=0.0, prompt=_fresh(seed, n), max_tokens=2)]
+                cfg, [Request(rid=seed, arrival_s=0.0, prompt=fresh_prompt(seed, n), max_tokens=2)]
             )
             prefill.append((n, rec.ttft))
             logger.info("prefill %5d tokens: TTFT %.3fs", n, rec.ttft)
     for n in CHUNKED_LENGTHS:
         seed += 1
         (rec,) = replay(
-            cfg, [Request(rid=seed, arrival_s=0.0, prompt=_fresh(seed, n), max_tokens=2)]
+            cfg, [Request(rid=seed, arrival_s=0.0, prompt=fresh_prompt(seed, n), max_tokens=2)]
         )
         prefill.append((n, rec.ttft))
         logger.info("prefill %5d tokens (chunked): TTFT %.3fs", n, rec.ttft)
@@ -346,7 +123,7 @@ def measure(
     for lens in DECODE_POINTS:
         seed += 1
         bsz = len(lens)
-        recs = replay(cfg, _batch(lens, seed * 100, 33))
+        recs = replay(cfg, fresh_batch(lens, seed * 100, 33))
         split = [steady_and_handoff(r) for r in recs]
         tpot = statistics.fmean(x[0] for x in split)
         decode.append((bsz, sum(lens) + 16 * bsz, tpot))  # KV at the mean measured step
@@ -383,11 +160,18 @@ def speed_point(cfg, seed: int) -> dict[str, float]:
     ``prefill_alone_s``, the TTFT of a fresh ``CONTENTION_PROMPT``-token prompt
     (``batch_started_s``: when the batch's last request had its first token)."""
 
-    recs = replay(cfg, _batch(CONTENTION_DECODE, seed, 33, stride=10))
+    recs = replay(cfg, fresh_batch(CONTENTION_DECODE, seed, 33, stride=10))
     decode = statistics.fmean(steady_and_handoff(r)[0] for r in recs)
     (rec,) = replay(
         cfg,
-        [Request(rid=99, arrival_s=0.0, prompt=_fresh(seed + 5, CONTENTION_PROMPT), max_tokens=2)],
+        [
+            Request(
+                rid=99,
+                arrival_s=0.0,
+                prompt=fresh_prompt(seed + 5, CONTENTION_PROMPT),
+                max_tokens=2,
+            )
+        ],
     )
     return {
         "decode_alone_s": decode,
@@ -413,9 +197,12 @@ def measure_contention(endpoint: str, repeats: int = 2) -> dict:
         out.setdefault("prefill_alone_s", []).append(speed["prefill_alone_s"])
         started = speed["batch_started_s"] + 0.5  # every request of the batch decoding
         big = Request(
-            rid=99, arrival_s=started, prompt=_fresh(seed + 6, CONTENTION_PROMPT), max_tokens=2
+            rid=99,
+            arrival_s=started,
+            prompt=fresh_prompt(seed + 6, CONTENTION_PROMPT),
+            max_tokens=2,
         )
-        recs = replay(cfg, _batch(CONTENTION_DECODE, seed + 7, 160, stride=10) + [big])
+        recs = replay(cfg, fresh_batch(CONTENTION_DECODE, seed + 7, 160, stride=10) + [big])
         b = next(r for r in recs if r.rid == 99)
         gaps = decode_gaps_during([r for r in recs if r.rid != 99], b.send_s, b.first_token_s)
         if not gaps:
@@ -471,14 +258,14 @@ def measure_join(endpoint: str, repeats: int = 2) -> list[dict[str, float]]:
 
     cfg = live_client(endpoint)
     seed = 6000
-    probe = replay(cfg, _batch(CONTENTION_DECODE, seed, 4, stride=10))
+    probe = replay(cfg, fresh_batch(CONTENTION_DECODE, seed, 4, stride=10))
     started = max(r.ttft for r in probe) + 0.5
     points = []
     for n in JOIN_PROMPTS:
         for _ in range(repeats):
             seed += 10
-            new = Request(rid=99, arrival_s=started, prompt=_fresh(seed + 5, n), max_tokens=8)
-            recs = replay(cfg, _batch(CONTENTION_DECODE, seed, 160, stride=10) + [new])
+            new = Request(rid=99, arrival_s=started, prompt=fresh_prompt(seed + 5, n), max_tokens=8)
+            recs = replay(cfg, fresh_batch(CONTENTION_DECODE, seed, 160, stride=10) + [new])
             rec = next(r for r in recs if r.rid == 99)
             hold, gap = join_effect([r for r in recs if r.rid != 99], rec)
             points.append({"tokens": n, "hold_s": hold, "gap_s": gap})
@@ -500,7 +287,7 @@ def measure_busy_join(endpoint: str, repeats: int = 2) -> dict[str, float]:
 
     cfg = live_client(endpoint)
     seed = 7000
-    probe = replay(cfg, _batch(CONTENTION_DECODE, seed, 4, stride=10))
+    probe = replay(cfg, fresh_batch(CONTENTION_DECODE, seed, 4, stride=10))
     started = max(r.ttft for r in probe) + 0.5
     idle, busy = [], []
     for _ in range(repeats):
@@ -508,14 +295,17 @@ def measure_busy_join(endpoint: str, repeats: int = 2) -> dict[str, float]:
         for during in (False, True):
             seed += 10
             new = Request(
-                rid=99, arrival_s=started, prompt=_fresh(seed + 5, JOIN_BUSY_PROMPT), max_tokens=8
+                rid=99,
+                arrival_s=started,
+                prompt=fresh_prompt(seed + 5, JOIN_BUSY_PROMPT),
+                max_tokens=8,
             )
             big = (
                 [
                     Request(
                         rid=98,
                         arrival_s=started + JOIN_BUSY_DELAY_S,
-                        prompt=_fresh(seed + 6, JOIN_BUSY_PREFILL),
+                        prompt=fresh_prompt(seed + 6, JOIN_BUSY_PREFILL),
                         max_tokens=2,
                     )
                 ]
@@ -525,7 +315,9 @@ def measure_busy_join(endpoint: str, repeats: int = 2) -> dict[str, float]:
             # the batch must outlast the long prefill to be there at the join
             recs = replay(
                 cfg,
-                _batch(CONTENTION_DECODE, seed, 320 if during else 160, stride=10) + [new] + big,
+                fresh_batch(CONTENTION_DECODE, seed, 320 if during else 160, stride=10)
+                + [new]
+                + big,
             )
             rec = next(r for r in recs if r.rid == 99)
             try:
@@ -558,66 +350,6 @@ def measure_busy_join(endpoint: str, repeats: int = 2) -> dict[str, float]:
             f"no join fell within a {JOIN_BUSY_PREFILL}-token prefill in {repeats} trials"
         )
     return {"join_idle_hold_s": statistics.fmean(idle), "join_busy_hold_s": statistics.fmean(busy)}
-
-
-def fit_join(p: Profile, points: list[dict[str, float]]) -> Profile:
-    """``decode_join_s``/``_per_token`` (least squares of the hold on the prompt tokens,
-    never negative) and ``pd_handoff_s``: the median of what a joining request's own
-    gap has beyond the hold, its KV transfer and a step (the simulator adds those)."""
-    tokens = [float(x["tokens"]) for x in points]
-    holds = [float(x["hold_s"]) for x in points]
-    if len(set(tokens)) >= 2:
-        a, b = fit_line(tokens, holds)
-    else:
-        a, b = statistics.fmean(holds), 0.0
-    if b < 0:
-        a, b = statistics.fmean(holds), 0.0
-    p = replace(p, decode_join_s=max(0.0, a), decode_join_s_per_token=b)
-    rest = [
-        x["gap_s"]
-        - p.join_stall_seconds(int(x["tokens"]))
-        - p.net_seconds(x["tokens"] * p.kv_bytes_per_token) * (1 - p.pd_transfer_overlap)
-        for x in points
-    ]
-    return replace(p, pd_handoff_s=max(0.0, statistics.median(rest)))
-
-
-STALL_LINE = (
-    "Failed to complete transfers after"  # Mooncake: a batch waited out its transfer timeout
-)
-FAIL_LINE = "TRANSFER_FAIL"
-
-
-def store_faults(log_dir: Path) -> dict[str, int]:
-    """Mooncake transfer faults the cluster's processes logged: ``stalls`` (batches
-    that waited out the transfer engine's 60 s timeout; while one waits, the
-    machine's two cores do measurably less work) and ``failed`` (keys whose
-    transfer failed: publishes skipped, loads missed). A run with stalls is not
-    the system the profile describes."""
-    out = {"stalls": 0, "failed": 0}
-    for f in sorted(Path(log_dir).glob("*.log")):
-        with open(f, errors="replace") as fh:
-            for line in fh:
-                if STALL_LINE in line:
-                    out["stalls"] += 1
-                elif FAIL_LINE in line:
-                    out["failed"] += 1
-    return out
-
-
-def cpu_steal_ticks() -> tuple[int, int]:
-    """(steal, total) jiffies of all CPUs from /proc/stat: the share of time the
-    hypervisor gave this VM's CPUs to someone else; (0, 0) where unreadable."""
-    try:
-        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return 0, 0
-    return (f[7] if len(f) > 7 else 0), sum(f[:8])
-
-
-def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
-    """CPU steal between two :func:`cpu_steal_ticks` readings, as a share of all CPU time."""
-    return (after[0] - before[0]) / (after[1] - before[1]) if after[1] > before[1] else 0.0
 
 
 def run_calibrate(args) -> int:

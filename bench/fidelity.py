@@ -13,9 +13,9 @@ With ``--repeats N`` it replays the slice N times, each on a fresh cluster
 the simulator with the runs' mean and prints the runs' own spread: on a
 shared VM the live system's speed drifts by more than the 5.5% target, so one
 live run cannot show that target met or missed. The host's speed drifts between the
-calibration and the replays too (on 2026-12-01 the same slice's live mean TPOT
-was 2.4x apart between sessions, and went from 0.163 s to 0.111 s over three
-runs in nine minutes), so around each replay it measures the
+calibration and the replays too (the same slice's live mean TPOT has been 2.4x
+apart between sessions, and a third apart over three runs in nine minutes), so
+around each replay it measures the
 calibration's two reference points again (``calibrate.speed_point``: a
 decode batch's step and a prompt's TTFT, alone) and also compares each run
 with the simulator on the profile rescaled to that speed (``Profile.scaled``);
@@ -38,18 +38,17 @@ from bana_sglang.sim.metrics import percentile
 from bana_sglang.sim.profiles import Profile, load_profile, save_profile
 from bana_sglang.sim.workloads import SimRequest
 from bench import configs
-from bench.calibrate import (
-    CONTENTION_PROMPT,
+from bench.calibrate import CONTENTION_PROMPT, speed_point
+from bench.live import (
     cpu_steal_ticks,
     live_client,
     replay,
-    speed_point,
     start_cluster,
     steal_share,
     store_faults,
     warm_up,
 )
-from bench.sidebyside import machine_description, write_results_section
+from bench.results import machine_description, write_results_section
 from bench.workloads import MOONCAKE_BLOCK, TokenSpace, WorkloadSpec, build
 
 logger = logging.getLogger("bench.fidelity")

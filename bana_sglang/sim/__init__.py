@@ -10,8 +10,10 @@ copied). Modules:
   can write another one and pass its path).
 - ``workloads``: the Mooncake and Azure traces, and generators (long-context,
   bursty on/off, mixed, shared-prefix).
-- ``cluster``: workers, jobs, cache tiers; ``engine``: the event loop;
-  ``metrics``: per-request records and the run summary.
+- ``cluster``: workers, jobs, cache tiers; ``engine``: the event loop, with
+  ``speeds`` (host contention, speed factors), ``leases`` (balancer ticks,
+  migrations, leases) and ``events`` (event kinds); ``metrics``: per-request
+  records and the run summary.
 - ``config``: ``SimConfig`` and the named systems of the comparison;
   ``compare``/``report``: the at-scale comparison that writes docs/SIMULATION.md.
 

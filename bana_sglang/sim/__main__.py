@@ -24,9 +24,11 @@ from pathlib import Path
 
 from bana_sglang.balancer.policy import BALANCERS
 from bana_sglang.router.policy import POLICIES
+from bana_sglang.sim.compare import run_comparison
 from bana_sglang.sim.config import STORES, SYSTEMS, SimConfig, system_config
 from bana_sglang.sim.engine import simulate
 from bana_sglang.sim.profiles import list_profiles, load_profile
+from bana_sglang.sim.report import load_results, write_report
 from bana_sglang.sim.workloads import WORKLOADS, get_workload
 
 
@@ -70,16 +72,13 @@ def cmd_run(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from bana_sglang.sim.compare import run_comparison
-
-    run_comparison(out_md=args.out, img_dir=args.img_dir, jobs=args.jobs, quick=args.quick)
+    run_comparison(
+        out_md=args.out, img_dir=args.img_dir, jobs=args.jobs, quick=args.quick, trace=args.trace
+    )
     return 0
 
 
 def cmd_report(args) -> int:
-
-    from bana_sglang.sim.report import load_results, write_report
-
     results, meta = load_results(Path(args.results))
     write_report(
         results,
@@ -148,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--img-dir", default="docs/img")
     c.add_argument("--jobs", type=int, default=2, help="parallel simulation processes")
     c.add_argument("--quick", action="store_true", help="small slices (smoke test)")
+    c.add_argument(
+        "--trace",
+        default=None,
+        metavar="PATH",
+        help="the Mooncake conversation trace of A-D (default: the shipped copy in "
+        "bench/data/traces)",
+    )
     c.set_defaults(fn=cmd_compare)
     rp = sub.add_parser("report", help="re-render the report from a saved sim_results.json")
     rp.add_argument("--results", default="docs/img/sim_results.json")

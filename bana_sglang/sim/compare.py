@@ -22,62 +22,29 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import multiprocessing as mp
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bana_sglang.sim.config import SYSTEMS, SimConfig, system_config
+from bana_sglang.sim.config import SimConfig, system_config
 from bana_sglang.sim.engine import simulate
+from bana_sglang.sim.grid import (
+    ALL,
+    C_ROWS,
+    NUDGES,
+    OVERLAP_ROWS,
+    REFINE_STEPS,
+    SWEEP,
+    next_probe,
+    rates,
+)
 from bana_sglang.sim.metrics import SimResult
 from bana_sglang.sim.profiles import load_profile
+from bana_sglang.sim.report import write_report
 from bana_sglang.sim.workloads import get_workload
 
 logger = logging.getLogger(__name__)
-
-MOONCAKE_TTFT = {"global_cache_aware": 3.07, "local_cache_aware": 3.58, "load_only": 5.27}
-SLO_GOAL = 0.9
-SWEEP = (0.75, 1.0, 1.25, 1.5, 2.0)
-# B's load nudged by a percent or two: how far the bana/global-cache-aware ratio moves
-# with arrival times alone (the policies are discrete; the comparison is not smooth)
-NUDGES = (0.98, 0.99, 1.01, 1.02)
-REFINE_STEPS = 4  # bisections of C's grid step (0.25 -> 1/64)
-ALL = tuple(SYSTEMS)
-# C only: `bana` again with part of a decode peer's guest-layer compute hidden under its
-# memory-bound steps (SimConfig.decode_overlap), since every other row assumes strict time
-# sharing and that assumption is what ends `bana`'s throughput (TPOT)
-OVERLAP_ROWS = {"bana, decode overlap 0.5": 0.5}
-C_ROWS = ALL + tuple(OVERLAP_ROWS)
-
-
-def rates(results: Mapping[tuple, SimResult], row: str) -> dict[float, float]:
-    """C's runs of ``row`` (grid and bisection): {rate multiplier: SLO attainment}."""
-    return dict(
-        sorted((k[1], r.slo_attainment) for k, r in results.items() if k[0] == "C" and k[2] == row)
-    )
-
-
-def _first_miss(points: Mapping[float, float]) -> float:
-    return min((m for m, a in points.items() if a < SLO_GOAL), default=math.inf)
-
-
-def max_rate(points: Mapping[float, float]) -> float | None:
-    """``{rate multiplier: SLO attainment}`` -> the highest rate meeting ``SLO_GOAL``
-    below the lowest one that misses it (None: even the lowest misses it)."""
-    miss = _first_miss(points)
-    ok = [m for m, a in points.items() if a >= SLO_GOAL and m < miss]
-    return max(ok) if ok else None
-
-
-def next_probe(points: Mapping[float, float]) -> float | None:
-    """The midpoint between ``max_rate`` and the lowest missing rate above it, or None
-    (nothing met the goal, or nothing missed it)."""
-    lo, miss = max_rate(points), _first_miss(points)
-    if lo is None or math.isinf(miss):
-        return None
-    return (lo + miss) / 2
 
 
 @dataclass(frozen=True)
@@ -100,21 +67,22 @@ def _run(spec: RunSpec) -> tuple[tuple, SimResult]:
     )
 
 
-def _mk(key, system, base: SimConfig, workload="mooncake", **wkw) -> RunSpec:
+def _mk(key, system, base: SimConfig, workload="mooncake", *, trace=None, **wkw) -> RunSpec:
+    if trace is not None and workload == "mooncake":  # else the shipped copy
+        wkw["path"] = str(trace)
     return RunSpec(key, system, system_config(system, base), workload, tuple(sorted(wkw.items())))
 
 
-def _throughput_spec(m: float, row: str, quick: bool) -> RunSpec:
+def _throughput_spec(m: float, row: str, quick: bool, trace=None) -> RunSpec:
     n = 16 if quick else 32
     lim = {"limit": 1500} if quick else {}
     overlap = OVERLAP_ROWS.get(row)
     base = SimConfig(profile="h100_llama3_8b", num_workers=n, decode_overlap=overlap or 0.0)
-    return _mk(
-        ("C", m, row), "bana" if overlap is not None else row, base, time_scale=m * n / 4, **lim
-    )
+    system = "bana" if overlap is not None else row
+    return _mk(("C", m, row), system, base, trace=trace, time_scale=m * n / 4, **lim)
 
 
-def refine_throughput(results: dict[tuple, SimResult], jobs: int, quick: bool) -> int:
+def refine_throughput(results: dict[tuple, SimResult], jobs: int, quick: bool, trace=None) -> int:
     """Bisect every system's C rate between its last pass and first miss, in place;
     returns the number of runs added."""
     added = 0
@@ -123,7 +91,7 @@ def refine_throughput(results: dict[tuple, SimResult], jobs: int, quick: bool) -
         for s in C_ROWS:
             m = next_probe(rates(results, s))
             if m is not None:
-                specs.append(_throughput_spec(m, s, quick))
+                specs.append(_throughput_spec(m, s, quick, trace))
         if not specs:
             break
         results.update(run_all(specs, jobs))
@@ -131,21 +99,21 @@ def refine_throughput(results: dict[tuple, SimResult], jobs: int, quick: bool) -
     return added
 
 
-def build_specs(quick: bool) -> list[RunSpec]:
+def build_specs(quick: bool, trace=None) -> list[RunSpec]:
     lim = {"limit": 1500} if quick else {}
     specs: list[RunSpec] = []
     anchor = SimConfig(profile="a100_llama70b_tp8", num_workers=16)
     for s in ALL:
-        specs.append(_mk(("A", s), s, anchor, time_scale=1.0, **lim))
+        specs.append(_mk(("A", s), s, anchor, trace=trace, time_scale=1.0, **lim))
     for n in (16,) if quick else (16, 32, 64):
         base = SimConfig(profile="h100_llama3_8b", num_workers=n)
         for s in ALL:
-            specs.append(_mk(("B", n, s), s, base, time_scale=n / 4, **lim))
+            specs.append(_mk(("B", n, s), s, base, trace=trace, time_scale=n / 4, **lim))
         for f in () if quick else NUDGES:
             for s in ("bana", "global_cache_aware"):
-                specs.append(_mk(("B~", n, f, s), s, base, time_scale=f * n / 4))
+                specs.append(_mk(("B~", n, f, s), s, base, trace=trace, time_scale=f * n / 4))
     for m in (1.0, 2.0) if quick else SWEEP:
-        specs += [_throughput_spec(m, s, quick) for s in C_ROWS]
+        specs += [_throughput_spec(m, s, quick, trace) for s in C_ROWS]
     sens = {
         "store bandwidth x0.25": dict(store_bandwidth_scale=0.25),
         "store capacity x0.25": dict(store_capacity_scale=0.25),
@@ -156,7 +124,8 @@ def build_specs(quick: bool) -> list[RunSpec]:
     }
     for label, ch in sens.items():
         for s in ("bana", "bana_no_migration", "global_cache_aware"):
-            specs.append(_mk(("D", label, s), s, anchor.with_(**ch), time_scale=1.0, **lim))
+            cfg = anchor.with_(**ch)
+            specs.append(_mk(("D", label, s), s, cfg, trace=trace, time_scale=1.0, **lim))
     gens = {
         "bursty": dict(n=2000, on_rate=40.0, off_rate=2.0),
         "mixed": dict(n=2000, rate=15.0),
@@ -182,15 +151,19 @@ def run_all(specs: list[RunSpec], jobs: int) -> dict[tuple, SimResult]:
 
 
 def run_comparison(
-    out_md: str | Path, img_dir: str | Path, jobs: int = 2, quick: bool = False
+    out_md: str | Path,
+    img_dir: str | Path,
+    jobs: int = 2,
+    quick: bool = False,
+    trace: str | Path | None = None,
 ) -> dict[tuple, SimResult]:
+    """Run A-E (``trace``: the Mooncake trace file; None: the shipped copy), write the
+    report and plots, and return every run's result by key."""
     t0 = time.perf_counter()
-    specs = build_specs(quick)
+    specs = build_specs(quick, trace)
     results = run_all(specs, jobs)
-    refined = refine_throughput(results, jobs, quick)
+    refined = refine_throughput(results, jobs, quick, trace)
     wall = time.perf_counter() - t0
-    from bana_sglang.sim.report import write_report
-
     write_report(
         results,
         Path(out_md),

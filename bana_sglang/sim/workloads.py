@@ -1,4 +1,4 @@
-"""Workloads for the simulator: the two shared traces and four generators.
+"""Workloads for the simulator: the two shipped traces and four generators.
 
 Every workload is a list of ``SimRequest`` sorted by arrival (seconds from 0).
 ``hashes`` are chained page hashes of ``page_size`` tokens (the Mooncake trace's
@@ -63,7 +63,7 @@ def mooncake(
         raise WorkloadError(f"time_scale must be positive, got {time_scale}")
     p = Path(path)
     if not p.is_file():
-        raise WorkloadError(f"trace not found: {p}")
+        raise WorkloadError(f"trace not found: {p} (pass its path with --trace)")
     out: list[SimRequest] = []
     t0 = None
     with p.open() as f:
@@ -92,7 +92,7 @@ def azure(
     """Azure LLM 2023 conversation trace: lengths and arrivals only (no sharing)."""
     p = Path(path)
     if not p.is_file():
-        raise WorkloadError(f"trace not found: {p}")
+        raise WorkloadError(f"trace not found: {p} (pass its path with --trace)")
     fresh = itertools.count()
     out: list[SimRequest] = []
     t0 = None

@@ -14,8 +14,9 @@ from bana_sglang.sim.config import SimConfig, SimConfigError
 from bana_sglang.sim.engine import simulate
 from bana_sglang.sim.profiles import load_profile, save_profile
 from bana_sglang.sim.workloads import SimRequest
-from bench.calibrate import calibrate, cpu_steal_ticks, fit_line, store_faults
 from bench.fidelity import fidelity_compare, fidelity_rows
+from bench.fit import calibrate, fit_line
+from bench.live import cpu_steal_ticks, store_faults
 
 
 def test_fit_line_recovers_a_line_and_refuses_a_single_x():
@@ -169,7 +170,8 @@ def test_the_simulator_takes_the_workload_block_size():
 def test_contention_factors_come_from_the_shared_over_alone_ratios_and_go_into_the_profile(
     tmp_path,
 ):
-    from bench.calibrate import contention_factors, decode_gaps_during
+    from bench.calibrate import decode_gaps_during
+    from bench.fit import contention_factors
 
     c = {
         "prefill_alone_s": 4.0,
@@ -300,7 +302,7 @@ def test_a_join_is_timed_by_the_running_requests_gaps_across_it():
 
 
 def test_the_join_fit_gives_hold_and_hand_off_and_refuses_a_negative_slope():
-    from bench.calibrate import fit_join
+    from bench.fit import fit_join
 
     base = load_profile("cpu_small")
     transfer = lambda n: (
@@ -449,7 +451,7 @@ def test_a_join_while_the_shared_host_prefills_holds_the_batch_host_contention_j
 
 
 def test_the_decode_fit_separates_per_request_work_from_kv_reads():
-    from bench.calibrate import fit_decode, fit_plane
+    from bench.fit import fit_decode, fit_plane
 
     a, b, c = fit_plane(
         [1, 2, 3, 4],
@@ -478,9 +480,9 @@ def test_a_decode_intercept_shorter_than_the_weights_read_keeps_the_measured_ste
     """On a machine that reads the small model's weights faster than the profile's
     bandwidth (its caches hold much of them), the fit's intercept is below the
     weights' read: the fitted steps must still be the measured ones, not the
-    weights' read plus a clipped overhead (the 2026-12-01 calibration predicted
-    every step ~10 ms too slow that way)."""
-    from bench.calibrate import MIN_DECODE_FIXED_S, fit_decode
+    weights' read plus a clipped overhead (a fit that clips it predicts every
+    step ~10 ms too slow)."""
+    from bench.fit import MIN_DECODE_FIXED_S, fit_decode
 
     # the peak as calibrate() leaves it (the fitted prefill rate), so that the law's compute
     # term stays below its memory term at these batches, as in the live fit
@@ -504,7 +506,7 @@ def test_a_decode_intercept_shorter_than_the_weights_read_keeps_the_measured_ste
 
 
 def test_chunked_prompts_fit_the_cost_of_attending_over_a_cached_prefix():
-    from bench.calibrate import chunked_prefill_seconds
+    from bench.fit import chunked_prefill_seconds
 
     base = load_profile("cpu_small")
     truth = replace(base, mfu=0.4, prefill_fixed_s=0.2, prefix_attention_cost=3.5)

@@ -318,7 +318,7 @@ def test_workers_sharing_a_host_slow_each_other_down_while_both_compute(tmp_path
 
 
 def test_throughput_is_the_highest_rate_below_the_first_miss_and_bisection_closes_in():
-    from bana_sglang.sim.compare import SLO_GOAL, max_rate, next_probe
+    from bana_sglang.sim.grid import SLO_GOAL, max_rate, next_probe
 
     ok, miss = SLO_GOAL + 0.05, SLO_GOAL - 0.3
     assert max_rate({0.75: ok, 1.0: ok, 1.25: miss, 1.5: ok}) == 1.0  # not past the first miss
