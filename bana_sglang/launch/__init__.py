@@ -9,17 +9,14 @@ The planning and process API is re-exported here.
 """
 
 from bana_sglang.launch.cli import NODE_READY_MARK, READY_MARK, Cluster, main
+from bana_sglang.launch.parts import Part, dtype_args, page_size_of, store_args
 from bana_sglang.launch.plan import (
     ROUTERS,
     ClusterPlan,
     LaunchConfig,
-    Part,
-    dtype_args,
-    page_size_of,
     plan_cluster,
     plan_single_server,
     plan_spec,
-    store_args,
 )
 
 __all__ = [

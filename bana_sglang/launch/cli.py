@@ -31,11 +31,11 @@ from pathlib import Path
 
 from bana_sglang import _cli, compat, envs, models
 from bana_sglang.launch import spec as cluster_spec
+from bana_sglang.launch.parts import Part
 from bana_sglang.launch.plan import (
     ROUTERS,
     ClusterPlan,
     LaunchConfig,
-    Part,
     plan_cluster,
     plan_spec,
 )

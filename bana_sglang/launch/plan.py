@@ -6,13 +6,12 @@ a plan).
   (ports chosen by scanning for free ones);
 - :func:`plan_spec`: one node's share of a cluster spec (``bana_sglang.launch.spec``);
 - :func:`plan_single_server`: a plain colocated SGLang server (the reference);
-- the part builders both share (master, store, worker, router).
+- the part builders they share are in :mod:`.parts`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -20,6 +19,18 @@ from pathlib import Path
 
 from bana_sglang import compat, models
 from bana_sglang.launch import spec as cluster_spec
+from bana_sglang.launch.parts import (
+    BALANCER_CHOICES,
+    Part,
+    balancer_part,
+    device_args,
+    dtype_args,
+    master_part,
+    page_size_of,
+    router_part,
+    store_parts,
+    worker_part,
+)
 from bana_sglang.launch.procs import PortAllocator, ephemeral_range
 from bana_sglang.router.policy import LIVE_POLICIES
 
@@ -92,22 +103,6 @@ class LaunchConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Part:
-    """One process of the cluster and how to tell that it is ready."""
-
-    name: str
-    argv: tuple[str, ...]
-    health_url: str | None = None  # HTTP 2xx means ready
-    tcp_port: int | None = None  # else: accepting TCP connections means ready
-    tcp_host: str | None = None  # where to check tcp_port (default: the endpoint's host)
-    env: tuple[tuple[str, str], ...] = ()  # added to the plan's environment for this part only
-    ready_line: str | None = None  # else: this text in its output means ready
-    needs: tuple[
-        tuple[str, str], ...
-    ] = ()  # (name, host:port) on other nodes to wait for before starting
-
-
-@dataclasses.dataclass(frozen=True)
 class ClusterPlan:
     endpoint: str
     model_path: str
@@ -130,25 +125,6 @@ class ClusterPlan:
             + ((self.router,) if self.router else ())
             + ((self.balancer,) if self.balancer else ())
         )
-
-
-def dtype_args(model_path: str, user_args: tuple[str, ...] | list[str]) -> list[str]:
-    """Keep a float32 checkpoint in float32.
-
-    SGLang's ``--dtype auto`` silently runs float32 checkpoints in float16
-    ("common practice", ``configs/model_config.py``), which breaks the
-    exactness contract (greedy float32 tokens equal HF's) and, on CPU, is slow.
-    A user's own ``--dtype`` always wins.
-    """
-    if any(a == "--dtype" or a.startswith("--dtype=") for a in user_args):
-        return []
-    try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return []
-    if (cfg.get("torch_dtype") or cfg.get("dtype")) == "float32":
-        return ["--dtype", "float32"]
-    return []
 
 
 def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
@@ -288,244 +264,6 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
         api_key=cfg.api_key,
         store=tuple(store),
         balancer=balancer,
-    )
-
-
-# ----------------------------------------------------------------- part builders
-# Shared by the single-machine plan above and the per-node plan of a cluster spec.
-
-
-def master_part(
-    bind: str, rpc: int, metrics: int, *, for_store: bool, host: str | None = None
-) -> Part:
-    """``mooncake_master`` listening on ``bind``; ``host`` is where its readiness is checked."""
-    argv = [
-        str(Path(sys.executable).parent / "mooncake_master"),
-        f"-rpc_port={rpc}",
-        f"-rpc_address={bind}",
-        f"-metrics_port={metrics}",
-        f"-metrics_host={bind}",
-        "-enable_http_metadata_server=false",
-        "-minloglevel=1",  # its INFO lines are a metrics dump every 20 s
-    ]
-    if for_store:
-        # The index removes pages itself (prefix-aware eviction); a short lease
-        # lets it remove a page soon after its last read.
-        argv.append("-default_kv_lease_ttl=2000")
-    return Part(name="mooncake-master", argv=tuple(argv), tcp_port=rpc, tcp_host=host or bind)
-
-
-def store_parts(
-    bind: str,
-    address: str,
-    master_addr: str,
-    index_port: int,
-    store_bytes: int,
-    *,
-    protocol: str = "tcp",
-    rdma_devices: str = "",
-    needs: tuple[tuple[str, str], ...] = (),
-) -> list[Part]:
-    """The global store: the storage process (the only Mooncake segment) and the index service."""
-    from bana_sglang.radix_global import service, storage_server
-
-    py = sys.executable
-    storage = [
-        py,
-        "-m",
-        "bana_sglang.radix_global.storage_server",
-        "--master",
-        master_addr,
-        "--segment-bytes",
-        str(store_bytes),
-        "--host",
-        address,
-        "--protocol",
-        protocol,
-        "--log-level",
-        "WARNING",
-    ]
-    if rdma_devices:
-        storage += ["--rdma-devices", rdma_devices]
-    if needs:  # a master on another node may come up later: the launcher waits, then so can this
-        storage += ["--setup-timeout", "3600"]
-    return [
-        Part(
-            name="kv-storage",
-            argv=tuple(storage),
-            ready_line=storage_server.READY_LINE,
-            needs=needs,
-        ),
-        Part(
-            name="kv-index",
-            argv=(
-                py,
-                "-m",
-                "bana_sglang.radix_global.service",
-                "--host",
-                bind,
-                "--port",
-                str(index_port),
-                # headroom below the segment: Mooncake allocates in its own granules
-                "--capacity-bytes",
-                str(store_bytes * 9 // 10),
-                "--master",
-                master_addr,
-            ),
-            ready_line=service.READY_LINE,
-        ),
-    ]
-
-
-def worker_part(
-    name: str,
-    role: str,
-    *,
-    model_path: str,
-    served: str,
-    bind: str,
-    port: int,
-    bootstrap_port: int | None,
-    user_args: tuple[str, ...],
-    index_endpoint: str | None,
-    master_addr: str | None,
-    page_size: int,
-    advertise: str | None = None,
-    agent_port: int | None = None,
-) -> Part:
-    """One SGLang PD worker with the extension (and the global store's linker when there is one,
-    and the migration agent on ``agent_port``)."""
-    from bana_sglang.radix_global import config as flags
-
-    argv = [
-        sys.executable,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        model_path,
-        "--served-model-name",
-        served,
-        "--host",
-        bind,
-        "--port",
-        str(port),
-        "--disaggregation-mode",
-        role,
-        "--disaggregation-transfer-backend",
-        "mooncake",
-    ]
-    if bootstrap_port is not None:
-        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
-    linker = (
-        flags.linker_args(index_endpoint, master_addr, owner=name)
-        if index_endpoint and master_addr
-        else None
-    )
-    argv += compat.server_args(role, user_args=user_args) + dtype_args(model_path, user_args)
-    argv += store_args(role, linker, page_size, user_args) + list(user_args)
-    url = f"http://{advertise or bind}:{port}"
-    env: tuple[tuple[str, str], ...] = ()
-    if agent_port is not None:
-        env = (
-            ("BANA_AGENT_ENDPOINT", f"tcp://{bind}:{agent_port}"),
-            ("BANA_WORKER_NAME", name),
-            ("BANA_AGENT_HOST", advertise or bind),
-        )
-    return Part(name=name, argv=tuple(argv), health_url=url + "/health", env=env)
-
-
-def router_part(
-    *,
-    bind: str,
-    port: int,
-    endpoint: str,
-    policy: str,
-    model_path: str,
-    served: str,
-    prefill_urls: list[tuple[str, int]],
-    decode_urls: list[str],
-    index_endpoint: str | None,
-    page_size: int,
-    watch: list[tuple[str, str]],
-    user_args: tuple[str, ...],
-    api_key: str | None,
-    agents: list[tuple[str, str]] = (),
-) -> Part:
-    """The bana router in front of the workers; it also watches the store's parts for ``/health``."""
-    argv = [
-        sys.executable,
-        "-m",
-        "bana_sglang.router",
-        "--host",
-        bind,
-        "--port",
-        str(port),
-        "--policy",
-        policy,
-        "--model-path",
-        model_path,
-        "--served-model-name",
-        served,
-    ]
-    for url, boot in prefill_urls:
-        argv += ["--prefill", url, str(boot)]
-    for url in decode_urls:
-        argv += ["--decode", url]
-    if index_endpoint:
-        argv += ["--global-index", index_endpoint, "--store-page-size", str(page_size)]
-    for name, addr in watch:
-        argv += ["--watch", f"{name}={addr}"]
-    for url, agent in agents:  # the workers' migration agents (admin endpoints)
-        argv += ["--agent", f"{url}={agent}"]
-    argv += list(user_args)
-    # /health is 503 until a prefill and a decode worker answer and the model is known.
-    return Part(
-        name="router",
-        argv=tuple(argv),
-        health_url=endpoint + "/health",
-        env=(("BANA_API_KEY", api_key),) if api_key else (),
-    )
-
-
-BALANCER_CHOICES = ("none", "bana")
-BALANCER_READY = "bana-balancer ready on"
-
-
-def balancer_part(
-    *,
-    bind: str,
-    port: int,
-    endpoint: str,
-    model_path: str,
-    policy: str,
-    page_size: int,
-    api_key: str | None,
-    user_args: tuple[str, ...] = (),
-) -> Part:
-    """The live balancer: reads loads from the router, migrates through its admin API."""
-    argv = [
-        sys.executable,
-        "-m",
-        "bana_sglang.balancer.controller",
-        "--router",
-        endpoint,
-        "--balancer",
-        policy,
-        "--model-path",
-        model_path,
-        "--page-size",
-        str(page_size),
-        "--host",
-        bind,
-        "--port",
-        str(port),
-        *user_args,
-    ]
-    return Part(
-        name="balancer",
-        argv=tuple(argv),
-        ready_line=BALANCER_READY,
-        env=(("BANA_API_KEY", api_key),) if api_key else (),
     )
 
 
@@ -674,51 +412,6 @@ def plan_spec(
         store=tuple(mine(store)),
         node=node,
     )
-
-
-def device_args(device: str, transport: str, rdma_devices: str) -> list[str]:
-    """SGLang flags for a spec worker's ``device`` and its node's transport."""
-    out: list[str] = []
-    if device == "cpu":
-        out += ["--device", "cpu"]
-    elif device.startswith("cuda"):
-        out += ["--device", "cuda"]
-        if ":" in device:
-            out += ["--base-gpu-id", device.split(":", 1)[1]]
-    if transport == "rdma" and rdma_devices:
-        out += ["--disaggregation-ib-device", rdma_devices]
-    return out
-
-
-def page_size_of(user_args: tuple[str, ...], default: int) -> int:
-    """The --page-size among SGLang flags, else ``default``."""
-    for i, a in enumerate(user_args):
-        if a == "--page-size" and i + 1 < len(user_args):
-            return int(user_args[i + 1])
-        if a.startswith("--page-size="):
-            return int(a.split("=", 1)[1])
-    return default
-
-
-def store_args(
-    role: str, linker_flags: list[str] | None, page_size: int, user_args: tuple[str, ...]
-) -> list[str]:
-    """Worker flags for the global store: the linker, a page size (the store's
-    unit; one index entry per page), SGLang's metrics (the store's counters
-    are exported through them) and, on decode workers, SGLang's radix cache
-    (off by default there; finished requests reach the store through it). A
-    flag the user gave wins."""
-    if not linker_flags:
-        return []
-    present = {a.split("=", 1)[0] for a in user_args if a.startswith("--")}
-    out = list(linker_flags)
-    if "--page-size" not in present:
-        out += ["--page-size", str(page_size)]
-    if "--enable-metrics" not in present:
-        out.append("--enable-metrics")
-    if role == "decode" and "--disaggregation-decode-enable-radix-cache" not in present:
-        out.append("--disaggregation-decode-enable-radix-cache")
-    return out
 
 
 def plan_single_server(
