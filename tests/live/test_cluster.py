@@ -2,6 +2,11 @@
 the OpenAI-compatible endpoint, the official ``openai`` client, an SGLang
 frontend program, exact tokens, bad input, and a clean shutdown.
 
+The cluster is ``pd_1p1d_keyed`` (tests/conftest.py), shared with
+``test_migrate_live.py``: its router wants the admin API key on every request,
+so every request here sends it. The shutdown test runs after the migration
+tests (it stops the cluster).
+
 Everything here is real: mooncake_master, two SGLang workers with the
 extension, PD KV transfer over the Mooncake transfer engine (TCP), and the
 project's router (``bana_sglang.router``, the launcher's default) in front.
@@ -16,25 +21,26 @@ import time
 import httpx
 import psutil
 import pytest
-from conftest import LaunchedCluster, launched_cluster
+from support.cluster import LaunchedCluster
+from support.migrate import KEY
 
 pytestmark = pytest.mark.slow
 
 MODEL = "bana-tiny-v1"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model, tmp_path_factory):
-    with launched_cluster([], tmp_path_factory.mktemp("cluster-logs")) as running:
-        yield running
+@pytest.fixture
+def cluster(pd_1p1d_keyed):
+    return pd_1p1d_keyed
 
 
-def post(cluster: LaunchedCluster, path: str, body, **kw) -> httpx.Response:
-    return httpx.post(cluster.url + path, json=body, timeout=120, **kw)
+def post(cluster: LaunchedCluster, path: str, body) -> httpx.Response:
+    return httpx.post(cluster.url + path, json=body, headers=AUTH, timeout=120)
 
 
 def test_models_and_completions(cluster):
-    models = httpx.get(cluster.url + "/v1/models", timeout=30).json()
+    models = httpx.get(cluster.url + "/v1/models", headers=AUTH, timeout=30).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     r = post(
         cluster,
@@ -60,7 +66,11 @@ def test_chat_streamed_and_not_agree(cluster):
     whole = r.json()["choices"][0]["message"]["content"]
     pieces = []
     with httpx.stream(
-        "POST", cluster.url + "/v1/chat/completions", json={**req, "stream": True}, timeout=120
+        "POST",
+        cluster.url + "/v1/chat/completions",
+        json={**req, "stream": True},
+        headers=AUTH,
+        timeout=120,
     ) as s:
         assert s.status_code == 200
         for line in s.iter_lines():
@@ -86,7 +96,7 @@ def test_greedy_tokens_equal_a_plain_single_worker(cluster, single_server):
 def test_openai_client(cluster):
     import openai
 
-    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key=KEY)
     out = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
     )
@@ -111,7 +121,7 @@ def test_sglang_frontend_program(cluster, single_server):
         s += sgl.gen("answer", max_tokens=10, temperature=0)
 
     through_pd = qa.run(
-        question="what is a prefix cache?", backend=sgl.RuntimeEndpoint(cluster.url)
+        question="what is a prefix cache?", backend=sgl.RuntimeEndpoint(cluster.url, api_key=KEY)
     )
     plain = qa.run(question="what is a prefix cache?", backend=sgl.RuntimeEndpoint(single_server))
     assert through_pd["answer"] == plain["answer"]
@@ -152,7 +162,7 @@ def test_bad_input_gets_a_4xx_that_names_the_problem_and_serving_goes_on(
         r = httpx.post(
             cluster.url + path,
             content=body,
-            headers={"content-type": "application/json"},
+            headers={"content-type": "application/json", **AUTH},
             timeout=120,
         )
     else:
@@ -174,8 +184,9 @@ def test_memory_of_the_1p1d_cluster(cluster, capsys):
     assert rss < 16 * 2**30
 
 
+@pytest.mark.stops_shared_cluster
 def test_sigterm_stops_everything_and_frees_the_ports(cluster):
-    """Last in the module: it stops the cluster."""
+    """Last on the cluster (after test_migrate_live.py too): it stops it."""
     root = psutil.Process(cluster.proc.pid)
     tree = [root, *root.children(recursive=True)]
     assert len(tree) >= 5

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import free_port
+from support.cluster import free_port
 
 from bana_sglang.launch import Cluster, plan_single_server
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import free_port, free_port_block
+from support.cluster import free_port, free_port_block
 
 from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
 from bana_sglang.launch.procs import tcp_open, wait_until

@@ -23,22 +23,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import launched_cluster
-from test_migrate_live import KEY as KEY_OF_THE_HELPERS
-from test_migrate_live import (
-    _pid_of,
+from support.cluster import launched_cluster
+from support.migrate import (
+    KEY,  # the helpers imported here send it
     agents,
     cli,
     counter,
     generate,
     migration,
+    pid_of,
     prompts_of,
     wait_state,
 )
 
 pytestmark = pytest.mark.slow
 
-KEY = KEY_OF_THE_HELPERS  # the helpers imported above send it
 PAGE = 16  # the launcher's page size with the global store
 
 
@@ -92,10 +91,13 @@ NEW = 200  # tokens each: the requests overlap for seconds on this machine
 
 
 def test_kv_pages_move_mid_answer_and_the_tokens_stay_the_same(cluster, single_server):
-    want = [generate(single_server, ids, NEW) for ids in LONG]
+    # long answers without EOS: the move lands at a batch boundary after the peer opened its
+    # host (a round trip, seconds on a loaded machine), and requests must still be running then
+    n = 3 * NEW
+    want = [generate(single_server, ids, n, ignore_eos=True) for ids in LONG]
     wait_idle_and_whole(cluster)
     with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(generate, cluster.url, ids, NEW, KEY) for ids in LONG]
+        running = [pool.submit(generate, cluster.url, ids, n, KEY, True) for ids in LONG]
         wait_running(cluster, 2)
         out = cli(
             cluster, "kv", "decode-0", "prefill-1", "--pages", "24", "--id", "kv-live", "--wait"
@@ -190,7 +192,7 @@ def test_killing_the_host_never_returns_wrong_tokens_and_the_decode_worker_keeps
     n = 2 * NEW  # long enough that the kill lands while the requests still decode
     want = [generate(single_server, ids, n) for ids in prompts]
     wait_idle_and_whole(cluster)
-    host_pid = _pid_of(cluster, "prefill-1")  # its scheduler, where the KV host runs
+    host_pid = pid_of(cluster, "prefill-1")  # its scheduler, where the KV host runs
     agents_urls = {name: a["url"] for name, a in agents(cluster).items()}
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(post, cluster.url, ids, n) for ids in prompts]

@@ -1,8 +1,9 @@
 """The migration control plane on real SGLang workers: the launcher starts a
-1P1D cluster whose workers run the migration agent inside their schedulers
-(plugin hook), the router exposes the admin endpoints behind its API key, and
-the command line drives a layer-weight migration from the prefill worker to
-the decode worker through the Mooncake transfer engine while requests run.
+1P1D cluster (``pd_1p1d_keyed``, shared with ``test_cluster.py``) whose
+workers run the migration agent inside their schedulers (plugin hook), the
+router exposes the admin endpoints behind its API key, and the command line
+drives a layer-weight migration from the prefill worker to the decode worker
+through the Mooncake transfer engine while requests run.
 
 Checks: the weights the decode worker holds for the prefill worker's layers
 have the checksums of the checkpoint on disk (fused the way SGLang fuses
@@ -28,8 +29,18 @@ import httpx
 import msgspec
 import pytest
 import torch
-from conftest import launched_cluster
 from safetensors import safe_open
+from support.migrate import (
+    KEY,
+    agents,
+    cli,
+    counter,
+    generate,
+    migration,
+    pid_of,
+    prompts_of,
+    wait_state,
+)
 
 from bana_sglang import models
 from bana_sglang.migrate.client import AgentClient
@@ -37,52 +48,11 @@ from bana_sglang.wire import agent as m
 
 pytestmark = pytest.mark.slow
 
-KEY = "migrate-test-key"
 
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    # a guest silent this long is gone (the failure tests stop one with SIGSTOP)
-    with launched_cluster(
-        ["--num-prefill", "1", "--num-decode", "1", "--api-key", KEY],
-        tmp_path_factory.mktemp("migrate-logs"),
-        env={"BANA_MIGRATE_STEP_TIMEOUT_S": "8", "BANA_MIGRATE_PEER_TIMEOUT_S": "10"},
-    ) as c:
-        yield c
-
-
-def cli(c, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "bana_sglang.migrate", "--router", c.url, *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "BANA_API_KEY": KEY},
-    )
-
-
-def agents(c) -> dict[str, dict]:
-    r = httpx.get(
-        c.url + "/bana/admin/agents", headers={"Authorization": f"Bearer {KEY}"}, timeout=30
-    )
-    assert r.status_code == 200, r.text
-    return {a["worker"]: a for a in r.json()["agents"] if "worker" in a}  # not the unreachable ones
-
-
-def generate(
-    url: str, ids: list[int], n: int, key: str | None = None, ignore_eos: bool = False
-) -> list[int]:
-    sp = {"temperature": 0, "max_new_tokens": n, **({"ignore_eos": True} if ignore_eos else {})}
-    r = httpx.post(
-        url + "/generate",
-        timeout=300,
-        headers={"Authorization": f"Bearer {key}"} if key else {},
-        json={"input_ids": ids, "sampling_params": sp},
-    )
-    assert r.status_code == 200, r.text
-    assert not ignore_eos or len(r.json()["output_ids"]) == n
-    return r.json()["output_ids"]
+@pytest.fixture
+def cluster(pd_1p1d_keyed):
+    """The shared keyed 1P1D cluster (tests/conftest.py): its migration timeouts are short."""
+    return pd_1p1d_keyed
 
 
 def checkpoint_crc(layer: int, name: str) -> int:
@@ -103,16 +73,6 @@ def checkpoint_crc(layer: int, name: str) -> int:
         }
         t = torch.cat([get(x) for x in fused[name]]) if name in fused else get(name)
     return zlib.crc32(t.contiguous().view(torch.uint8).numpy()) & 0xFFFFFFFF
-
-
-def counter(url: str, name: str) -> float:
-    """A counter on a worker's /metrics (SGLang's multiprocess registry)."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith(name + " ") or line.startswith(name + "{")
-    )
 
 
 def test_status_lists_every_worker_executing_its_own_layers(cluster):
@@ -243,23 +203,6 @@ def test_admin_endpoints_need_the_key_and_name_bad_requests(cluster):
 
 
 # --------------------------------------------------------------------------- the execution switch
-def prompts_of(seed: int, n: int, base: int = 20, step: int = 9) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, 1000) for _ in range(base + step * i)] for i in range(n)]
-
-
-def migration(c, worker: str, mid: str) -> dict:
-    return next(x for x in agents(c)[worker]["migrations"] if x["migration"] == mid)
-
-
-def wait_state(c, worker: str, mid: str, states: tuple[str, ...], timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    while (x := migration(c, worker, mid))["state"] not in states:
-        assert time.monotonic() < deadline, x
-        time.sleep(0.3)
-    return x
-
-
 def router_speeds(c, until, timeout: float = 15) -> dict[str, float]:
     """Each worker's prefill speed in the router's loads, once ``until(speeds)`` holds."""
     deadline = time.monotonic() + timeout
@@ -377,14 +320,6 @@ def test_decode_layers_with_the_last_layer_run_on_the_prefill_worker(cluster, si
     assert [generate(cluster.url, ids, 40, KEY) for ids in prompts[2:]] == want[2:]
 
 
-def _pid_of(c, worker: str) -> int:
-    client = AgentClient(agents(c)[worker]["agent"], timeout_s=10)
-    try:
-        return client.call(m.Ping).pid
-    finally:
-        client.close()
-
-
 def test_a_guest_that_stops_answering_after_the_switch(cluster, single_server):
     """Layers [0, 2) of the decode worker run on the prefill worker; the prefill
     worker then freezes (SIGSTOP). The decode worker's next step gets no answer,
@@ -396,7 +331,7 @@ def test_a_guest_that_stops_answering_after_the_switch(cluster, single_server):
         cluster, "migrate", "decode-0", "prefill-0", "--layers", "0:2", "--id", "sw-fail", "--wait"
     )
     assert out.returncode == 0 and "sw-fail: remote" in out.stdout, out.stdout + out.stderr
-    guest_pid = _pid_of(cluster, "prefill-0")
+    guest_pid = pid_of(cluster, "prefill-0")
     decode_agent = AgentClient(agents(cluster)["decode-0"]["agent"], timeout_s=20)
     try:
         with ThreadPoolExecutor(3) as pool:
@@ -450,7 +385,7 @@ def test_a_guest_that_is_frozen_before_the_switch(cluster, single_server):
     """The peer freezes before the migration: staging fails (peer_unreachable)
     and the worker never stops executing its own layers."""
     endpoints = {w: x["agent"] for w, x in agents(cluster).items()}
-    guest_pid = _pid_of(cluster, "prefill-0")
+    guest_pid = pid_of(cluster, "prefill-0")
     os.kill(guest_pid, signal.SIGSTOP)
     try:
         client = AgentClient(endpoints["decode-0"], timeout_s=20)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import free_port
+from support.cluster import free_port
 from support.radix_index import index_service
 
 from bana_sglang.launch.procs import ManagedProcess, tcp_open, wait_until

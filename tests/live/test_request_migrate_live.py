@@ -23,13 +23,11 @@ import time
 
 import httpx
 import pytest
-from conftest import launched_cluster
-from test_migrate_live import KEY as KEY_OF_THE_HELPERS
-from test_migrate_live import _pid_of, agents, cli, counter, generate, prompts_of, wait_state
+from support.cluster import launched_cluster
+from support.migrate import KEY, agents, cli, counter, generate, pid_of, prompts_of, wait_state
 
 pytestmark = pytest.mark.slow
 
-KEY = KEY_OF_THE_HELPERS
 H = {"Authorization": f"Bearer {KEY}"}
 # tokens, all of them (ignore_eos: the tiny model can end an answer after a few hundred): a
 # request runs for seconds, about 2.4 s alone at this model's speed here
@@ -246,7 +244,7 @@ def test_with_no_decode_worker_to_take_it_the_client_gets_a_prefix_and_an_error(
     ids = prompts_of(51, 1, base=50)[0]
     want = generate(single_server, ids, NEW, ignore_eos=True)
     victim = "decode-1"
-    os.kill(_pid_of(cluster, victim), signal.SIGKILL)
+    os.kill(pid_of(cluster, victim), signal.SIGKILL)
     deadline = time.monotonic() + 60
     while (
         httpx.get(cluster.url + "/health", headers=H, timeout=30).json()["healthy_decode"] != 1

@@ -18,7 +18,7 @@ import time
 import httpx
 import psutil
 import pytest
-from conftest import free_port, launched_cluster
+from support.cluster import free_port, launched_cluster
 
 from bana_sglang.launch.procs import http_ok
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from test_migrate_agent import pair, wait_state  # noqa: F401 (pair: a fixture)
+from support.agents import wait_state
 
 from bana_sglang.migrate.agent import TransferEngine
 from bana_sglang.migrate.layers.guest import _GuestPlan
@@ -153,7 +153,7 @@ def test_the_step_channel_rejects_bad_frames_with_a_reason():
     assert s.decode_request(frame).reason == "malformed"  # mode is extend or decode
 
 
-def test_the_agent_refuses_what_it_cannot_switch_or_recall(pair):  # noqa: F811 (the imported fixture)
+def test_the_agent_refuses_what_it_cannot_switch_or_recall(pair):
     x, y = pair
     r = x.client.call(
         m.MigrateLayers, migration="sw", start=0, stop=2, peer=y.agent.endpoint, switch=True

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
-from conftest import free_port
+from support.cluster import free_port
 from support.radix_index import index_service
 
 from bana_sglang.radix_global.client import IndexClient
