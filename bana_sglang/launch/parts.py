@@ -265,7 +265,7 @@ def balancer_part(
     argv = [
         sys.executable,
         "-m",
-        "bana_sglang.balancer.controller",
+        "bana_sglang.balancer",
         "--router",
         endpoint,
         "--balancer",

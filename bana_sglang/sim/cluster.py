@@ -22,7 +22,7 @@ import logging
 from collections import deque
 from collections.abc import Iterator, Mapping
 
-from bana_sglang.balancer.policy import RunningRequest
+from bana_sglang.balancer.actions import RunningRequest
 from bana_sglang.router.prefix_tree import PagePrefixTree
 from bana_sglang.sim.profiles import Profile
 from bana_sglang.sim.workloads import SimRequest

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from bana_sglang.balancer.policy import BALANCERS, BalancerConfig
+from bana_sglang.balancer.actions import BalancerConfig
+from bana_sglang.balancer.policy import BALANCERS
 from bana_sglang.router.policy import POLICIES
 from bana_sglang.sim.workloads import PAGE
 

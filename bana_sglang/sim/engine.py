@@ -31,7 +31,8 @@ import logging
 import time
 from collections.abc import Sequence
 
-from bana_sglang.balancer.policy import MigrationCostModel, ModelShape, get_balancer
+from bana_sglang.balancer.actions import MigrationCostModel, ModelShape
+from bana_sglang.balancer.policy import get_balancer
 from bana_sglang.router.policy import RouteRequest, get_policy
 from bana_sglang.router.prefix_tree import PagePrefixTree
 from bana_sglang.sim.cluster import CacheView, Job, SimError, Worker

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from bana_sglang.balancer.policy import Action, KVBlockMigration, LayerMigration, RequestMigration
+from bana_sglang.balancer.actions import Action, KVBlockMigration, LayerMigration, RequestMigration
 from bana_sglang.sim.cluster import LazyRunning
 from bana_sglang.sim.events import LEASE_END, MIG_DONE, TICK, TRANSFER_DONE
 from bana_sglang.types import MAX_HOST_SHARE, Tier, split_speeds

@@ -437,7 +437,7 @@ def test_the_live_balancer_moves_prefill_layers_under_a_burst_and_brings_them_ho
         [
             sys.executable,
             "-m",
-            "bana_sglang.balancer.controller",
+            "bana_sglang.balancer",
             "--router",
             cluster.url,
             "--model-path",

@@ -52,6 +52,7 @@ TORCH_FREE = (
     "bana_sglang.migrate.client",
     "bana_sglang.migrate.__main__",
     "bana_sglang.balancer.controller",
+    "bana_sglang.balancer.server",
     "bana_sglang.wire.transport",
     "bana_sglang.wire.agent",
     "bana_sglang.wire.index",

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bana_sglang.balancer.policy import (
-    BALANCERS,
+from bana_sglang.balancer.actions import (
     BalancerConfig,
     BalancerError,
     KVBlockMigration,
@@ -14,9 +13,8 @@ from bana_sglang.balancer.policy import (
     ModelShape,
     RequestMigration,
     RunningRequest,
-    get_balancer,
-    utilisation,
 )
+from bana_sglang.balancer.policy import BALANCERS, get_balancer, utilisation
 from bana_sglang.types import RequestId, Tier, WorkerId, WorkerLoad, split_speeds
 
 GB = 1_000_000_000

@@ -16,8 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from bana_sglang.balancer.controller import Controller, model_shape, serve
-from bana_sglang.balancer.policy import BalancerConfig, MigrationCostModel
+from bana_sglang.balancer.actions import BalancerConfig, MigrationCostModel
+from bana_sglang.balancer.controller import Controller, model_shape
+from bana_sglang.balancer.server import serve
 from bana_sglang.router.workers import load_to_json
 from bana_sglang.types import Tier, WorkerLoad
 
@@ -283,7 +284,7 @@ def test_the_command_line_refuses_an_unknown_policy(tiny_model):
         [
             sys.executable,
             "-m",
-            "bana_sglang.balancer.controller",
+            "bana_sglang.balancer",
             "--model-path",
             str(tiny_model),
             "--balancer",

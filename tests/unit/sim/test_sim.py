@@ -368,7 +368,7 @@ def test_a_kv_block_lease_costs_its_host_the_page_reads_and_its_lender_a_hop_per
     """KV pages lent to a host: the host reads them on every lender step (its steps
     slow by 1 / (1 - share)); each of the lender's layers waits one round trip; both
     factors are undone when the pages come back."""
-    from bana_sglang.balancer.policy import KVBlockMigration
+    from bana_sglang.balancer.actions import KVBlockMigration
     from bana_sglang.sim.cluster import Job
     from bana_sglang.sim.workloads import SimRequest
 
@@ -400,7 +400,7 @@ def test_a_kv_block_lease_costs_its_host_the_page_reads_and_its_lender_a_hop_per
 
 
 def test_the_simulated_balancer_guards_the_runs_tpot_slo_unless_told_otherwise():
-    from bana_sglang.balancer.policy import BalancerConfig
+    from bana_sglang.balancer.actions import BalancerConfig
 
     cfg = system_config("bana", SimConfig(profile="h100_llama3_8b", num_workers=4, slo_tpot_s=0.07))
     assert Simulation(cfg, []).balancer.config.tpot_slo_s == 0.07
@@ -414,7 +414,7 @@ def test_a_layer_lease_ends_early_when_its_decode_host_needs_the_memory(limit):
     a request waits there for memory it has not got, the next balancer tick recalls the
     lease (Balancer.memory_recalls): capacity and speed factors come back exactly once
     and the waiting request is admitted. With recall_kv_usage=0 the lease holds."""
-    from bana_sglang.balancer.policy import BalancerConfig, LayerMigration
+    from bana_sglang.balancer.actions import BalancerConfig, LayerMigration
     from bana_sglang.sim.cluster import Job
     from bana_sglang.sim.workloads import SimRequest
 
@@ -463,7 +463,7 @@ def test_a_layer_lease_that_ends_leaves_fresh_snapshots_of_both_workers():
     """A prefill donor has no decode batch, so nothing else re-snapshots it: once its
     lease ends, its load must say it runs at its own speed again (and the peer's its
     whole KV), or the router and the balancer plan on the split."""
-    from bana_sglang.balancer.policy import LayerMigration
+    from bana_sglang.balancer.actions import LayerMigration
 
     sim = Simulation(system_config("bana", SimConfig(profile="h100_llama3_8b", num_workers=4)), [])
     p, src, dst = sim.p, sim.by_id["p0"], sim.by_id["d0"]
@@ -485,7 +485,7 @@ def test_a_recalled_leases_late_end_event_leaves_a_newer_equal_lease_alone():
     """The same layers move to the same peer again after an early recall: the first
     lease's own LEASE_END, still queued, must not end the second (leases are told
     apart by identity, not by equal fields)."""
-    from bana_sglang.balancer.policy import LayerMigration
+    from bana_sglang.balancer.actions import LayerMigration
 
     sim = Simulation(system_config("bana", SimConfig(profile="h100_llama3_8b", num_workers=4)), [])
     p, src, dst = sim.p, sim.by_id["p0"], sim.by_id["d0"]

@@ -1,0 +1,242 @@
+"""Running a :class:`~bana_sglang.launch.plan.ClusterPlan`: start its parts in
+order, wait until each is healthy (the router's ``/health`` and one greedy
+token through the OpenAI endpoint), supervise them, and stop everything.
+
+The command line around it is :mod:`bana_sglang.launch.cli`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from bana_sglang.launch.parts import Part
+from bana_sglang.launch.plan import ClusterPlan
+from bana_sglang.launch.procs import (
+    ManagedProcess,
+    ProcessStartError,
+    http_ok,
+    stop_all,
+    tcp_open,
+    wait_until,
+)
+
+logger = logging.getLogger("bana_sglang.launch")
+
+READY_MARK = "bana_sglang: cluster ready"
+NODE_READY_MARK = "bana_sglang: node ready:"
+
+
+def smoke_request(
+    endpoint: str, model: str, timeout: float = 60.0, api_key: str | None = None
+) -> bool:
+    """One greedy token through ``/v1/completions``: True when it came back."""
+    body = json.dumps(
+        {"model": model, "prompt": "ready?", "max_tokens": 1, "temperature": 0}
+    ).encode()
+    req = urllib.request.Request(
+        endpoint + "/v1/completions",
+        data=body,
+        headers={"content-type": "application/json", **auth_headers(api_key)},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status == 200 and bool(json.loads(resp.read()).get("choices"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class _RouterHealth:
+    """Readiness of the router; while it is not ready, says every 15 s which
+    parts its ``/health`` reports missing (on a multi-node cluster: what this
+    node is waiting for elsewhere)."""
+
+    def __init__(self, url: str, headers: dict[str, str], note_every: float = 15.0):
+        self.url, self.headers, self.note_every = url, headers, note_every
+        self.next_note = time.monotonic() + note_every
+
+    def __call__(self) -> bool:
+        try:
+            with urllib.request.urlopen(
+                urllib.request.Request(self.url, headers=self.headers), timeout=2.0
+            ) as r:
+                return 200 <= r.status < 300
+        except urllib.error.HTTPError as e:
+            try:
+                missing = json.loads(e.read()).get("missing") or []
+            except (ValueError, OSError, AttributeError):
+                missing = []
+            now = time.monotonic()
+            if missing and now >= self.next_note:
+                logger.info("router waits for: %s", ", ".join(missing))
+                self.next_note = now + self.note_every
+            return False
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+
+class Cluster:
+    """Runs a :class:`ClusterPlan`: start in order, wait for health, stop everything."""
+
+    def __init__(
+        self, plan: ClusterPlan, *, log_dir: Path | None = None, startup_timeout: float = 600.0
+    ):
+        self.plan = plan
+        self.log_dir = log_dir
+        self.startup_timeout = startup_timeout
+        self.procs: list[ManagedProcess] = []
+        self.stop_event = threading.Event()
+        self._reported_dead: set[str] = set()
+        self._deadline = time.monotonic() + startup_timeout
+
+    def _wait_needs(self, part: Part) -> None:
+        """Wait for the parts on other nodes that ``part`` needs (TCP), with backoff,
+        saying what it waits for."""
+        for name, addr in part.needs:
+            host, _, port = addr.rpartition(":")
+            t0 = next_note = time.monotonic()
+            attempt = 0
+            while not tcp_open(host, int(port)):
+                now = time.monotonic()
+                if now >= next_note:
+                    logger.info(
+                        "%s waits for %s at %s (%.0fs so far)", part.name, name, addr, now - t0
+                    )
+                    next_note = now + 10.0
+                if now > self._deadline:
+                    raise ProcessStartError(part.name, f"{name} at {addr} never came up")
+                if self.stop_event.wait(min(2.0, 0.1 * 2**attempt)):
+                    raise ProcessStartError(part.name, f"interrupted while waiting for {name}")
+                attempt += 1
+
+    def _spawn(self, part: Part) -> ManagedProcess:
+        self._wait_needs(part)
+        proc = ManagedProcess(
+            part.name, part.argv, {**self.plan.env, **dict(part.env)}, log_dir=self.log_dir
+        )
+        proc.start()
+        self.procs.append(proc)
+        logger.info("started %s (pid %s)", part.name, proc.pid)
+        return proc
+
+    def _wait_ready(self, part: Part, proc: ManagedProcess, deadline: float) -> None:
+        h = self.plan.endpoint.split("//", 1)[1].rsplit(":", 1)[0]
+        if part.ready_line:
+            line = part.ready_line
+            check = lambda: any(line in x for x in proc.tail())  # noqa: E731
+            what = f"the line {line!r}"
+        elif part.health_url and part is self.plan.router:
+            check = _RouterHealth(part.health_url, auth_headers(self.plan.api_key))
+            what = f"healthy answer at {part.health_url}"
+        elif part.health_url:
+            check = lambda: http_ok(part.health_url)  # noqa: E731
+            what = f"healthy answer at {part.health_url}"
+        else:
+            host = part.tcp_host or h
+            check = lambda: tcp_open(host, part.tcp_port)  # noqa: E731
+            what = f"listening socket on {host}:{part.tcp_port}"
+        wait_until(
+            check,
+            proc=proc,
+            what=what,
+            timeout=max(1.0, deadline - time.monotonic()),
+            stop=self.stop_event,
+        )
+        logger.info("%s is ready", part.name)
+
+    def start(self) -> None:
+        """Start every part; raises :class:`ProcessStartError` (after stopping all) on failure."""
+        deadline = self._deadline = time.monotonic() + self.startup_timeout
+        try:
+            if self.plan.master:
+                self._wait_ready(self.plan.master, self._spawn(self.plan.master), deadline)
+            for part, proc in [(part, self._spawn(part)) for part in self.plan.store]:
+                self._wait_ready(part, proc, deadline)
+            # Workers start together: their start-up is mostly imports and overlaps well.
+            started = [(part, self._spawn(part)) for part in self.plan.workers]
+            for part, proc in started:
+                self._wait_ready(part, proc, deadline)
+            if self.plan.router:
+                router = self._spawn(self.plan.router)
+                self._wait_ready(self.plan.router, router, deadline)
+                # End to end: one greedy token through router, prefill, KV transfer, decode.
+                wait_until(
+                    lambda: smoke_request(
+                        self.plan.endpoint, self.plan.served_model_name, api_key=self.plan.api_key
+                    ),
+                    proc=router,
+                    what="a first request served end to end",
+                    timeout=max(1.0, deadline - time.monotonic()),
+                    stop=self.stop_event,
+                )
+                logger.info("first request served end to end")
+            if self.plan.balancer:
+                self._wait_ready(self.plan.balancer, self._spawn(self.plan.balancer), deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def check_parts(self) -> str | None:
+        """Report newly exited parts; a reason to stop the cluster, or None.
+
+        A worker that dies is logged and left to the router (it marks the worker
+        down and retries elsewhere) while one prefill and one decode worker are
+        still alive; the router or the Mooncake master dying stops everything.
+        A node of a cluster spec stops when every one of its parts has exited
+        (its workers' peers are elsewhere: the router decides what is left).
+        """
+        for p in self.procs:
+            if p.poll() is not None and p.name not in self._reported_dead:
+                self._reported_dead.add(p.name)
+                logger.error(
+                    "%s exited unexpectedly (code %s). Last output:\n    %s",
+                    p.name,
+                    p.poll(),
+                    "\n    ".join(p.tail()[-15:]),
+                )
+        dead = self._reported_dead
+        vital = {part.name for part in (self.plan.master, self.plan.router) if part}
+        if dead & vital:
+            return f"{', '.join(sorted(dead & vital))} exited"
+        if self.plan.node is not None:
+            names = {p.name for p in self.plan.parts}
+            return (
+                f"every part of node {self.plan.node} exited" if names and names <= dead else None
+            )
+        for role in ("prefill", "decode"):
+            names = {w.name for w in self.plan.workers if w.name.startswith(role + "-")}
+            if names and names <= dead:
+                return f"no {role} worker is left"
+        return None
+
+    def stop(self) -> None:
+        """Stop the balancer first (it recalls the layers it moved, through the router),
+        then the router (no new requests), then everything else together. Idempotent."""
+        self.stop_event.set()
+        router = self.plan.router.name if self.plan.router else None
+        balancer = self.plan.balancer.name if self.plan.balancer else None
+        first = [p for p in self.procs if p.name == balancer]
+        front = [p for p in self.procs if p.name == router]
+        rest = [p for p in self.procs if p.name not in (router, balancer)]
+        for group in (first, front, rest):
+            for name, code in stop_all(group).items():
+                logger.info("stopped %s (exit %s)", name, code)
+
+    def __enter__(self) -> Cluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------- CLI
