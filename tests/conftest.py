@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,11 +34,22 @@ from support.cluster import LaunchedCluster, launched_cluster, sglang_server
 from support.migrate import KEY as MIGRATE_KEY
 
 from bana_sglang import models
+from bana_sglang.wire import security
 
 # Every SGLang process of the suite (the plain reference server and the
 # clusters' workers) computes with one OpenMP thread: the same floats whatever
 # the machine's core count, and no oversubscription of a small CI machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# One cluster secret for the whole run: every cluster the suite starts (as a
+# subprocess or in-process) and every ZMQ client the tests open use it, so every
+# control channel runs CurveZMQ here as in production. A test that needs plain
+# ZMQ or another secret sets the variable itself (monkeypatch).
+_SECRET_DIR = tempfile.mkdtemp(prefix="bana-test-secret-")
+os.environ.setdefault(
+    "BANA_CLUSTER_SECRET_FILE",
+    str(security.create_secret_file(Path(_SECRET_DIR) / "cluster.secret")),
+)
 
 LIVE = Path(__file__).resolve().parent / "live"
 SHARED_CLUSTERS = ("pd_1p1d_keyed",)
@@ -157,3 +169,9 @@ def pd_1p1d_keyed(tiny_model: Path, tmp_path_factory, request) -> LaunchedCluste
             env={"BANA_MIGRATE_STEP_TIMEOUT_S": "8", "BANA_MIGRATE_PEER_TIMEOUT_S": "10"},
         ),
     )
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    shutil.rmtree(_SECRET_DIR, ignore_errors=True)

@@ -135,6 +135,16 @@ BANA_API_KEY = _var(
     set_by="launcher",
 )
 
+BANA_CLUSTER_SECRET_FILE = _var(
+    "BANA_CLUSTER_SECRET_FILE",
+    str,
+    "",
+    "the cluster secret (a file of mode 0600, `--cluster-secret-file`): every ZMQ control "
+    "channel (index, agent, layer steps, KV host) uses CurveZMQ with keys derived from it and "
+    "accepts only peers that hold it; unset: plain ZMQ (the launcher always sets it)",
+    set_by="launcher",
+)
+
 # -- the global KV cache store
 BANA_INDEX_ENDPOINT = _var(
     "BANA_INDEX_ENDPOINT",

@@ -43,6 +43,7 @@ from bana_sglang.launch.procs import (
     ProcessStartError,
 )
 from bana_sglang.router.policy import LIVE_POLICIES
+from bana_sglang.wire import security
 
 logger = logging.getLogger("bana_sglang.launch")
 
@@ -161,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the spec node to start (default: the only node of a one-node spec)",
     )
     p.add_argument(
+        "--cluster-secret-file",
+        type=Path,
+        default=None,
+        help="the cluster secret (mode 0600) that authenticates every ZMQ control channel; "
+        "created when missing (one machine). Default: $BANA_CLUSTER_SECRET_FILE, else a new one "
+        "per run. A --spec on a non-loopback network needs it: the same file on every node",
+    )
+    p.add_argument(
         "--log-dir",
         type=Path,
         default=None,
@@ -273,6 +282,29 @@ def _parts_by_node(
     return out
 
 
+def _secret_file(args: argparse.Namespace, spec: cluster_spec.ClusterSpec | None) -> Path | None:
+    """The cluster secret's file: given (created when missing on one machine), or None (the
+    runner makes one per run). A spec whose nodes are not all loopback must name one."""
+    given = args.cluster_secret_file or (
+        Path(envs.BANA_CLUSTER_SECRET_FILE.get()) if envs.BANA_CLUSTER_SECRET_FILE.is_set else None
+    )
+    if spec is not None and not all(cluster_spec.is_loopback(n.address) for n in spec.nodes):
+        if given is None:
+            raise security.SecretError(
+                f"{args.spec} spans a network: give --cluster-secret-file (one file, mode 0600, "
+                "copied to every node) so that its control channels are authenticated"
+            )
+        if not given.exists():
+            raise security.SecretError(
+                f"cluster secret file {given} is missing: every node must read the same file "
+                f"(create it once: python -c 'import secrets; print(secrets.token_hex(32))' > "
+                f"{given}; chmod 600 {given}; then copy it to every node)"
+            )
+    elif given is not None:
+        security.create_secret_file(given)
+    return given
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -288,7 +320,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{node + ' ' if node else ''}{part.name}: {shlex.join(part.argv)}")
         return 0
 
-    cluster = Cluster(plan, log_dir=args.log_dir, startup_timeout=args.startup_timeout)
+    try:
+        secret = _secret_file(args, spec)
+        cluster = Cluster(
+            plan, log_dir=args.log_dir, startup_timeout=args.startup_timeout, secret_file=secret
+        )
+    except security.SecretError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
 
     def on_signal(signum, _frame):
         logger.info("received %s: shutting down", signal.Signals(signum).name)

@@ -2,6 +2,10 @@
 order, wait until each is healthy (the router's ``/health`` and one greedy
 token through the OpenAI endpoint), supervise them, and stop everything.
 
+Every part gets the cluster secret (``BANA_CLUSTER_SECRET_FILE``, see
+:mod:`bana_sglang.wire.security`): the plan's, the one given, or a new one in a
+private temporary folder that lives as long as the cluster.
+
 The command line around it is :mod:`bana_sglang.launch.cli`.
 """
 
@@ -9,6 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import tempfile
 import threading
 import time
 import urllib.error
@@ -25,9 +31,11 @@ from bana_sglang.launch.procs import (
     tcp_open,
     wait_until,
 )
+from bana_sglang.wire import security
 
 logger = logging.getLogger("bana_sglang.launch")
 
+SECRET_VAR = "BANA_CLUSTER_SECRET_FILE"
 READY_MARK = "bana_sglang: cluster ready"
 NODE_READY_MARK = "bana_sglang: node ready:"
 
@@ -88,9 +96,25 @@ class Cluster:
     """Runs a :class:`ClusterPlan`: start in order, wait for health, stop everything."""
 
     def __init__(
-        self, plan: ClusterPlan, *, log_dir: Path | None = None, startup_timeout: float = 600.0
+        self,
+        plan: ClusterPlan,
+        *,
+        log_dir: Path | None = None,
+        startup_timeout: float = 600.0,
+        secret_file: Path | None = None,
     ):
         self.plan = plan
+        self._own_secret_dir: str | None = None
+        given = secret_file or plan.env.get(SECRET_VAR)
+        if given:
+            self.secret_file = Path(given)
+            security.read_secret(self.secret_file)  # a clear error now, not in every part
+        else:
+            self._own_secret_dir = tempfile.mkdtemp(prefix="bana-cluster-")
+            self.secret_file = security.create_secret_file(
+                Path(self._own_secret_dir) / "cluster.secret"
+            )
+        self.env = {**plan.env, SECRET_VAR: str(self.secret_file)}
         self.log_dir = log_dir
         self.startup_timeout = startup_timeout
         self.procs: list[ManagedProcess] = []
@@ -121,7 +145,7 @@ class Cluster:
     def _spawn(self, part: Part) -> ManagedProcess:
         self._wait_needs(part)
         proc = ManagedProcess(
-            part.name, part.argv, {**self.plan.env, **dict(part.env)}, log_dir=self.log_dir
+            part.name, part.argv, {**self.env, **dict(part.env)}, log_dir=self.log_dir
         )
         proc.start()
         self.procs.append(proc)
@@ -230,6 +254,9 @@ class Cluster:
         for group in (first, front, rest):
             for name, code in stop_all(group).items():
                 logger.info("stopped %s (exit %s)", name, code)
+        if self._own_secret_dir is not None:
+            shutil.rmtree(self._own_secret_dir, ignore_errors=True)
+            self._own_secret_dir = None
 
     def __enter__(self) -> Cluster:
         self.start()

@@ -182,7 +182,7 @@ class ClusterSpec(_Strict):
                 raise ValueError(f"the cluster needs at least one {role} worker")
         if len(self.nodes) > 1:
             for n in self.nodes:
-                if _is_loopback(n.address):
+                if is_loopback(n.address):
                     raise ValueError(
                         f"node {n.name!r} advertises loopback {n.address}: other nodes "
                         "cannot reach it"
@@ -268,7 +268,7 @@ def _is_wildcard(value: str) -> bool:
         return False
 
 
-def _is_loopback(value: str) -> bool:
+def is_loopback(value: str) -> bool:
     try:
         return ipaddress.ip_address(value).is_loopback
     except ValueError:

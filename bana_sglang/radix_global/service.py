@@ -53,6 +53,7 @@ from bana_sglang.radix_global.mooncake_kv import (
     page_key,
 )
 from bana_sglang.wire import index as m
+from bana_sglang.wire import security
 from bana_sglang.wire.transport import Server
 
 logger = logging.getLogger(__name__)
@@ -264,6 +265,7 @@ class IndexService:
                 self._janitor.stop()
                 self._janitor.join(timeout=10)
             self._server.close()
+            security.release(self._ctx)  # its ZAP thread holds a socket of the context
             self._ctx.term()
 
     # -- handlers, one per request type (no I/O but janitor queueing)

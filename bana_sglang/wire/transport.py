@@ -22,6 +22,13 @@ KV-block host's queries) sends them as extra frames after the message; its
 server is built with ``extra_frames=True``, its handlers take the frames and
 may return ``(reply, *frames)``. Every socket caps inbound messages at
 ``max_message_bytes`` (ZMQ drops a peer that sends more).
+
+Authentication: with a cluster secret (``BANA_CLUSTER_SECRET_FILE``, see
+:mod:`.security`) every server is a CurveZMQ server that admits only clients
+holding the secret, and every client connects with the cluster's keys; a
+client without them gets no reply (:class:`ChannelError`), and its request
+never reaches a handler. ``keys=`` overrides the process's keys (``None``:
+plain ZMQ).
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ from typing import Any
 import msgspec
 import zmq
 
+from bana_sglang.wire import security
 from bana_sglang.wire.envelope import Channel, Error, encode
+from bana_sglang.wire.security import CurveKeys
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +53,13 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 << 20
 
 Handler = Callable[..., Any]
+
+#: ``keys=`` default: the keys of this process's cluster secret, if it has one
+FROM_ENV: Any = object()
+
+
+def _keys(keys: Any) -> CurveKeys | None:
+    return security.process_keys() if keys is FROM_ENV else keys
 
 
 class ChannelError(RuntimeError):
@@ -74,6 +90,7 @@ class Server:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         on_reject: Callable[[Error], None] | None = None,
         ctx: zmq.Context | None = None,
+        keys: CurveKeys | None = FROM_ENV,
     ):
         self.channel = channel
         self.handlers = dict(handlers)
@@ -84,10 +101,14 @@ class Server:
             )
         self.extra_frames = extra_frames
         self.on_reject = on_reject
-        self._sock = (ctx or zmq.Context.instance()).socket(zmq.ROUTER)
+        ctx = ctx or zmq.Context.instance()
+        self.keys = _keys(keys)
+        self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         try:
+            if self.keys is not None:
+                security.secure_server(self._sock, ctx, self.keys)
             self._sock.bind(bind)
         except zmq.ZMQError:
             self._sock.close(0)
@@ -208,8 +229,10 @@ class Client:
         send_hwm: int | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         ctx: zmq.Context | None = None,
+        keys: CurveKeys | None = FROM_ENV,
     ):
         self.endpoint = endpoint
+        self.keys = _keys(keys)
         self.channel = channel
         self.timeout_s = timeout_s
         self._linger_ms = linger_ms
@@ -229,6 +252,8 @@ class Client:
             s.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
             if self._send_hwm is not None:
                 s.setsockopt(zmq.SNDHWM, self._send_hwm)
+            if self.keys is not None:
+                security.secure_client(s, self.keys)
             s.connect(self.endpoint)
             self._sock = s
         return self._sock

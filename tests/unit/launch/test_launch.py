@@ -196,3 +196,27 @@ def test_port_allocator_skips_busy_ports():
         alloc = PortAllocator("127.0.0.1", busy)
         got = alloc.take()
         assert got != busy and port_free("127.0.0.1", got)
+
+
+def test_a_cluster_without_a_secret_makes_a_private_one_and_removes_it(tmp_path):
+    import stat
+
+    from bana_sglang.launch import Cluster, ClusterPlan
+    from bana_sglang.wire import security
+
+    plan = ClusterPlan("http://127.0.0.1:1", "m", "m", None, (), None, env={})
+    with Cluster(plan) as c:
+        secret = c.secret_file
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+        assert stat.S_IMODE(secret.parent.stat().st_mode) == 0o700
+        assert c.env["BANA_CLUSTER_SECRET_FILE"] == str(secret)
+        assert len(security.read_secret(secret)) == 64
+    assert not secret.exists() and not secret.parent.exists()
+    # a secret the plan names is used as it is, and left in place
+    given = security.create_secret_file(tmp_path / "given.secret")
+    named = ClusterPlan(
+        "http://127.0.0.1:1", "m", "m", None, (), None, env={"BANA_CLUSTER_SECRET_FILE": str(given)}
+    )
+    with Cluster(named) as c:
+        assert c.secret_file == given
+    assert given.exists()

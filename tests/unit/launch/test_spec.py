@@ -4,6 +4,7 @@ specs in docs/specs, and the per-node plans the launcher derives from them
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -251,3 +252,29 @@ def test_launcher_cli_errors(tmp_path):
     r = run("--spec", str(path), "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "[a] mooncake-master:" in r.stdout and "[b] decode-0:" in r.stdout
+
+
+def test_a_spec_across_a_network_needs_the_same_secret_file_on_every_node(tmp_path):
+    path = write(tmp_path, two_hosts())
+    env = {k: v for k, v in os.environ.items() if k != "BANA_CLUSTER_SECRET_FILE"}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "bana_sglang.launch", "--spec", str(path), "--node", "a", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+
+    r = run()
+    assert r.returncode == 2 and "spans a network: give --cluster-secret-file" in r.stderr
+    missing = tmp_path / "nowhere.secret"
+    r = run("--cluster-secret-file", str(missing))
+    assert r.returncode == 2 and "is missing: every node must read the same file" in r.stderr
+    assert not missing.exists()  # never made up on one node
+    loose = tmp_path / "loose.secret"
+    loose.write_text("x" * 64)
+    loose.chmod(0o644)
+    r = run("--cluster-secret-file", str(loose))
+    assert r.returncode == 2 and "readable by others" in r.stderr

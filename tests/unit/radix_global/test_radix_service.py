@@ -22,6 +22,7 @@ from support.radix_index import index_service
 from bana_sglang.radix_global.client import IndexClient
 from bana_sglang.radix_global.keys import KVLayout, page_chain
 from bana_sglang.wire import index as m
+from bana_sglang.wire import security
 
 LAYOUT = KVLayout("svc-test", "float16", page_size=4, num_kv_heads=2, head_dim=8, num_layers=2)
 
@@ -89,9 +90,13 @@ def test_capacity_is_enforced_by_evicting_lru_leaves(service):
 
 
 def _raw(service: str, *frames: bytes) -> m.Reply:
+    """Frames as they come, on a socket of this cluster (the suite's secret)."""
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    keys = security.process_keys()
+    if keys is not None:
+        security.secure_client(s, keys)
     s.connect(service)
     try:
         s.send_multipart(list(frames))
