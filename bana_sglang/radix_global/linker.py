@@ -29,8 +29,8 @@ What happens per request (``UnifiedCacheLinkerWrapper`` drives the calls):
   the pool is registered with the transfer engine) and marks layer l done;
   the forward of layer l waits for exactly that (the pool's
   ``get_key_buffer`` hook), so the read of layer l+1 overlaps the compute of
-  layer l. The last layer is released only after the payload checksums
-  (chained CRC32 over the layers) match.
+  layer l. The last layer is released only after the pages' MACs
+  (keyed BLAKE2b, fed layer by layer) match.
 - After an insert into the device tree, the write-through chain offloads new
   nodes (parents first) -> :meth:`offload`: the publish thread asks the index
   for an intent, writes the pages straight from the KV pool slots (locked by

@@ -2,17 +2,29 @@
 
 Every object the global store holds under a page key is :data:`HEADER_SIZE`
 bytes of header (magic, format version, header size, layout digest, page hash,
-dtype, shape, payload length, payload CRC32, then a CRC32 over all of these)
+dtype, shape, payload length, the page's MAC, then a CRC32 over all of these)
 followed by the payload: the page tensor's bytes, layer-major, so layer ``l``
 of a page is one contiguous byte range. :class:`PageFormat` packs the headers
 of one :class:`~bana_sglang.radix_global.keys.KVLayout` and verifies what a read
 returned; a check that fails is a :class:`Miss` naming what did not match.
+
+The MAC is keyed BLAKE2b (``hashlib``, 16 bytes) over the header's fields and
+the payload, under a key derived from the cluster secret
+(:func:`bana_sglang.wire.security.derive`, purpose ``bana-kv-page``): whoever
+can write to the Mooncake store but does not hold the secret cannot make a page
+that verifies. Without a key (no cluster secret) it is plain BLAKE2b, an
+integrity check only. It is computed incrementally (:meth:`PageFormat.mac`
+returns the running hash), so a layer-by-layer read verifies the whole payload
+once its last layer has landed. The header's CRC32 only catches a torn or
+mangled header early (``bad_header``); it protects nothing.
 
 Pure: no I/O, no torch.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 import zlib
 from typing import NamedTuple
@@ -20,14 +32,17 @@ from typing import NamedTuple
 from bana_sglang.radix_global.keys import HASH_BYTES, KVLayout, PageHash
 
 MAGIC = b"BKVP"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: a payload CRC32 instead of the MAC
 _MAX_DIMS = 8
+MAC_BYTES = 16
+MAC_PURPOSE = "bana-kv-page"  # the key's purpose (wire.security.derive)
 # magic, version, header size, layout digest, page hash, dtype name, ndim, 8 dims,
-# payload length, payload crc32, then header crc32 over all of the above.
-_HDR = struct.Struct(f"<4sHH{HASH_BYTES}s{HASH_BYTES}s16sB{_MAX_DIMS}QQI")
+# payload length: the fields the MAC covers; then the MAC, then a CRC32 over all of it.
+_FIELDS = struct.Struct(f"<4sHH{HASH_BYTES}s{HASH_BYTES}s16sB{_MAX_DIMS}QQ")
+_MAC = struct.Struct(f"<{MAC_BYTES}s")
 _HDR_CRC = struct.Struct("<I")
 HEADER_SIZE = 192  # fixed; room left for later fields, keeps the payload 64-byte aligned
-assert _HDR.size + _HDR_CRC.size <= HEADER_SIZE
+assert _FIELDS.size + _MAC.size + _HDR_CRC.size <= HEADER_SIZE
 
 
 class Miss(NamedTuple):
@@ -41,11 +56,15 @@ class Miss(NamedTuple):
 
 
 class PageFormat:
-    """Headers of one layout's pages: :meth:`header` packs, :meth:`verify_header`
-    and :meth:`verify` check."""
+    """Headers of one layout's pages: :meth:`mac` starts a page's MAC, :meth:`header`
+    packs, :meth:`verify_header` and :meth:`verify` check. ``key``: the MAC key
+    (``b""``: unkeyed)."""
 
-    def __init__(self, layout: KVLayout):
+    def __init__(self, layout: KVLayout, key: bytes = b""):
+        if len(key) > hashlib.blake2b.MAX_KEY_SIZE:
+            raise ValueError(f"a page MAC key is at most {hashlib.blake2b.MAX_KEY_SIZE} bytes")
         self.layout = layout
+        self._key = key
         self.shape = layout.page_shape
         self.payload_bytes = layout.page_nbytes
         self._digest = bytes.fromhex(layout.digest)
@@ -56,10 +75,13 @@ class PageFormat:
         """Bytes one stored page takes: header and payload."""
         return HEADER_SIZE + self.payload_bytes
 
-    def header(self, page: PageHash, payload_crc: int) -> bytes:
-        """The header of ``page`` whose payload has CRC32 ``payload_crc``."""
+    @property
+    def keyed(self) -> bool:
+        return bool(self._key)
+
+    def _fields(self, page: PageHash) -> bytes:
         dims = list(self.shape) + [0] * (_MAX_DIMS - len(self.shape))
-        body = _HDR.pack(
+        return _FIELDS.pack(
             MAGIC,
             FORMAT_VERSION,
             HEADER_SIZE,
@@ -69,43 +91,65 @@ class PageFormat:
             len(self.shape),
             *dims,
             self.payload_bytes,
-            payload_crc,
         )
+
+    def mac(self, page: PageHash):
+        """``page``'s running MAC, its header's fields already in: ``update`` it with the
+        payload's bytes in order (whole, or layer by layer), then :meth:`header` or
+        :meth:`payload_ok` with its ``digest()``."""
+        h = hashlib.blake2b(digest_size=MAC_BYTES, key=self._key, person=MAC_PURPOSE.encode())
+        h.update(self._fields(page))
+        return h
+
+    def header(self, page: PageHash, mac: bytes) -> bytes:
+        """The header of ``page`` whose payload gave ``mac`` (``self.mac(page)...digest()``)."""
+        body = self._fields(page) + _MAC.pack(mac)
         return body + _HDR_CRC.pack(zlib.crc32(body))
 
-    def verify_header(self, page: PageHash, header: bytes) -> tuple[Miss | None, int]:
-        """Every header field but the payload checksum; (miss, stored payload CRC32)."""
-        body = header[: _HDR.size]
-        (crc,) = _HDR_CRC.unpack_from(header, _HDR.size)
+    @staticmethod
+    def payload_ok(stored_mac: bytes, computed: bytes) -> bool:
+        """The stored MAC equals the one computed over what was read (constant time)."""
+        return hmac.compare_digest(stored_mac, computed)
+
+    def verify_header(self, page: PageHash, header: bytes) -> tuple[Miss | None, bytes]:
+        """Every header field but the MAC; (miss, the stored MAC)."""
+        size = _FIELDS.size + _MAC.size
+        body = header[:size]
+        (crc,) = _HDR_CRC.unpack_from(header, size)
         if zlib.crc32(body) != crc:
-            return Miss(page, "bad_header", "header checksum mismatch"), 0
-        (magic, version, hsize, digest, phash, dtype, ndim, *rest) = _HDR.unpack(body)
-        dims, length, pcrc = rest[:_MAX_DIMS], rest[_MAX_DIMS], rest[_MAX_DIMS + 1]
+            return Miss(page, "bad_header", "header checksum mismatch"), b""
+        (magic, version, hsize, digest, phash, dtype, ndim, *rest) = _FIELDS.unpack_from(body)
+        dims, length = rest[:_MAX_DIMS], rest[_MAX_DIMS]
+        (stored_mac,) = _MAC.unpack_from(body, _FIELDS.size)
         if magic != MAGIC or version != FORMAT_VERSION or hsize != HEADER_SIZE:
-            return Miss(page, "bad_header", f"magic {magic!r} version {version} header {hsize}"), 0
+            return Miss(
+                page, "bad_header", f"magic {magic!r} version {version} header {hsize}"
+            ), b""
         if digest != self._digest:
-            return Miss(page, "layout_mismatch", f"stored layout {digest.hex()}"), 0
+            return Miss(page, "layout_mismatch", f"stored layout {digest.hex()}"), b""
         if phash != bytes.fromhex(page):
-            return Miss(page, "page_mismatch", f"stored page {phash.hex()}"), 0
+            return Miss(page, "page_mismatch", f"stored page {phash.hex()}"), b""
         if dtype != self._dtype_field or tuple(dims[:ndim]) != self.shape:
             return Miss(
                 page, "shape_mismatch", f"{dtype.rstrip(bytes(1)).decode()} {dims[:ndim]}"
-            ), 0
+            ), b""
         if length != self.payload_bytes:
             return Miss(
                 page, "size_mismatch", f"stored {length} bytes, expected {self.payload_bytes}"
-            ), 0
-        return None, pcrc
+            ), b""
+        return None, stored_mac
 
     def verify(self, page: PageHash, header: bytes, payload: memoryview) -> Miss | None:
-        """The header and the payload's checksum."""
-        miss, pcrc = self.verify_header(page, header)
+        """The header and the page's MAC over header fields and payload."""
+        miss, stored = self.verify_header(page, header)
         if miss is not None:
             return miss
         if len(payload) != self.payload_bytes:
             return Miss(
                 page, "size_mismatch", f"read {len(payload)} bytes, expected {self.payload_bytes}"
             )
-        if zlib.crc32(payload) != pcrc:
-            return Miss(page, "checksum", "payload checksum mismatch")
+        h = self.mac(page)
+        h.update(payload)
+        if not self.payload_ok(stored, h.digest()):
+            return Miss(page, "checksum", "page MAC mismatch (corrupt, or written without the key)")
         return None

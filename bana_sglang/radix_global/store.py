@@ -4,13 +4,13 @@
 :mod:`~bana_sglang.radix_global.page_format` header, then the payload) through
 :class:`~bana_sglang.radix_global.mooncake_kv.MooncakeKV` (the binding: native
 codes -> ``StoreError``, outage gate), and verifies every header field and the
-payload checksum on load. :class:`LayerwiseRead` reads pages layer by layer
+page MAC (keyed BLAKE2b under the cluster secret) on load. :class:`LayerwiseRead` reads pages layer by layer
 straight into KV pool slots (the SGLang linker's loads).
 
 Invariants:
 - a load returns the bytes that were stored under that page hash *for this
   layout*, or a :class:`Miss` (missing key, other layout, other page, wrong
-  size, bad checksum, store down); never wrong data, never an exception;
+  size, bad MAC, store down); never wrong data, never an exception;
 - a store failure never raises out of ``put_pages``/``get_pages``/``get_page``;
   it is reported in the result (puts) or as a miss (gets);
 - workers contribute no memory segment (``global_segment_size=0``): the pages
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import zlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -52,7 +51,8 @@ from bana_sglang.radix_global.mooncake_kv import (
     describe,
     page_key,
 )
-from bana_sglang.radix_global.page_format import HEADER_SIZE, Miss, PageFormat
+from bana_sglang.radix_global.page_format import HEADER_SIZE, MAC_PURPOSE, Miss, PageFormat
+from bana_sglang.wire import security
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +83,13 @@ class PageStore:
     Single-threaded use per instance is expected (calls are serialised by a lock).
     """
 
-    def __init__(self, layout: KVLayout, kv: MooncakeKV):
+    def __init__(self, layout: KVLayout, kv: MooncakeKV, mac_key: bytes | None = None):
         self.layout = layout
         self.kv = kv
-        self.format = PageFormat(layout)
+        if mac_key is None:  # the cluster's (BANA_CLUSTER_SECRET_FILE), or unkeyed
+            secret = security.cluster_secret()
+            mac_key = security.derive(secret, MAC_PURPOSE) if secret else b""
+        self.format = PageFormat(layout, mac_key)
         self._dtype = getattr(torch, layout.dtype)
         self._shape = self.format.shape
         self._payload = self.format.payload_bytes
@@ -168,14 +171,15 @@ class PageStore:
         )
 
     def _payload_ptrs(
-        self, parts: list[torch.Tensor], slot: int
-    ) -> tuple[list[int], list[int], int]:
-        """(pointers, sizes, payload CRC32) of one page's payload for a native put."""
+        self, page: PageHash, parts: list[torch.Tensor], slot: int
+    ) -> tuple[list[int], list[int], bytes]:
+        """(pointers, sizes, the page's MAC) of one page's payload for a native put."""
+        mac = self.format.mac(page)
         if all(self._registered(t) for t in parts):
-            crc = 0
             for t in parts:
-                crc = zlib.crc32(_as_bytes_view(t).numpy(), crc)
-            return [t.data_ptr() for t in parts], [t.numel() * t.element_size() for t in parts], crc
+                mac.update(_as_bytes_view(t).numpy())
+            sizes = [t.numel() * t.element_size() for t in parts]
+            return [t.data_ptr() for t in parts], sizes, mac.digest()
         nbytes = self._payload
         stage = self._staging[slot * nbytes : (slot + 1) * nbytes]
         stage_np = stage.numpy()
@@ -186,15 +190,16 @@ class PageStore:
             view = _as_bytes_view(t.cpu() if t.device.type != "cpu" else t).numpy()
             stage_np[pos : pos + len(view)] = view
             pos += len(view)
-        return [stage.data_ptr()], [nbytes], zlib.crc32(stage_np)
+        mac.update(stage_np)
+        return [stage.data_ptr()], [nbytes], mac.digest()
 
     def _put_batch(
         self, pages: Sequence[PageHash], payloads: Sequence[list[torch.Tensor]]
     ) -> tuple[int, Miss | None]:
         keys, ptrs, sizes = [], [], []
         for slot, (page, parts) in enumerate(zip(pages, payloads)):
-            pptrs, psizes, crc = self._payload_ptrs(parts, slot)
-            hdr = self.format.header(page, crc)
+            pptrs, psizes, mac = self._payload_ptrs(page, parts, slot)
+            hdr = self.format.header(page, mac)
             hslot = self._headers[slot * HEADER_SIZE : (slot + 1) * HEADER_SIZE]
             self._headers_np[slot * HEADER_SIZE : slot * HEADER_SIZE + len(hdr)] = memoryview(hdr)
             keys.append(page_key(page))
@@ -345,9 +350,9 @@ class LayerwiseRead:
     - :meth:`start` verifies every header field except the payload checksum
       (layout, page hash, dtype, shape, length) and keeps the leading pages
       whose headers verify: what follows a bad or missing page is not read;
-    - every :meth:`read_layer` extends a running CRC32 per page (CRC32 chains,
-      so layer-major reads give the checksum of the whole payload);
-    - :meth:`finish` compares the running CRCs with the headers'. A mismatch
+    - every :meth:`read_layer` extends a running MAC per page (layer-major reads
+      feed it the whole payload in order);
+    - :meth:`finish` compares the running MACs with the headers'. A mismatch
       means the bytes already handed to compute were wrong: the caller must
       discard what was computed from them (the SGLang linker fails the load,
       and SGLang drops that request's output).
@@ -359,8 +364,8 @@ class LayerwiseRead:
         self.store = store
         self.pages = list(pages)
         self._keys = [page_key(p) for p in self.pages]
-        self._crcs: list[int] = []
-        self._running: list[int] = []
+        self._macs: list[bytes] = []  # stored, per page
+        self._running: list = []  # the MAC computed over what landed, per page
         self._session = False
         layout = store.layout
         self.layer_bytes = store._payload // layout.num_layers
@@ -411,11 +416,11 @@ class LayerwiseRead:
                         )
                     else:
                         header = st._headers_np[i * HEADER_SIZE : (i + 1) * HEADER_SIZE].tobytes()
-                        bad, crc = st.format.verify_header(page, header)
+                        bad, mac = st.format.verify_header(page, header)
                     if bad is not None:
                         keep, miss = lo + i, bad
                         break
-                    self._crcs.append(crc)
+                    self._macs.append(mac)
                 if miss is not None and keep < hi:
                     break
         self._truncate(keep)
@@ -425,10 +430,10 @@ class LayerwiseRead:
         if keep < len(self.pages):
             dropped = self._keys[keep:]
             self.pages, self._keys = self.pages[:keep], self._keys[:keep]
-            self._crcs = self._crcs[:keep]
+            self._macs = self._macs[:keep]
             if self._session:
                 self.store.kv.get_session_end(dropped)
-        self._running = [0] * len(self.pages)
+        self._running = [self.store.format.mac(p) for p in self.pages]
 
     def read_layer(self, layer: int, dests: Sequence[Sequence[torch.Tensor]]) -> Miss | None:
         """Read layer ``layer`` of every page: page i's bytes land in ``dests[i]``
@@ -466,10 +471,9 @@ class LayerwiseRead:
                     f"layer {layer} read: {rc if rc < 0 else f'{rc} bytes'}",
                 )
         for i, parts in enumerate(dests):
-            crc = self._running[i]
+            mac = self._running[i]
             for t in parts:
-                crc = zlib.crc32(_as_bytes_view(t).numpy(), crc)
-            self._running[i] = crc
+                mac.update(_as_bytes_view(t).numpy())
         return None
 
     def close(self) -> None:
@@ -479,11 +483,11 @@ class LayerwiseRead:
             self._session = False
 
     def finish(self) -> Miss | None:
-        """Close the session; the first page whose payload checksum does not match."""
+        """Close the session; the first page whose MAC does not match what landed."""
         self.close()
-        for page, want, got in zip(self.pages, self._crcs, self._running):
-            if want != got:
-                return Miss(page, "checksum", "payload checksum mismatch after a layer-wise read")
+        for page, want, got in zip(self.pages, self._macs, self._running):
+            if not self.store.format.payload_ok(want, got.digest()):
+                return Miss(page, "checksum", "page MAC mismatch after a layer-wise read")
         return None
 
 

@@ -15,6 +15,10 @@ Checks:
 - the store's Prometheus counters on each worker's ``/metrics``;
 - the Mooncake master killed while requests flow: every request completes
   with the right tokens; after a restart, hits resume;
+- a page forged without the cluster secret (valid header and CRC, no valid MAC)
+  and a byte flipped in a real page's last layer: the loading prefill worker
+  answers 503 (never tokens from the bad page), and the retry gives the plain
+  run's tokens from the pages before it;
 - the router asks the index with SGLang's own page hashes (equal to SGLang's
   function's) and counts only globally uncached tokens as prefill work;
 - ``--no-global-store`` plans stock workers (no linker, no store parts).
@@ -22,8 +26,9 @@ Checks:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
-import threading
 import time
 from collections.abc import Iterator
 
@@ -61,6 +66,15 @@ class PDCluster:
         self, prefill: int, ids: list[int], n: int = 8, *, timeout: float = 300
     ) -> tuple[dict, dict]:
         """One PD request through prefill worker ``prefill``; (decode reply, prefill reply)."""
+        d, p = self.attempt(prefill, ids, n, timeout=timeout)
+        assert d is not None and d.status_code == 200, (p.status_code, p.text)
+        assert p.status_code == 200, p.text
+        return d.json(), p.json()
+
+    def attempt(
+        self, prefill: int, ids: list[int], n: int = 8, *, timeout: float = 300
+    ) -> tuple[httpx.Response | None, httpx.Response]:
+        """One PD request, whatever it answers; (decode response, prefill response)."""
         url, boot = self.prefill[prefill]
         body = {
             "input_ids": ids,
@@ -69,22 +83,23 @@ class PDCluster:
             "bootstrap_port": boot,
             "bootstrap_room": random.getrandbits(63),
         }
-        out: dict[str, object] = {}
 
-        def send_prefill():
-            try:
-                out["p"] = httpx.post(url + "/generate", json=body, timeout=timeout)
-            except httpx.HTTPError as e:  # reported below
-                out["p"] = e
+        async def both() -> tuple[httpx.Response | None, httpx.Response]:
+            # as the router does: a failed prefill leaves its decode waiting for KV that
+            # never comes, so the decode request is cancelled then (None)
+            async with httpx.AsyncClient(timeout=timeout) as c:
+                p_task = asyncio.create_task(c.post(url + "/generate", json=body))
+                d_task = asyncio.create_task(c.post(self.decode[0] + "/generate", json=body))
+                await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+                p = await p_task
+                if p.status_code != 200 and not d_task.done():
+                    d_task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await d_task
+                    return None, p
+                return await d_task, p
 
-        t = threading.Thread(target=send_prefill)
-        t.start()
-        d = httpx.post(self.decode[0] + "/generate", json=body, timeout=timeout)
-        t.join(timeout)
-        p = out.get("p")
-        assert d.status_code == 200, d.text
-        assert isinstance(p, httpx.Response) and p.status_code == 200, p
-        return d.json(), p.json()
+        return asyncio.run(both())
 
     def metrics(self, url: str) -> dict[str, float]:
         return summary.parse(httpx.get(url + "/metrics", timeout=10).text)
@@ -104,6 +119,13 @@ def pd(tmp_path_factory) -> Iterator[PDCluster]:
     )
     with Cluster(plan_cluster(cfg), log_dir=cfg.log_dir, startup_timeout=900) as cluster:
         yield PDCluster(cluster)
+
+
+def _json(r: httpx.Response) -> dict:
+    try:
+        return r.json()
+    except ValueError:
+        return {}
 
 
 def plain_tokens(single_server: str, ids: list[int], n: int) -> list[int]:
@@ -290,6 +312,63 @@ def test_router_counts_only_globally_uncached_tokens(pd, single_server):
         == first.json()["output_ids"]
         == plain_tokens(single_server, ids, 6)
     )
+
+
+def test_a_forged_or_corrupt_page_is_a_miss_and_the_tokens_stay_plain(pd, single_server):
+    """Someone who can write to the Mooncake store but lacks the cluster secret puts a page
+    with a valid header and CRC but no valid MAC; and a byte of a real page's last layer
+    flips after its header verified. Either way the other prefill worker's load stops
+    there (a miss, reported), and the answer is the plain run's."""
+    import torch
+
+    from bana_sglang.radix_global.keys import namespaced, sglang_page_hashes
+    from bana_sglang.radix_global.mooncake_kv import StoreConfig, page_key
+    from bana_sglang.radix_global.store import PageStore
+    from bana_sglang.router.global_index import layout_for
+
+    plan = pd.cluster.plan
+    layout = layout_for(plan.model_path, PAGE)
+    master = f"127.0.0.1:{plan.master.tcp_port}"
+    store = PageStore.connect(layout, StoreConfig(master_addr=master))
+    forger = PageStore(layout, store.kv, mac_key=b"no cluster secret")
+    p0, p1 = pd.prefill[0][0], pd.prefill[1][0]
+    try:
+        for seed, how in ((12, "forged"), (13, "flipped")):
+            ids = prompt(seed, 160)  # 9 full pages below the last token
+            chain = [namespaced(h, layout) for h in sglang_page_hashes(ids, PAGE)]
+            before = pd.metrics(p0).get("published_pages", 0)
+            d0, _ = pd.generate(0, ids, n=10)
+            wait_published(pd, p0, before + len(chain) - 1)
+            bad = chain[3]
+            raw = store.kv.get_bytes(page_key(bad))
+            assert raw is not None and len(raw) == store.object_size
+            store.kv.remove_many([page_key(bad)], force=True)
+            if how == "forged":
+                garbage = torch.randn(layout.page_shape)
+                assert forger.put_pages([bad], [garbage]).written == 1
+            else:
+                flipped = bytearray(raw)
+                flipped[-3] ^= 0x10  # the last layer: the header verifies, the layers land
+                store.kv.put_bytes(page_key(bad), bytes(flipped))
+            loaded = pd.metrics(p1).get("loaded_pages", 0)
+            failures = pd.metrics(p1).get("load_failures", 0)
+            want = plain_tokens(single_server, ids, 10)
+            # the load of the bad page fails after its layers landed: SGLang answers the
+            # request 503 (the router retries it), never with tokens computed from it
+            d, p = pd.attempt(1, ids, n=10, timeout=120)
+            assert p.status_code == 503, (how, p.status_code, p.text)  # the MAC caught it
+            assert d is None or _json(d).get("output_ids") in (None, want), how
+            assert pd.metrics(p1).get("load_failures", 0) > failures, how
+            d, p = pd.attempt(1, ids, n=10, timeout=120)  # what the router's retry does
+            assert d is not None and d.status_code == 200, (how, p.text)
+            assert p.status_code == 200, (how, p.text)
+            assert d.json()["output_ids"] == d0["output_ids"] == want, how
+            # the bad page and what follows it were reported and forgotten: this request
+            # loaded at most the pages before it
+            assert p.json()["meta_info"]["cached_tokens"] <= 3 * PAGE, (how, p.json()["meta_info"])
+            assert pd.metrics(p1).get("loaded_pages", 0) - loaded <= 3, how
+    finally:
+        store.kv.close()
 
 
 def test_router_page_hashes_equal_sglangs():

@@ -186,6 +186,13 @@ def test_header_rejects_other_layout_page_and_corruption(store, mooncake):
     store.kv.put_bytes(page_key(chain[1]), bytes(raw1))
     res = store.get_pages(chain)
     assert len(res.tensors) == 1 and res.miss.reason == "checksum"
+    # a page written by someone without the cluster's key: a valid header and CRC, no valid MAC
+    assert store.format.keyed  # the suite runs with a cluster secret
+    forger = PageStore(LAYOUT, store.kv, mac_key=b"not the cluster's key")
+    forged = page_chain(range(4100, 4104), LAYOUT)
+    assert forger.put_pages(forged, [_page(3)]).written == 1
+    assert torch.equal(forger.get_page(forged[0]), _page(3))  # it verifies under its own key
+    assert store.get_page(forged[0]).reason == "checksum"
     # a mangled header
     raw0 = bytearray(raw)
     raw0[10] ^= 0x01
