@@ -57,6 +57,15 @@ else
   log "environment $VENV is up to date ($DEVICE)"
 fi
 
+# 3b. On CPU, every interpreter of the venv gets the torchvision import fix (SGLang's
+# frontend, `python -c "import sglang"`, imports torchvision); the workers get it
+# from bana_sglang/compat/pypath as well. A .pth "import" line runs at start-up.
+if [ "$DEVICE" = cpu ]; then
+  SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo 'import importlib.util as _u; _u.find_spec("bana_sglang") and __import__("bana_sglang.compat._torchvision", fromlist=["install"]).install()' \
+    > "$SITE/bana_sglang_cpu.pth"
+fi
+
 # 4. The embedded tiny model (cached under ~/.cache/bana_sglang/models).
 "$VENV/bin/python" -m bana_sglang.models build tiny >/dev/null
 log "ready: $VENV ($DEVICE)"
