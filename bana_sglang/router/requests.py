@@ -104,23 +104,6 @@ class PromptView:
         return tuple(out)
 
 
-def chat_text(messages: object) -> str:
-    """The routing text of OpenAI chat ``messages`` (contents joined)."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list", param="messages")
-    parts: list[str] = []
-    for m in messages:
-        if not isinstance(m, dict):
-            raise BadRequest("each message must be an object", param="messages")
-        c = m.get("content")
-        if isinstance(c, str):
-            parts.append(c)
-        elif isinstance(c, list):  # content parts
-            parts.extend(p.get("text", "") for p in c if isinstance(p, dict))
-        parts.append("\n")
-    return "".join(parts)
-
-
 def check_max_tokens(value: object, *, name: str, limit: int, allow_zero: bool) -> int | None:
     """Validate a max-tokens field: an integer, >= 1 (or 0 where allowed), <= limit."""
     if value is None:

@@ -46,6 +46,7 @@ import orjson
 from aiohttp import web
 
 from bana_sglang.router.admin import AdminAPI
+from bana_sglang.router.bodies import GenerateItem, generate_item, openai_view
 from bana_sglang.router.config import RouterConfig
 from bana_sglang.router.continuation import ContinuationMixin
 from bana_sglang.router.dispatch import PDDispatchMixin
@@ -54,7 +55,7 @@ from bana_sglang.router.generate import split_generate
 from bana_sglang.router.metrics import RouterMetrics
 from bana_sglang.router.monitor import WorkerMonitor
 from bana_sglang.router.policy import RouteRequest, get_policy
-from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
+from bana_sglang.router.requests import BadRequest, PromptView
 from bana_sglang.router.workers import Worker
 from bana_sglang.types import RequestId, Tier
 
@@ -117,7 +118,8 @@ class Router(PDDispatchMixin, ContinuationMixin):
     # ------------------------------------------------------------------ app
     def build_app(self) -> web.Application:
         app = web.Application(
-            client_max_size=self.cfg.max_body_bytes, middlewares=[self._auth_middleware]
+            client_max_size=self.cfg.max_body_bytes,
+            middlewares=[self._error_middleware, self._auth_middleware],
         )
         r = app.router
         r.add_post("/v1/chat/completions", self.handle_chat)
@@ -184,6 +186,18 @@ class Router(PDDispatchMixin, ContinuationMixin):
             await asyncio.get_running_loop().run_in_executor(None, self.global_index.close)
 
     @web.middleware
+    async def _error_middleware(self, request: web.Request, handler):
+        """A bug never reaches the client as aiohttp's plain-text 500: it is logged with
+        its traceback and answered in OpenAI's error format."""
+        try:
+            return await handler(request)
+        except (web.HTTPException, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            logger.exception("%s %s failed", request.method, request.path)
+            return error_response(500, f"internal error in the router: {type(e).__name__}")
+
+    @web.middleware
     async def _auth_middleware(self, request: web.Request, handler):
         key = self.cfg.api_key
         if key:
@@ -191,7 +205,7 @@ class Router(PDDispatchMixin, ContinuationMixin):
             token = (
                 got[7:] if got[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
             )
-            if not hmac.compare_digest(token.encode(), key.encode()):
+            if not hmac.compare_digest(token.encode(errors="surrogatepass"), key.encode()):
                 return error_response(
                     401,
                     "missing or wrong API key (send 'Authorization: Bearer KEY')",
@@ -327,45 +341,32 @@ class Router(PDDispatchMixin, ContinuationMixin):
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, "/v1/completions", "completions")
 
+    async def _tokens(self, text: str) -> list[int]:
+        """Token ids of ``text``; a long text is tokenized off the event loop, so one
+        large prompt never stalls the other streams."""
+        if len(text) < _INLINE_TOKENIZE_CHARS:
+            return self.prompts.tokens(text)
+        return await asyncio.to_thread(self.prompts.tokens, text)
+
     async def _openai(self, request: web.Request, path: str, label: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
             body = await self._read_json(request)
             self._check_model(body)
-            limit = self.cfg.max_tokens_limit
-            max_new = check_max_tokens(
-                body.get("max_tokens"), name="max_tokens", limit=limit, allow_zero=False
-            )
-            if label == "chat":
-                mc = check_max_tokens(
-                    body.get("max_completion_tokens"),
-                    name="max_completion_tokens",
-                    limit=limit,
-                    allow_zero=False,
+            view = openai_view(body, label, self.cfg.max_tokens_limit)
+            if view.n > 1 and (view.stream or view.prompts > 1):
+                raise BadRequest(
+                    "n > 1 with stream or with a list of prompts is not supported by this router "
+                    "yet; send one request per prompt and choice, or n > 1 for one prompt "
+                    "without stream",
+                    param="n",
                 )
-                max_new = mc if mc is not None else max_new
-                ids = self.prompts.tokens(chat_text(body.get("messages")))
-            else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, str):
-                    ids = self.prompts.tokens(prompt)
-                elif (
-                    isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
-                ):
-                    ids = prompt
-                elif isinstance(prompt, list) and prompt:
-                    ids = (
-                        self.prompts.tokens(prompt[0])
-                        if isinstance(prompt[0], str)
-                        else list(prompt[0])
-                    )
-                else:
-                    raise BadRequest(
-                        "'prompt' must be a string, a list of strings or token ids", param="prompt"
-                    )
         except BadRequest as e:
             return self._refuse(e, label)
-        route = await self._route_request(ids, max_new)
+        ids = view.ids if view.ids is not None else await self._tokens(view.text or "")
+        route = await self._route_request(ids, view.max_new)
+        if view.n > 1:
+            return await self._fan_out(path, body, route, label, t0, view.n)
         return await self._pd(
             request,
             path,
@@ -373,9 +374,47 @@ class Router(PDDispatchMixin, ContinuationMixin):
             route,
             label,
             t0,
-            stream=bool(body.get("stream")),
+            stream=view.stream,
             merge_logprobs=False,
         )
+
+    async def _fan_out(
+        self, path: str, body: dict, route: RouteRequest, label: str, t0: float, n: int
+    ) -> web.Response:
+        """``n`` choices as OpenAI gives them: ``n`` PD requests of one choice each (each
+        with its own bootstrap room; with a ``seed``, choice i samples with seed + i), their
+        choices numbered 0..n-1 in one answer, usage summed over the completions."""
+        seed = body.get("seed")
+
+        def one(i: int) -> dict:
+            b = dict(body, n=1)
+            if isinstance(seed, int) and not isinstance(seed, bool):
+                b["seed"] = seed + i
+            return b
+
+        results = await asyncio.gather(
+            *(self._pd_once_json(path, one(i), route, merge_logprobs=False) for i in range(n))
+        )
+        bad = next(((st, data) for st, data in results if st != 200), None)
+        if bad is not None:
+            self._count(label, bad[0], t0)
+            return web.Response(status=bad[0], body=bad[1], content_type=_JSON)
+        answers = [orjson.loads(data) for _, data in results]
+        merged = dict(answers[0])
+        merged["choices"] = [
+            dict(c, index=i) for i, a in enumerate(answers) for c in (a.get("choices") or [])[:1]
+        ]
+        usage = [a.get("usage") or {} for a in answers]
+        if all(usage):
+            completion = sum(int(u.get("completion_tokens") or 0) for u in usage)
+            prompt_tokens = int(usage[0].get("prompt_tokens") or 0)
+            merged["usage"] = dict(
+                usage[0],
+                completion_tokens=completion,
+                total_tokens=prompt_tokens + completion,
+            )
+        self._count(label, 200, t0)
+        return web.Response(body=orjson.dumps(merged), content_type=_JSON)
 
     # ------------------------------------------------------------------ /generate
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
@@ -386,13 +425,18 @@ class Router(PDDispatchMixin, ContinuationMixin):
             self._check_model(body)
             body.pop("model", None)  # /generate has no model field
             items = split_generate(body, self.cfg.max_tokens_limit)
+            if items is not None:  # a batch: one request per item, gathered in order
+                views = [generate_item(it, self.cfg.max_tokens_limit) for it in items]
         except BadRequest as e:
             return self._refuse(e, label)
-        if items is not None:  # a batch: one request per item, gathered in order
-            return await self._generate_batch(request, items, label, t0)
-        sp = body.get("sampling_params") or {}
-        max_new = sp.get("max_new_tokens")
-        ids = body.get("input_ids") or self.prompts.tokens(body.get("text") or "")
+        if items is not None:
+            return await self._generate_batch(request, list(zip(items, views)), label, t0)
+        try:
+            item = generate_item(body, self.cfg.max_tokens_limit)
+        except BadRequest as e:
+            return self._refuse(e, label)
+        max_new = item.max_new
+        ids = item.ids if item.ids is not None else await self._tokens(item.text or "")
         route = await self._route_request(ids, max_new)
         if max_new == 0:
             status, payload = await self._prefill_only(body, route)
@@ -405,24 +449,33 @@ class Router(PDDispatchMixin, ContinuationMixin):
             route,
             label,
             t0,
-            stream=bool(body.get("stream")),
-            merge_logprobs=bool(body.get("return_logprob")),
+            stream=item.stream,
+            merge_logprobs=item.return_logprob,
         )
 
     async def _generate_batch(
-        self, request, items: list[dict], label: str, t0: float
+        self, request, items: list[tuple[dict, GenerateItem]], label: str, t0: float
     ) -> web.Response:
-        async def one(item: dict) -> tuple[int, bytes]:
-            sp = item["sampling_params"]
-            ids = item.get("input_ids") or self.prompts.tokens(item.get("text") or "")
-            route = await self._route_request(ids, sp.get("max_new_tokens"))
-            if sp.get("max_new_tokens") == 0:
+        async def one(item: dict, view: GenerateItem) -> tuple[int, bytes]:
+            ids = view.ids if view.ids is not None else await self._tokens(view.text or "")
+            route = await self._route_request(ids, view.max_new)
+            if view.max_new == 0:
                 return await self._prefill_only(item, route)
             return await self._pd_once_json(
-                "/generate", item, route, merge_logprobs=bool(item.get("return_logprob"))
+                "/generate", item, route, merge_logprobs=view.return_logprob
             )
 
-        results = await asyncio.gather(*(one(it) for it in items))
+        if len(items) > MAX_BATCH:
+            return self._refuse(
+                BadRequest(f"a batch holds at most {MAX_BATCH} prompts, got {len(items)}"), label
+            )
+        sem = asyncio.Semaphore(MAX_BATCH_IN_FLIGHT)
+
+        async def bounded(item: dict, view: GenerateItem) -> tuple[int, bytes]:
+            async with sem:
+                return await one(item, view)
+
+        results = await asyncio.gather(*(bounded(it, v) for it, v in items))
         bad = next(((s, b) for s, b in results if s != 200), None)
         if bad is not None:
             self._count(label, bad[0], t0)
@@ -439,6 +492,13 @@ class Router(PDDispatchMixin, ContinuationMixin):
     def _count(self, label: str, status: int, t0: float) -> None:
         self.metrics.requests.labels(label, str(status)).inc()
         self.metrics.e2e_seconds.labels(label).observe(time.perf_counter() - t0)
+
+
+#: texts shorter than this are tokenized on the event loop (a thread hop costs more)
+_INLINE_TOKENIZE_CHARS = 16384
+#: the most prompts of one /generate batch, and how many of them run at once
+MAX_BATCH = 256
+MAX_BATCH_IN_FLIGHT = 32
 
 
 def _dumps(o) -> str:

@@ -17,8 +17,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from bana_sglang.router.bodies import chat_messages
 from bana_sglang.router.config import RouterConfig
-from bana_sglang.router.requests import BadRequest, PromptView, chat_text, check_max_tokens
+from bana_sglang.router.requests import BadRequest, PromptView, check_max_tokens
 from bana_sglang.router.server import Router
 from bana_sglang.router.workers import Reported, Worker, parse_prefill_spec
 from bana_sglang.types import Tier, WorkerId, WorkerLoad
@@ -86,11 +87,22 @@ def test_prompt_view_hashes_are_chained_and_prefix_stable():
     assert len(v.tokens("x" * 40)) == 10  # byte estimate without a tokenizer
 
 
-def test_chat_text_rejects_bad_messages():
-    assert chat_text([{"role": "user", "content": "hi"}]).startswith("hi")
-    for bad in (None, [], ["x"], "text"):
-        with pytest.raises(BadRequest):
-            chat_text(bad)
+def test_chat_messages_rejects_bad_messages():
+    assert chat_messages([{"role": "user", "content": "hi"}]).startswith("hi")
+    parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    assert chat_messages([{"role": "user", "content": parts}]).startswith("a")
+    for bad in (
+        None,
+        [],
+        ["x"],
+        "text",
+        [{"content": "no role"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"type": "text", "text": 1}]}],
+        [{"role": "user", "content": ["plain string part"]}],
+    ):
+        with pytest.raises(BadRequest, match="messages"):
+            chat_messages(bad)
 
 
 def test_worker_load_takes_the_larger_of_report_and_own_count():
