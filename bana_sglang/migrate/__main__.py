@@ -3,7 +3,8 @@
 Through the router's admin endpoints (``--router URL``, default
 ``http://127.0.0.1:30000``; ``--api-key`` or ``$BANA_API_KEY``), where workers
 are named as in the launcher (``prefill-0``), or straight to one agent
-(``--agent tcp://HOST:PORT``), where the peer is an agent endpoint.
+(``--agent tcp://HOST:PORT``, with the cluster secret in
+``$BANA_CLUSTER_SECRET_FILE``), where the peer is an agent endpoint.
 
     python -m bana_sglang.migrate status
     python -m bana_sglang.migrate migrate prefill-0 decode-0 --layers 2:4 --wait
@@ -54,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--router", default=None, help="the router (default http://127.0.0.1:30000)")
     where.add_argument(
-        "--agent", default=None, metavar="tcp://HOST:PORT", help="talk to one agent directly"
+        "--agent",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="talk to one agent directly (needs the cluster secret: $BANA_CLUSTER_SECRET_FILE)",
     )
     p.add_argument("--api-key", default=None, help="the router's API key (default: $BANA_API_KEY)")
     p.add_argument(
