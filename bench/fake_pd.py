@@ -15,7 +15,9 @@ They speak the part of the PD contract a router depends on:
   accepts, never answers, sends no KV: an unreachable host), ``error500``,
   ``break_stream`` (the connection drops after two stream chunks),
   ``kv_lost_once`` (decode: the first request ends 503 "KV blocks lost", as a
-  decode worker whose KV-block host died answers);
+  decode worker whose KV-block host died answers), ``store_load_503_once`` (the
+  first request ends 503 "External KV cache load failed", as a prefill worker
+  whose global-store load failed answers);
   ``loads_delay_s`` makes ``/v1/loads`` slow, as a CPU worker busy in a long
   prefill is.
 
@@ -121,6 +123,12 @@ class FakeWorker:
         if self.mode == "error500":
             return web.json_response({"error": "boom"}, status=500)
         room = body.get("bootstrap_room")
+        if self.mode == "store_load_503_once" and len(self.bodies) == 1:
+            # SGLang's answer when a global-store load failed after it started
+            return web.json_response(
+                {"object": "error", "message": "External KV cache load failed", "code": 503},
+                status=503,
+            )
         if self.role == "prefill":
             if self.mode == "hang":  # an unreachable host: nothing comes back, no KV is sent
                 await asyncio.sleep(3600)
@@ -129,7 +137,7 @@ class FakeWorker:
             if body.get("bootstrap_host") != FAKE_BOOTSTRAP_HOST:
                 self._room(room).set()
             n = len(str(body.get("text", "x")).split())
-            start = body.get("logprob_start_len", 0)
+            start = body.get("logprob_start_len") or 0  # SGLang: null is the default
             lps = [[None if i == start else -1.0 - i, i, f"t{i}"] for i in range(start, n)]
             return web.json_response(
                 {

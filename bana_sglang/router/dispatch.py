@@ -14,6 +14,7 @@ migration by :class:`~.continuation.ContinuationMixin`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -52,6 +53,18 @@ _KV_TRANSFER_FAILURE = re.compile(
 # bana's decode-side error when the peer holding a request's KV pages (KV-block
 # migration) failed: the worker is fine, the request is recomputed elsewhere or there.
 _KV_BLOCKS_LOST = re.compile(r"KV blocks lost")
+# SGLang's answer when a load from the global store failed after it started (a page
+# lost or failing its MAC): the worker is fine and the bad pages are reported, so
+# the same request misses and recomputes on a retry (unified_radix_cache.py).
+_STORE_LOAD_FAILED = re.compile(r"External KV cache load failed")
+
+
+def _store_load_failed(e: UpstreamError, p: Worker) -> bool:
+    return (
+        e.worker is p
+        and e.status == 503
+        and bool(_STORE_LOAD_FAILED.search(e.body.decode(errors="replace")))
+    )
 
 
 class PDDispatchMixin:
@@ -209,6 +222,10 @@ class PDDispatchMixin:
                     self.metrics.retries.labels("kv_blocks_lost").inc()
                     last = str(e)
                     continue
+                if _store_load_failed(e, p):  # retried, the worker stays routable
+                    self.metrics.retries.labels("store_load_failed").inc()
+                    last = str(e)
+                    continue
                 culprit = e.worker if e.worker is p else await self._blame(p, p_task, e)
                 (tried_p if culprit is p else tried_d).add(culprit.id)
                 self._fail(
@@ -311,8 +328,24 @@ class PDDispatchMixin:
             bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
             resp: aiohttp.ClientResponse | None = None
             try:
+                post = asyncio.ensure_future(self.session.post(d.url + path, json=bp))
+                # a prefill that fails first leaves its decode waiting for KV: it decides
+                await asyncio.wait({post, p_task}, return_when=asyncio.FIRST_COMPLETED)
+                early = None if post.done() or p_task.cancelled() else p_task.exception()
+                if isinstance(early, (UpstreamError, ClientError)):
+                    post.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await post
+                    if isinstance(early, UpstreamError):
+                        raise early
+                    d.end(d_tok)
+                    return web.Response(
+                        status=early.status,
+                        body=early.body,
+                        content_type=early.content_type or _JSON,
+                    )
                 try:
-                    resp = await self.session.post(d.url + path, json=bp)
+                    resp = await post
                 except (TimeoutError, aiohttp.ClientConnectionError, ConnectionError) as e:
                     raise UpstreamError(d, f"{type(e).__name__}: {e}") from None
                 if resp.status >= 400:
@@ -359,6 +392,11 @@ class PDDispatchMixin:
             except UpstreamError as e:
                 if resp is not None:
                     resp.close()
+                if _store_load_failed(e, p):  # retried, the worker stays routable
+                    self.metrics.retries.labels("store_load_failed").inc()
+                    last = str(e)
+                    d.end(d_tok)
+                    continue
                 culprit = await self._blame(p, p_task, e) if e.worker is d else e.worker
                 (tried_p if culprit is p else tried_d).add(culprit.id)
                 self._fail(culprit, culprit.down_reason if culprit is not d else e.reason)

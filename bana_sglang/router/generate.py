@@ -71,10 +71,19 @@ def split_generate(body: dict, max_tokens_limit: int) -> list[dict] | None:
             "send one request per prompt",
             param="stream",
         )
+    per_item = set()
+    for k, v in body.items():
+        if k not in PER_ITEM_FIELDS or not isinstance(v, list):
+            continue
+        if k == "token_ids_logprob" and not (v and isinstance(v[0], list)):
+            continue  # one list of token ids, shared by every prompt
+        if len(v) != n:
+            raise BadRequest(f"'{k}' has {len(v)} entries for {n} prompts", param=k)
+        per_item.add(k)
     out = []
     for i in range(n):
         item = {
-            k: (v[i] if isinstance(v, list) and k in PER_ITEM_FIELDS else v)
+            k: (v[i] if k in per_item else v)
             for k, v in body.items()
             if k not in ("text", "input_ids", "sampling_params")
         }

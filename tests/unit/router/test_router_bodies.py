@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 
 import httpx
@@ -160,7 +161,8 @@ def check(r: httpx.Response) -> None:
 
 
 SETTINGS = settings(
-    max_examples=120,
+    max_examples=int(os.environ.get("ROUTER_FUZZ_EXAMPLES", "150")),
+    derandomize="ROUTER_FUZZ_EXAMPLES" not in os.environ,  # CI: the same bodies every run
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

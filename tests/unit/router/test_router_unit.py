@@ -275,6 +275,30 @@ def test_a_decode_that_reports_missing_kv_blames_the_prefill_and_stays_routable(
     run(go())
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failed_store_load_is_retried_and_the_prefill_worker_stays_up(stream):
+    """The only prefill worker answers 503 "External KV cache load failed" (a page
+    lost or failing its MAC mid-load; it reported the page): the request is sent
+    again and served, and the worker is not marked down."""
+
+    async def go():
+        p, d = FakeWorker("prefill", "store_load_503_once"), FakeWorker("decode", kv_wait_s=5)
+        async with running([p], [d]) as (router, c):
+            body = {"text": "q", "sampling_params": {"max_new_tokens": 2}, "stream": stream}
+            async with c.post("/generate", json=body) as r:
+                assert r.status == 200, await r.text()
+                text = await r.text()
+            assert ("[DONE]" in text) if stream else ("decoded" in text)
+            assert len(p.bodies) == 2
+            assert all(w.healthy for w in router.workers)
+            assert (
+                'bana_router_retries_total{reason="store_load_failed"} 1.0'
+                in router.metrics.render().decode()
+            )
+
+    run(go())
+
+
 def test_a_request_whose_kv_host_died_is_recomputed_and_the_decode_worker_stays_up():
     """A decode worker answers 503 "KV blocks lost" (the peer holding pages of the
     request died, KV-block migration): the request is sent again (recomputed) and
