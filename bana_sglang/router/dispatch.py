@@ -32,7 +32,7 @@ from bana_sglang.router.errors import (
 )
 from bana_sglang.router.generate import fix_logprob_window, merge_input_logprobs
 from bana_sglang.router.policy import RouteRequest, RoutingError
-from bana_sglang.router.splice import Splicer, mark, migratable
+from bana_sglang.router.splice import Splicer, mark, unmigratable_reason
 from bana_sglang.router.upstream import Upstream
 from bana_sglang.router.workers import Worker
 from bana_sglang.types import Tier
@@ -423,9 +423,13 @@ class PDDispatchMixin:
         t0: float,
     ) -> web.StreamResponse:
         splice = None
-        if self.cfg.request_migration and self.admin.agents and migratable(label, body):
-            body = mark(body, self._rooms)
-            splice = Splicer(label, body)
+        if self.cfg.request_migration and self.admin.agents:
+            why = unmigratable_reason(label, body)
+            if why is None:
+                body = mark(body, self._rooms)
+                splice = Splicer(label, body)
+            else:
+                self.metrics.unmigratable.labels(why.split(":", 1)[0]).inc()
         up = await self._open_stream(path, body, route)
         if isinstance(up, web.Response):
             self._count(label, up.status, t0)

@@ -34,6 +34,12 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.unmigratable = Counter(
+            "bana_router_unmigratable_total",
+            "Streamed requests not marked for request migration, by the field that prevents it",
+            ["reason"],
+            registry=r,
+        )
         self.worker_failures = Counter(
             "bana_router_worker_failures_total",
             "Connection errors and 5xx answers per worker",

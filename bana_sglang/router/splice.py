@@ -44,20 +44,64 @@ _CHAT_ONLY = (
 _GENERATE_DEFAULT_MAX_NEW = 128  # SGLang's SamplingParams default
 
 
-def migratable(label: str, body: dict) -> bool:
-    """Can this request be continued on another worker with the same answer?
-    Streamed, one choice, no logprobs, no tools, no caller-chosen rid."""
-    if not body.get("stream") or body.get("rid") is not None or body.get("n") not in (None, 1):
-        return False
+# Sampling fields whose effect a continuation (prompt + the answer so far, the
+# tokens left) does not reproduce, with why; each makes a request unmigratable.
+_GRAMMAR = ("regex", "json_schema", "ebnf", "structural_tag")  # the grammar state restarts
+_PENALTIES = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def _sampling_reason(sp: dict, label: str) -> str | None:
+    """Why the sampling parameters ``sp`` (a /generate body's ``sampling_params``, or an
+    OpenAI body itself) cannot be continued exactly on another worker, or None."""
+    for k in _GRAMMAR:
+        if sp.get(k) is not None:
+            return f"{k}: a continuation cannot resume the grammar's state"
+    rf = sp.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
+        return "response_format: a continuation cannot resume the grammar's state"
+    for k, neutral in _PENALTIES.items():
+        v = sp.get(k)
+        if v is not None and v != neutral:
+            return f"{k}: it counts the answer's tokens, which a continuation sees as prompt"
+    min_key = "min_new_tokens" if label == "generate" else "min_tokens"
+    if sp.get(min_key):
+        return f"{min_key}: a continuation counts its tokens anew"
+    if sp.get("stop") not in (None, "", []):
+        return "stop: a stop string could straddle the cut"
+    greedy = sp.get("temperature") == 0 or sp.get("top_k") == 1
+    for k in ("seed", "sampling_seed"):
+        if sp.get(k) is not None and not greedy:
+            return f"{k}: a continuation cannot resume the seeded random stream"
+    return None
+
+
+def unmigratable_reason(label: str, body: dict) -> str | None:
+    """Why this request cannot be continued on another worker with the answer it would
+    have given, or None (it can). Streamed, one choice, no logprobs, no tools, no
+    caller-chosen rid, and no sampling state a continuation would lose (grammars,
+    penalties, minimum lengths, stop strings, seeded sampling)."""
+    if not body.get("stream"):
+        return "not streamed"
+    if body.get("rid") is not None:
+        return "rid: chosen by the caller"
+    if body.get("n") not in (None, 1):
+        return "n > 1"
     if label == "generate":
-        return (
-            not body.get("return_logprob")
-            and not body.get("input_embeds")
-            and not body.get("image_data")
-        )
-    if body.get("logprobs") or body.get("tools") or body.get("echo"):
-        return False
-    return label in ("chat", "completions")
+        for k in ("return_logprob", "input_embeds", "image_data"):
+            if body.get(k):
+                return f"{k}: not carried over"
+        sp = body.get("sampling_params")
+        return _sampling_reason(sp if isinstance(sp, dict) else {}, label)
+    if label not in ("chat", "completions"):
+        return f"{label}: not a streamed generation"
+    for k in ("logprobs", "tools", "echo"):
+        if body.get(k):
+            return f"{k}: not carried over"
+    return _sampling_reason(body, label)
+
+
+def migratable(label: str, body: dict) -> bool:
+    return unmigratable_reason(label, body) is None
 
 
 def mark(body: dict, rng: random.Random) -> dict:

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from bana_sglang.migrate.requests.handler import MIN_LEFT, pick, why_not_movable
-from bana_sglang.router.splice import Splicer, mark, migratable
+from bana_sglang.router.splice import Splicer, mark, migratable, unmigratable_reason
 from bana_sglang.wire.agent import MARK, PREFIX
 
 
@@ -256,10 +256,37 @@ def test_error_events_and_foreign_lines_pass_through_untouched():
         ("generate", {"stream": True, "text": "x"}, True),
         ("generate", {"stream": True, "return_logprob": True}, False),
         ("generate", {"stream": True, "rid": "mine"}, False),  # the caller's rid is left alone
+        # sampling state a continuation would lose
+        ("generate", {"stream": True, "sampling_params": {"regex": "a+"}}, False),
+        ("generate", {"stream": True, "sampling_params": {"json_schema": "{}"}}, False),
+        ("generate", {"stream": True, "sampling_params": {"frequency_penalty": 0.5}}, False),
+        ("generate", {"stream": True, "sampling_params": {"repetition_penalty": 1.0}}, True),
+        ("generate", {"stream": True, "sampling_params": {"min_new_tokens": 4}}, False),
+        ("generate", {"stream": True, "sampling_params": {"stop": ["\n\n"]}}, False),
+        ("generate", {"stream": True, "sampling_params": {"stop_token_ids": [2]}}, True),
+        (
+            "generate",
+            {"stream": True, "sampling_params": {"temperature": 0.8, "sampling_seed": 3}},
+            False,
+        ),
+        ("generate", {"stream": True, "sampling_params": {"temperature": 0.8}}, True),
+        ("generate", {"stream": True, "sampling_params": {"temperature": 0, "seed": 3}}, True),
+        ("chat", {"stream": True, "response_format": {"type": "json_object"}}, False),
+        ("chat", {"stream": True, "response_format": {"type": "text"}}, True),
+        ("chat", {"stream": True, "presence_penalty": 0.2}, False),
+        ("chat", {"stream": True, "temperature": 0.7, "seed": 1}, False),
+        ("completions", {"stream": True, "ebnf": "root ::= 'a'"}, False),
+        ("completions", {"stream": True, "min_tokens": 3}, False),
+        ("completions", {"stream": True, "stop": "END"}, False),
     ],
 )
 def test_which_requests_are_marked_migratable(label, body, ok):
     assert migratable(label, body) is ok
+    why = unmigratable_reason(label, body)
+    assert (why is None) is ok
+    if not ok:  # the reason names the field that prevents it
+        fields = {*body, *body.get("sampling_params", {})}
+        assert why in ("not streamed", "n > 1") or why.split(":")[0] in fields, why
 
 
 def req(rid, out=5, max_new=100, prompt=10, finished=False):
