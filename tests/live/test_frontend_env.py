@@ -31,34 +31,26 @@ print(json.dumps({"choice": state["choice"], "why": state["why"]}))
 """
 
 
-def clean_env() -> dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
+def fresh(code: str, *args: str) -> str:
+    """``code`` in a fresh interpreter of the venv with a clean environment; its last line."""
+    r = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.strip().splitlines()[-1]
 
 
 def test_import_sglang_in_a_fresh_interpreter():
-    r = subprocess.run(
-        [sys.executable, "-c", "import sglang; print(sglang.__version__)"],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == "0.5.23"
+    assert fresh("import sglang; print(sglang.__version__)") == "0.5.23"
 
 
 def test_a_frontend_program_from_the_venv_matches_one_run_here(single_server):
-    r = subprocess.run(
-        [sys.executable, "-c", PROGRAM, single_server],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = json.loads(fresh(PROGRAM, single_server))
     scope: dict = {}
     sys_argv, sys.argv = sys.argv, ["program", single_server]
     try:
