@@ -8,8 +8,10 @@ transfer engine, the global store as their external cache linker); and a PD
 router in front. ``--no-global-store`` gives stock SGLang workers with their
 private prefix caches (the baseline). It
 waits until every part is healthy, prints the OpenAI-compatible endpoint,
-streams every part's log with a ``[name]`` prefix (or into ``--log-dir``), and
-on Ctrl-C/SIGTERM stops everything, leaving no child process or bound port.
+streams every part's log with a ``[name]`` prefix (or into ``--log-dir``),
+restarts a part that exits (with backoff; a crash loop is reported and given
+up on), and on Ctrl-C/SIGTERM stops everything, leaving no child process or
+bound port.
 If a part fails to start it says which and why, and stops the rest.
 
 On a machine without CUDA the CPU layer (``bana_sglang.compat``) adds the
@@ -182,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds for the whole cluster to become healthy",
     )
     p.add_argument(
+        "--no-restart",
+        dest="restart",
+        action="store_false",
+        help="do not restart a part that exits (default: restart it with backoff; a part that "
+        "crashes 5 times within 5 minutes is given up on)",
+    )
+    p.add_argument(
         "--dry-run", action="store_true", help="print the plan (commands, ports) and exit"
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -323,7 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         secret = _secret_file(args, spec)
         cluster = Cluster(
-            plan, log_dir=args.log_dir, startup_timeout=args.startup_timeout, secret_file=secret
+            plan,
+            log_dir=args.log_dir,
+            startup_timeout=args.startup_timeout,
+            secret_file=secret,
+            restart=args.restart,
         )
     except security.SecretError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")

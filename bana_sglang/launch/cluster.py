@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bana_sglang.launch.parts import Part
@@ -92,6 +93,21 @@ class _RouterHealth:
             return False
 
 
+#: a part restarted this often within RESTART_WINDOW_S is in a crash loop and given up on
+RESTARTS_PER_WINDOW = 5
+RESTART_WINDOW_S = 300.0
+RESTART_FIRST_BACKOFF_S = 1.0  # doubling per recent restart
+RESTART_MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class _Restarts:
+    times: list[float] = field(default_factory=list)  # when it was restarted
+    next_at: float = 0.0
+    given_up: bool = False
+    restarts: int = 0
+
+
 class Cluster:
     """Runs a :class:`ClusterPlan`: start in order, wait for health, stop everything."""
 
@@ -102,6 +118,7 @@ class Cluster:
         log_dir: Path | None = None,
         startup_timeout: float = 600.0,
         secret_file: Path | None = None,
+        restart: bool = True,
     ):
         self.plan = plan
         self._own_secret_dir: str | None = None
@@ -120,6 +137,9 @@ class Cluster:
         self.procs: list[ManagedProcess] = []
         self.stop_event = threading.Event()
         self._reported_dead: set[str] = set()
+        self.restart = restart
+        self._restarts: dict[str, _Restarts] = {}
+        self._parts = {part.name: part for part in plan.parts}
         self._deadline = time.monotonic() + startup_timeout
 
     def _wait_needs(self, part: Part) -> None:
@@ -210,16 +230,23 @@ class Cluster:
             raise
 
     def check_parts(self) -> str | None:
-        """Report newly exited parts; a reason to stop the cluster, or None.
+        """Report newly exited parts and restart them; a reason to stop the cluster, or None.
 
-        A worker that dies is logged and left to the router (it marks the worker
-        down and retries elsewhere) while one prefill and one decode worker are
-        still alive; the router or the Mooncake master dying stops everything.
-        A node of a cluster spec stops when every one of its parts has exited
-        (its workers' peers are elsewhere: the router decides what is left).
+        Any part that exits is restarted after a backoff (1 s, doubling, at most
+        ``RESTART_MAX_BACKOFF_S``); the router serves on meanwhile (a worker that is
+        down is routed around, the store is off while its master, index or storage
+        process is). A part that has crashed ``RESTARTS_PER_WINDOW`` times within
+        ``RESTART_WINDOW_S`` is in a crash loop: it is reported and given up on. The
+        cluster stops when the router is given up on, or no prefill or no decode
+        worker is left; a node of a cluster spec stops when every one of its parts is
+        given up on (its workers' peers are elsewhere: the router decides what is left).
         """
-        for p in self.procs:
-            if p.poll() is not None and p.name not in self._reported_dead:
+        now = time.monotonic()
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                continue
+            st = self._restarts.setdefault(p.name, _Restarts())
+            if p.name not in self._reported_dead:
                 self._reported_dead.add(p.name)
                 logger.error(
                     "%s exited unexpectedly (code %s). Last output:\n    %s",
@@ -227,20 +254,54 @@ class Cluster:
                     p.poll(),
                     "\n    ".join(p.tail()[-15:]),
                 )
-        dead = self._reported_dead
-        vital = {part.name for part in (self.plan.master, self.plan.router) if part}
-        if dead & vital:
-            return f"{', '.join(sorted(dead & vital))} exited"
+                recent = [t for t in st.times if now - t < RESTART_WINDOW_S]
+                part = self._parts.get(p.name)
+                if part is None or not self.restart or len(recent) >= RESTARTS_PER_WINDOW:
+                    st.given_up = True
+                    if part is not None and self.restart:
+                        logger.error(
+                            "%s crashed %d times within %.0f s: a crash loop; not restarting it",
+                            p.name,
+                            len(recent) + 1,
+                            RESTART_WINDOW_S,
+                        )
+                else:
+                    st.next_at = now + min(
+                        RESTART_MAX_BACKOFF_S, RESTART_FIRST_BACKOFF_S * 2.0 ** len(recent)
+                    )
+                    logger.warning("restarting %s in %.0f s", p.name, st.next_at - now)
+            if not st.given_up and now >= st.next_at:
+                p.kill()  # what is left of its process group (ports, shared memory)
+                p.reap()
+                proc = ManagedProcess(
+                    p.name,
+                    p.argv,
+                    {**self.env, **dict(self._parts[p.name].env)},
+                    log_dir=self.log_dir,
+                )
+                proc.start()
+                self.procs[i] = proc
+                st.times.append(now)
+                st.restarts += 1
+                self._reported_dead.discard(p.name)
+                logger.info("restarted %s (pid %s, restart %d)", p.name, proc.pid, st.restarts)
+        gone = {n for n, st in self._restarts.items() if st.given_up}
+        if self.plan.router and self.plan.router.name in gone:
+            return f"{self.plan.router.name} exited and is not restarted"
         if self.plan.node is not None:
             names = {p.name for p in self.plan.parts}
             return (
-                f"every part of node {self.plan.node} exited" if names and names <= dead else None
+                f"every part of node {self.plan.node} exited" if names and names <= gone else None
             )
         for role in ("prefill", "decode"):
             names = {w.name for w in self.plan.workers if w.name.startswith(role + "-")}
-            if names and names <= dead:
+            if names and names <= gone:
                 return f"no {role} worker is left"
         return None
+
+    def restarts(self) -> dict[str, int]:
+        """How often each part was restarted."""
+        return {n: st.restarts for n, st in self._restarts.items()}
 
     def stop(self) -> None:
         """Stop the balancer first (it recalls the layers it moved, through the router),

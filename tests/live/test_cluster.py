@@ -15,6 +15,7 @@ project's router (``bana_sglang.router``, the launcher's default) in front.
 from __future__ import annotations
 
 import json
+import random
 import signal
 import time
 
@@ -22,7 +23,7 @@ import httpx
 import psutil
 import pytest
 from support.cluster import LaunchedCluster
-from support.migrate import KEY
+from support.migrate import KEY, generate
 
 pytestmark = pytest.mark.slow
 
@@ -182,6 +183,40 @@ def test_memory_of_the_1p1d_cluster(cluster, capsys):
     with capsys.disabled():
         print(f"\n1P1D cluster RSS: {rss / 2**30:.2f} GiB over {len(procs)} processes")
     assert rss < 16 * 2**30
+
+
+@pytest.mark.stops_shared_cluster
+def test_killed_store_processes_are_restarted_and_the_cluster_serves_on(cluster, single_server):
+    """SIGKILL of the index service, then of the Mooncake master: requests keep getting
+    the plain run's tokens meanwhile (the store is off: misses), the launcher restarts
+    each, and the router's /health says ok again. (Before the SIGTERM test: it breaks
+    the cluster for a while.)"""
+    rng = random.Random(31)
+    ids = [rng.randrange(10, 1000) for _ in range(120)]
+    want = generate(single_server, ids, 8)
+    root = psutil.Process(cluster.proc.pid)
+
+    def health() -> str:
+        return httpx.get(cluster.url + "/health", headers=AUTH, timeout=10).json().get("status")
+
+    for marker, name in (
+        ("bana_sglang.radix_global.service", "kv-index"),
+        ("mooncake_master", "mooncake-master"),
+    ):
+        victim = next(p for p in root.children() if any(marker in a for a in p.cmdline()))
+        victim.kill()
+        victim.wait(10)
+        assert generate(cluster.url, ids, 8, KEY) == want  # served while it is down
+        deadline = time.monotonic() + 90
+        while not any(f"restarted {name}" in line for line in cluster.lines):
+            assert time.monotonic() < deadline, f"{name} was not restarted"
+            assert cluster.proc.poll() is None, "the launcher stopped the cluster"
+            time.sleep(0.5)
+        while health() != "ok":
+            assert time.monotonic() < deadline, f"/health not ok after {name} came back"
+            time.sleep(1.0)
+        assert generate(cluster.url, ids, 8, KEY) == want
+    assert cluster.proc.poll() is None
 
 
 @pytest.mark.stops_shared_cluster

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -220,3 +221,56 @@ def test_a_cluster_without_a_secret_makes_a_private_one_and_removes_it(tmp_path)
     with Cluster(named) as c:
         assert c.secret_file == given
     assert given.exists()
+
+
+def test_a_part_that_exits_is_restarted_and_a_crash_loop_is_given_up_on(tmp_path, monkeypatch):
+    from bana_sglang.launch import Cluster, ClusterPlan, Part
+    from bana_sglang.launch import cluster as runner
+
+    monkeypatch.setattr(runner, "RESTART_FIRST_BACKOFF_S", 0.05)
+    monkeypatch.setattr(runner, "RESTART_MAX_BACKOFF_S", 0.2)
+    runs = tmp_path / "runs"
+    # exits on its first run, stays up on the second
+    once = (
+        "import pathlib, sys, time; p = pathlib.Path(sys.argv[1]); n = int(p.read_text() or 0) "
+        "if p.exists() else 0; p.write_text(str(n + 1)); print('up', flush=True); "
+        "time.sleep(1.5 if n == 0 else 60); sys.exit(3)"
+    )
+    always = "import sys, time; print('up', flush=True); time.sleep(1.0); sys.exit(4)"
+    parts = (
+        Part("prefill-0", (sys.executable, "-c", once, str(runs)), ready_line="up"),
+        Part("decode-0", (sys.executable, "-c", always), ready_line="up"),
+    )
+    plan = ClusterPlan("http://127.0.0.1:1", "m", "m", None, parts, None, env=dict(os.environ))
+    with Cluster(plan, log_dir=tmp_path / "logs") as c:
+        why = None
+        deadline = time.monotonic() + 30
+        while why is None and time.monotonic() < deadline:
+            why = c.check_parts()
+            time.sleep(0.05)
+        assert why == "no decode worker is left"  # given up on after its crash loop
+        assert c.restarts() == {"prefill-0": 1, "decode-0": runner.RESTARTS_PER_WINDOW}
+        assert runs.read_text() == "2"
+        assert next(p for p in c.procs if p.name == "prefill-0").poll() is None  # up again
+    # the log of every run is kept, one after the other
+    assert (tmp_path / "logs" / "decode-0.log").read_text().count("up") == 6
+
+
+UP = "import time; print('up', flush=True); "
+
+
+def test_without_restart_a_dead_part_stays_dead(tmp_path):
+    from bana_sglang.launch import Cluster, ClusterPlan, Part
+
+    parts = (
+        Part("prefill-0", (sys.executable, "-c", f"{UP}time.sleep(1.5)"), ready_line="up"),
+        Part("decode-0", (sys.executable, "-c", f"{UP}time.sleep(60)"), ready_line="up"),
+    )
+    plan = ClusterPlan("http://127.0.0.1:1", "m", "m", None, parts, None, env=dict(os.environ))
+    with Cluster(plan, restart=False) as c:
+        deadline = time.monotonic() + 10
+        why = None
+        while why is None and time.monotonic() < deadline:
+            why = c.check_parts()
+            time.sleep(0.05)
+        assert why == "no prefill worker is left" and c.restarts() == {"prefill-0": 0}
