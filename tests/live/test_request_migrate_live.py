@@ -43,7 +43,8 @@ NEW_CLI = 2000
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with launched_cluster(
-        ["--num-prefill", "1", "--num-decode", "2", "--api-key", KEY],
+        # the last test needs the killed decode worker to stay dead
+        ["--num-prefill", "1", "--num-decode", "2", "--api-key", KEY, "--no-restart"],
         tmp_path_factory.mktemp("request-migrate-logs"),
     ) as c:
         yield c
