@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bana_sglang import envs
 from bana_sglang.launch.parts import Part
 from bana_sglang.launch.plan import ClusterPlan
 from bana_sglang.launch.procs import (
@@ -36,7 +37,7 @@ from bana_sglang.wire import security
 
 logger = logging.getLogger("bana_sglang.launch")
 
-SECRET_VAR = "BANA_CLUSTER_SECRET_FILE"
+SECRET_VAR = envs.BANA_CLUSTER_SECRET_FILE.name
 READY_MARK = "bana_sglang: cluster ready"
 NODE_READY_MARK = "bana_sglang: node ready:"
 
@@ -105,7 +106,6 @@ class _Restarts:
     times: list[float] = field(default_factory=list)  # when it was restarted
     next_at: float = 0.0
     given_up: bool = False
-    restarts: int = 0
 
 
 class Cluster:
@@ -162,12 +162,16 @@ class Cluster:
                     raise ProcessStartError(part.name, f"interrupted while waiting for {name}")
                 attempt += 1
 
-    def _spawn(self, part: Part) -> ManagedProcess:
-        self._wait_needs(part)
+    def _start(self, part: Part) -> ManagedProcess:
         proc = ManagedProcess(
             part.name, part.argv, {**self.env, **dict(part.env)}, log_dir=self.log_dir
         )
         proc.start()
+        return proc
+
+    def _spawn(self, part: Part) -> ManagedProcess:
+        self._wait_needs(part)
+        proc = self._start(part)
         self.procs.append(proc)
         logger.info("started %s (pid %s)", part.name, proc.pid)
         return proc
@@ -273,18 +277,10 @@ class Cluster:
             if not st.given_up and now >= st.next_at:
                 p.kill()  # what is left of its process group (ports, shared memory)
                 p.reap()
-                proc = ManagedProcess(
-                    p.name,
-                    p.argv,
-                    {**self.env, **dict(self._parts[p.name].env)},
-                    log_dir=self.log_dir,
-                )
-                proc.start()
-                self.procs[i] = proc
+                proc = self.procs[i] = self._start(self._parts[p.name])
                 st.times.append(now)
-                st.restarts += 1
                 self._reported_dead.discard(p.name)
-                logger.info("restarted %s (pid %s, restart %d)", p.name, proc.pid, st.restarts)
+                logger.info("restarted %s (pid %s, restart %d)", p.name, proc.pid, len(st.times))
         gone = {n for n, st in self._restarts.items() if st.given_up}
         if self.plan.router and self.plan.router.name in gone:
             return f"{self.plan.router.name} exited and is not restarted"
@@ -301,7 +297,7 @@ class Cluster:
 
     def restarts(self) -> dict[str, int]:
         """How often each part was restarted."""
-        return {n: st.restarts for n, st in self._restarts.items()}
+        return {n: len(st.times) for n, st in self._restarts.items()}
 
     def stop(self) -> None:
         """Stop the balancer first (it recalls the layers it moved, through the router),
