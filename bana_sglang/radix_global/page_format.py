@@ -8,14 +8,17 @@ of a page is one contiguous byte range. :class:`PageFormat` packs the headers
 of one :class:`~bana_sglang.radix_global.keys.KVLayout` and verifies what a read
 returned; a check that fails is a :class:`Miss` naming what did not match.
 
-The MAC is keyed BLAKE2b (``hashlib``, 16 bytes) over the header's fields and
-the payload, under a key derived from the cluster secret
-(:func:`bana_sglang.wire.security.derive`, purpose ``bana-kv-page``): whoever
-can write to the Mooncake store but does not hold the secret cannot make a page
-that verifies. Without a key (no cluster secret) it is plain BLAKE2b, an
-integrity check only. It is computed incrementally (:meth:`PageFormat.mac`
-returns the running hash), so a layer-by-layer read verifies the whole payload
-once its last layer has landed. The header's CRC32 only catches a torn or
+The MAC is HMAC-SHA256 (the standard library's ``hmac``, OpenSSL underneath),
+truncated to 16 bytes, over the header's fields and the payload, under a key
+derived from the cluster secret (:func:`bana_sglang.wire.security.derive`,
+purpose ``bana-kv-page``): whoever can write to the Mooncake store but does not
+hold the secret cannot make a page that verifies. Without a key (no cluster
+secret) it is an integrity check only. HMAC-SHA256 rather than keyed BLAKE2b
+because every page loaded or published is hashed once: on CPUs with SHA
+instructions (the 2-core test VM, current EPYC and Xeon hosts) OpenSSL's
+SHA-256 ran at 1.47 GB/s against 0.61-0.79 GB/s for ``hashlib.blake2b``. It is
+computed incrementally (:meth:`PageFormat.mac` returns the running MAC), so a
+layer-by-layer read verifies the whole payload once its last layer has landed. The header's CRC32 only catches a torn or
 mangled header early (``bad_header``); it protects nothing.
 
 Pure: no I/O, no torch.
@@ -23,7 +26,6 @@ Pure: no I/O, no torch.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import struct
 import zlib
@@ -32,7 +34,7 @@ from typing import NamedTuple
 from bana_sglang.radix_global.keys import HASH_BYTES, KVLayout, PageHash
 
 MAGIC = b"BKVP"
-FORMAT_VERSION = 2  # 1: a payload CRC32 instead of the MAC
+FORMAT_VERSION = 3  # 1: a payload CRC32; 2: a keyed BLAKE2b MAC
 _MAX_DIMS = 8
 MAC_BYTES = 16
 MAC_PURPOSE = "bana-kv-page"  # the key's purpose (wire.security.derive)
@@ -55,14 +57,28 @@ class Miss(NamedTuple):
     detail: str = ""
 
 
+class PageMac:
+    """A page's running MAC: ``update`` with the payload's bytes in order, then ``digest``
+    (:data:`MAC_BYTES` bytes)."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self, key: bytes, fields: bytes):
+        self._h = hmac.new(key, MAC_PURPOSE.encode() + fields, "sha256")
+
+    def update(self, data) -> None:
+        self._h.update(data)
+
+    def digest(self) -> bytes:
+        return self._h.digest()[:MAC_BYTES]
+
+
 class PageFormat:
     """Headers of one layout's pages: :meth:`mac` starts a page's MAC, :meth:`header`
     packs, :meth:`verify_header` and :meth:`verify` check. ``key``: the MAC key
     (``b""``: unkeyed)."""
 
     def __init__(self, layout: KVLayout, key: bytes = b""):
-        if len(key) > hashlib.blake2b.MAX_KEY_SIZE:
-            raise ValueError(f"a page MAC key is at most {hashlib.blake2b.MAX_KEY_SIZE} bytes")
         self.layout = layout
         self._key = key
         self.shape = layout.page_shape
@@ -93,13 +109,11 @@ class PageFormat:
             self.payload_bytes,
         )
 
-    def mac(self, page: PageHash):
+    def mac(self, page: PageHash) -> PageMac:
         """``page``'s running MAC, its header's fields already in: ``update`` it with the
         payload's bytes in order (whole, or layer by layer), then :meth:`header` or
         :meth:`payload_ok` with its ``digest()``."""
-        h = hashlib.blake2b(digest_size=MAC_BYTES, key=self._key, person=MAC_PURPOSE.encode())
-        h.update(self._fields(page))
-        return h
+        return PageMac(self._key, self._fields(page))
 
     def header(self, page: PageHash, mac: bytes) -> bytes:
         """The header of ``page`` whose payload gave ``mac`` (``self.mac(page)...digest()``)."""
