@@ -67,6 +67,31 @@ def _store_load_failed(e: UpstreamError, p: Worker) -> bool:
     )
 
 
+class PrefillCharge:
+    """The tokens a request counts in its prefill worker's in-flight load, until
+    :meth:`release`; :meth:`settle` lowers them to the globally uncached part once the
+    index lookup answers (nothing changes after the release)."""
+
+    __slots__ = ("worker", "tokens", "released")
+
+    def __init__(self, worker: Worker, tokens: int):
+        self.worker, self.tokens, self.released = worker, tokens, False
+
+    def settle(self, lookup: asyncio.Future) -> None:
+        if self.released or lookup.cancelled() or lookup.exception() is not None:
+            return
+        cached = lookup.result()
+        if cached:
+            cut = min(int(cached), self.tokens)
+            self.tokens -= cut
+            self.worker.lower(cut)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.worker.end(self.tokens)
+
+
 class PDDispatchMixin:
     """The router supplies its workers, policy, config, metrics and session (see
     :class:`~.server.Router`)."""
@@ -111,11 +136,25 @@ class PDDispatchMixin:
         """Count the pair, add the bootstrap fields and send the prefill half;
         returns (body sent, decode tokens to release, prefill task)."""
         bp = self._bootstrap(body, p)
-        p_tok = self._begin(p, route.uncached_tokens)
+        charge = self._charge_prefill(p, route)
         d_tok = self._begin(d, route.num_tokens + route.max_new_tokens)
         p_task = asyncio.create_task(self._post(p, path, bp))
-        p_task.add_done_callback(lambda _t: p.end(p_tok))
+        p_task.add_done_callback(lambda _t: charge.release())
         return bp, d_tok, p_task
+
+    def _charge_prefill(self, p: Worker, route: RouteRequest) -> PrefillCharge:
+        """Count ``route``'s uncached prompt tokens in ``p``'s load. While the global index
+        lookup started for it is in flight, the whole prompt counts; its answer lowers
+        the charge (the lookup runs beside the dispatch, not before it: the policy's
+        choice never depends on it, see :meth:`Router._route_request`)."""
+        charge = PrefillCharge(p, self._begin(p, route.uncached_tokens))
+        lookup = self._lookups.get(route.request_id)
+        if lookup is not None:
+            if lookup.done():
+                charge.settle(lookup)
+            else:
+                lookup.add_done_callback(charge.settle)
+        return charge
 
     def _begin(self, w: Worker, tokens: int) -> int:
         """Count a request sent to ``w`` (router's own load and metrics); returns ``tokens``."""
@@ -171,7 +210,7 @@ class PDDispatchMixin:
             if p is None:
                 break
             tried.add(p.id)
-            self._begin(p, route.uncached_tokens)
+            charge = self._charge_prefill(p, route)
             try:
                 data = await self._post(p, "/generate", self._bootstrap(sent, p, fake=True))
             except UpstreamError as e:
@@ -182,7 +221,7 @@ class PDDispatchMixin:
             except ClientError as e:
                 return e.status, e.body
             finally:
-                p.end(route.uncached_tokens)
+                charge.release()
             if body.get("return_logprob"):
                 out = orjson.loads(data)
                 fix_logprob_window(

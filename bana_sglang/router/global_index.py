@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -91,6 +92,7 @@ class GlobalIndexView:
 
     async def cached_tokens(self, ids: Sequence[int]) -> int | None:
         """Leading tokens of ``ids`` the store holds; None when the index cannot say."""
+        t0 = time.perf_counter()
         if len(ids) < self.page_size:
             cached: int | None = 0
         else:
@@ -98,6 +100,7 @@ class GlobalIndexView:
                 self._pool, self._lookup, list(ids)
             )
         if self.metrics is not None:
+            self.metrics.global_lookup_seconds.observe(time.perf_counter() - t0)
             self.metrics.global_lookups.labels(
                 "unknown" if cached is None else "hit" if cached else "miss"
             ).inc()

@@ -92,6 +92,12 @@ class RouterMetrics:
             "Prompt tokens the global KV index reported cached",
             registry=r,
         )
+        self.global_lookup_seconds = Histogram(
+            "bana_router_global_lookup_seconds",
+            "One prompt's global index lookup: page hashes and the index round trip",
+            buckets=_FAST,
+            registry=r,
+        )
         self.request_migrations = Counter(
             "bana_router_request_migrations_total",
             "Streams whose request moved to another decode worker, by outcome "

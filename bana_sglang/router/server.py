@@ -114,6 +114,8 @@ class Router(PDDispatchMixin, ContinuationMixin):
         self._tasks: list[asyncio.Task] = []
         self._rooms = random.Random()
         self._routed: dict = {}  # worker id -> its prometheus counter child
+        # request id -> its global index lookup (kept while a retry may still charge it)
+        self._lookups: dict[RequestId, asyncio.Future] = {}
 
     # ------------------------------------------------------------------ app
     def build_app(self) -> web.Application:
@@ -322,17 +324,24 @@ class Router(PDDispatchMixin, ContinuationMixin):
             )
 
     async def _route_request(self, ids: Sequence[int], max_new: int | None) -> RouteRequest:
-        cached = None
-        if self.global_index is not None and self.prompts.exact:
-            cached = await self.global_index.cached_tokens(ids)
-        return RouteRequest(
+        """The request as the policy sees it. The global index lookup is started, not
+        awaited: no policy's choice of worker depends on it (the bana policy's uncached
+        term is the same for every worker), only the chosen prefill worker's in-flight
+        count does, which the answer corrects when it comes (:meth:`_charge_prefill`).
+        So the lookup's round trip is never on a request's critical path."""
+        route = RouteRequest(
             request_id=RequestId(f"r{self._rooms.getrandbits(32):08x}"),
             num_tokens=max(1, len(ids)),
             page_hashes=self.prompts.page_hashes(ids),
             max_new_tokens=max_new or 0,
             page_size=self.prompts.page_tokens,
-            global_cached_tokens=cached,
         )
+        gi = self.global_index
+        if gi is not None and self.prompts.exact and len(ids) >= gi.page_size:
+            self._lookups[route.request_id] = asyncio.ensure_future(gi.cached_tokens(ids))
+            while len(self._lookups) > _LOOKUPS_KEPT:
+                self._lookups.pop(next(iter(self._lookups)))
+        return route
 
     # ------------------------------------------------------------------ OpenAI endpoints
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
@@ -496,6 +505,7 @@ class Router(PDDispatchMixin, ContinuationMixin):
 
 #: texts shorter than this are tokenized on the event loop (a thread hop costs more)
 _INLINE_TOKENIZE_CHARS = 16384
+_LOOKUPS_KEPT = 4096  # the newest requests' index lookups
 #: the most prompts of one /generate batch, and how many of them run at once
 MAX_BATCH = 256
 MAX_BATCH_IN_FLIGHT = 32

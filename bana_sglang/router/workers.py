@@ -128,6 +128,10 @@ class Worker:
         self.inflight = max(0, self.inflight - 1)
         self.inflight_tokens = max(0, self.inflight_tokens - tokens)
 
+    def lower(self, tokens: int) -> None:
+        """An in-flight request will take ``tokens`` fewer than it was counted with."""
+        self.inflight_tokens = max(0, self.inflight_tokens - tokens)
+
     # ---------------------------------------------------------------- health
     def mark_down(self, reason: str, now: float | None = None) -> bool:
         """Take the worker out of routing; True if it was healthy until now."""
