@@ -38,3 +38,55 @@ class CounterSet:
         c = self._prom.get(name)
         if c is not None:
             c.inc(value)
+
+
+#: Bucket bounds (seconds) of the durations a worker-side component observes.
+SECONDS_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
+class HistogramSet:
+    """Durations of a component: one Prometheus histogram per name (``<prefix>_<name>``,
+    seconds) when ``prometheus_client`` is importable, and local sums and counts."""
+
+    def __init__(self, prefix: str, names: Mapping[str, str]):
+        self.names = dict(names)
+        self.sums = dict.fromkeys(self.names, 0.0)
+        self.counts = dict.fromkeys(self.names, 0)
+        self._prom: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        try:
+            from prometheus_client import Histogram
+        except ImportError:
+            return
+        for name, doc in self.names.items():
+            try:
+                self._prom[name] = Histogram(f"{prefix}_{name}", doc, buckets=SECONDS_BUCKETS)
+            except ValueError:  # already registered in this process (tests)
+                pass
+
+    def observe(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self.sums[name] += seconds
+            self.counts[name] += 1
+        h = self._prom.get(name)
+        if h is not None:
+            h.observe(seconds)
+
+    def mean(self, name: str) -> float:
+        n = self.counts[name]
+        return self.sums[name] / n if n else 0.0

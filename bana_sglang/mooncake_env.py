@@ -17,8 +17,12 @@ slow slices queue instead of fail.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
+import sys
 from collections.abc import MutableMapping
+from pathlib import Path
 
 DEFAULTS = {
     "MC_LOG_LEVEL": "ERROR",  # glog is very chatty otherwise
@@ -34,3 +38,19 @@ def apply_defaults(env: MutableMapping[str, str] | None = None) -> MutableMappin
     for k, v in DEFAULTS.items():
         target.setdefault(k, v)
     return target
+
+
+def master_binary() -> str:
+    """The ``mooncake_master`` executable: the one inside the installed ``mooncake``
+    package (found without importing it), else one next to this interpreter, else on
+    ``PATH``. A ``pip install --target`` puts neither the package's entry point next
+    to ``sys.executable`` nor on ``PATH``, hence the package first."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is not None and spec.origin:
+        inside = Path(spec.origin).parent / "mooncake_master"
+        if inside.is_file() and os.access(inside, os.X_OK):
+            return str(inside)
+    beside = Path(sys.executable).parent / "mooncake_master"
+    if beside.is_file():
+        return str(beside)
+    return shutil.which("mooncake_master") or str(beside)

@@ -203,6 +203,69 @@ BANA_STORE_STAGING_BYTES = _var(
     "registered staging buffer of a worker's store client, in bytes",
     minimum=1,
 )
+BANA_STORE_MODE = _var(
+    "BANA_STORE_MODE",
+    str,
+    "staged",
+    "how a worker's loads reach its KV pool: `staged` (through a registered host arena, one "
+    "range per page per layer group; CPU or CUDA) or `direct` (ranged reads straight into "
+    "the pool's slots)",
+    choices=("staged", "direct"),
+)
+BANA_STORE_ARENA_BYTES = _var(
+    "BANA_STORE_ARENA_BYTES",
+    int,
+    64 << 20,
+    "each of a worker's two host arenas (loads, publishes), in bytes (pinned on CUDA)",
+    minimum=1 << 20,
+)
+BANA_STORE_GROUP_GROWTH = _var(
+    "BANA_STORE_GROUP_GROWTH",
+    float,
+    2.0,
+    "layer groups of a load: layer 0 alone, then each group this minus 1 times the layers "
+    "loaded before it (2: 1, 1, 2, 4, ... layers; 1: one layer per group)",
+    minimum=1,
+)
+BANA_STORE_MIN_SLICE_BYTES = _var(
+    "BANA_STORE_MIN_SLICE_BYTES",
+    int,
+    64 << 10,
+    "layer groups of a load are large enough that one page's range carries this many bytes "
+    "(over TCP a slice costs about as much as 64 KB of payload; 0: no floor)",
+    minimum=0,
+)
+BANA_STORE_LOAD_POLICY = _var(
+    "BANA_STORE_LOAD_POLICY",
+    str,
+    "auto",
+    "`auto`: load a hit only when the worker's measured load speed beats its measured "
+    "prefill speed for those tokens; `always`: load every hit",
+    choices=("auto", "always"),
+)
+BANA_STORE_PUBLISH_NICE = _var(
+    "BANA_STORE_PUBLISH_NICE",
+    int,
+    10,
+    "how much the publish thread (and its Mooncake client's threads) lower their "
+    "scheduling priority (Linux nice; 0: none)",
+    minimum=0,
+)
+BANA_STORE_PUBLISH_SETTLE_MS = _var(
+    "BANA_STORE_PUBLISH_SETTLE_MS",
+    int,
+    -1,
+    "a prefill worker publishes this long after its last forward ended, when the request's "
+    "KV has left and its first token is computed (-1: 50 on a CPU pool, 0 on CUDA)",
+    minimum=-1,
+)
+BANA_STORE_PUBLISH_MAX_DELAY_MS = _var(
+    "BANA_STORE_PUBLISH_MAX_DELAY_MS",
+    int,
+    1000,
+    "the longest a publish waits for such a quiet moment",
+    minimum=0,
+)
 BANA_STORE_PROBE_INTERVAL_S = _var(
     "BANA_STORE_PROBE_INTERVAL_S",
     float,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from bana_sglang import compat
+from bana_sglang.mooncake_env import master_binary
 
 logger = logging.getLogger("bana_sglang.launch")
 
@@ -59,7 +60,7 @@ def master_part(
 ) -> Part:
     """``mooncake_master`` listening on ``bind``; ``host`` is where its readiness is checked."""
     argv = [
-        str(Path(sys.executable).parent / "mooncake_master"),
+        master_binary(),
         f"-rpc_port={rpc}",
         f"-rpc_address={bind}",
         f"-metrics_port={metrics}",

@@ -25,7 +25,11 @@ def register() -> None:
 
     from bana_sglang import compat
     from bana_sglang.plugin import routes as server_routes
-    from bana_sglang.radix_global.hooks import decode_queue_hook, init_cache_linker_hook
+    from bana_sglang.radix_global.hooks import (
+        decode_queue_hook,
+        init_cache_linker_hook,
+        run_batch_hook,
+    )
 
     applied = compat.apply_in_process_fixes()
     server_routes.APPLIED_FIXES[:] = applied
@@ -50,6 +54,10 @@ def register() -> None:
         "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue",
         decode_queue_hook,
         HookType.AROUND,
+    )
+    # The linker's cost model times the prefill forwards that load nothing.
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.run_batch", run_batch_hook, HookType.AROUND
     )
     # The migration agent answers its ZMQ requests at every batch boundary.
     from bana_sglang.migrate.hooks import scheduler_hook

@@ -18,15 +18,28 @@ Modules (one role each):
 - ``mooncake_kv``: the only caller of ``MooncakeDistributedStore``: native codes
   -> ``StoreError``, outage gate; :class:`~mooncake_kv.StoreConfig`.
 - ``page_format``: the stored form of a page (192-byte header: magic, version,
-  layout digest, page hash, dtype, shape, length, a keyed BLAKE2b MAC; then the payload) and
-  its verification.
+  layout digest, page hash, dtype, shape, length, an HMAC-SHA256 MAC; then the
+  payload) and its verification.
 - ``store``: :class:`~store.PageStore`, framed and verified pages, zero-copy
-  multi-buffer puts/gets and layer-wise reads into KV pool slots.
+  multi-buffer puts/gets, and :class:`~store.LayerwiseRead`, ranged reads of
+  groups of layers of many pages.
+- ``device``: the seam between CPU and CUDA pools (streams, events, pinned
+  memory, indexed copies between host rows and pool pages, forward timers).
+- ``pool``: :class:`~pool.KVPool` (a worker's per-layer K/V buffers as pages) and
+  :class:`~pool.Arena` (a registered host buffer pages move through).
+- ``loader``: :class:`~loader.Loader`, a load group of layers by group, staged
+  through the arena or direct into the pool, every page verified.
+- ``publisher``: :class:`~publisher.Publisher`, the publish thread: batched,
+  framed one slice per page, fenced, at a lower priority, after a quiet moment.
+- ``layer_counter``: :class:`~layer_counter.LayerCounter`, what a forward waits
+  on per layer (GPU-side event waits on CUDA).
+- ``cost``: :class:`~cost.CostModel`, load or recompute a hit, from measured
+  load and prefill times.
 - ``storage_server``: the dedicated storage process, the only one contributing
   memory (workers and the index use ``global_segment_size=0``).
 - ``worker_cache``: :class:`~worker_cache.GlobalKVCache`, the fail-soft facade
   over index client + page store (lookup -> load -> report loss; intent -> put
-  -> commit).
+  -> commit) that the store's tests and tools use.
 - ``linker``: :class:`~linker.BanaGlobalLinker`, the store behind SGLang's
   unified-cache external linker (imports SGLang and torch).
 - ``config``: the SGLang flags that attach the linker to a worker and the
@@ -62,14 +75,15 @@ Why this hook (``mem_cache/unified_cache/unified_cache_linker.py``,
    device-uncached tail; the linker turns that into one index ``Lookup``
    (``any_parent=True``, since the tail starts below the root) instead of one
    existence probe per page (what ``MooncakeDirectLinker`` and HiCache's
-   ``batch_exists`` do), then verifies those pages' headers in one batched
-   ranged read, so a page the index lists but the store lost is a miss.
-2. Layer-wise overlap. The linker owns ``layer_done_counter``
-   (``LayerWiseLoadCounter``); ``create_unified_radix_cache`` registers it with
-   the KV pool and the TP worker, so the forward of layer l waits only for
-   layer l while the load thread reads layer l+1. The payload is layer-major
-   after the header, so layer l of a page is one contiguous byte range, read
-   with ``batch_get_into_multi_buffer_ranges`` straight into the KV pool slots.
+   ``batch_exists`` do), then asks the store once whether it holds those pages,
+   so a page the index lists but the store lost is a miss.
+2. Layer-wise overlap. The linker owns ``layer_done_counter`` (a
+   :class:`~layer_counter.LayerCounter`, SGLang's counter protocol);
+   ``create_unified_radix_cache`` registers it with the KV pool and the TP
+   worker, so the forward of layer l waits only for layer l while the load
+   thread reads the next group. The payload is layer-major after the header, so
+   a range of layers of a page is one contiguous byte range, read with
+   ``batch_get_into_multi_buffer_ranges``.
 3. Safe landing. Loads go to request-private slots and join the tree only
    after the forward (``finish_loads``); offloads come from the write-through
    chain (``offload_nodes``, parents first), which maps to intent -> put ->
@@ -84,12 +98,12 @@ published with ``parent=`` (the index accepts a chain after an indexed parent;
 :class:`linker.BanaLinkerWrapper` passes the parent page).
 
 Limits: SGLang's wrapper aborts a request whose load did not land, so a store
-failure *after* a load started (the header check in ``lookup`` turns nearly
-all failures into misses before that) costs the request a 503 "External KV
-cache load failed"; the bad pages are reported to the index, and the router's
-retry misses and recomputes. The payload checksum covers the whole page, so it is
-checked when the last layer lands; that layer is released only after it
-matches, so a corrupt page never produces output.
+failure *after* a load started (the presence check in ``lookup`` turns a lost
+page into a miss before that) costs the request a 503 "External KV cache load
+failed"; the bad pages are reported to the index, and the router's retry misses
+and recomputes. The MAC covers the whole page, so it is checked when the last
+layer lands; that layer is released only after it matches, so a corrupt page
+never produces output.
 
 Not chosen: HiCache L3 (``HiCacheStorage``, ``--hicache-storage-backend
 dynamic``) moves pages through a host pool tier (an extra hop) and probes keys

@@ -37,3 +37,39 @@ def init_cache_linker_hook(original, cache, cache_linker):
         return original(cache, cache_linker)
     cache.linker = cache_linker.make_wrapper(cache)
     return None
+
+
+def _bana_linker(scheduler):
+    """The scheduler's BanaGlobalLinker, or None."""
+    wrapper = getattr(getattr(scheduler, "tree_cache", None), "linker", None)
+    linker = getattr(wrapper, "cache_linker", None)
+    return linker if type(linker).__name__ == LINKER_NAME else None
+
+
+def run_batch_hook(original, scheduler, batch, *args, **kwargs):
+    """AROUND hook on ``Scheduler.run_batch`` of a prefill worker with our linker: tells
+    the linker when forwards run (its publisher waits for a quiet moment) and times
+    the prefill forwards that load nothing, which is what the linker's cost model
+    compares a load with (and how it measures what a concurrent publish costs a
+    forward). Decode workers' batches pass untouched."""
+    linker = _bana_linker(scheduler)
+    mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", None)
+    if linker is None or mode == "decode" or batch is None:
+        return original(scheduler, batch, *args, **kwargs)
+    timed = (
+        getattr(batch, "extend_num_tokens", 0)
+        and getattr(batch, "hicache_consumer_index", -1) < 0
+        and batch.forward_mode.is_extend()
+    )
+    timer = linker.device.timer(linker.forward_stream)
+    publishing = linker.publisher.busy
+    linker.forward_began()
+    timer.start()
+    try:
+        result = original(scheduler, batch, *args, **kwargs)
+    finally:
+        timer.stop()
+        linker.forward_ended()
+    if timed:
+        linker.observe_forward(batch.extend_num_tokens, timer, publishing or linker.publisher.busy)
+    return result

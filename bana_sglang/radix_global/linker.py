@@ -10,49 +10,49 @@ Enabled on a worker with::
 
 (``python -m bana_sglang.launch`` passes this by default; ``--no-global-store``
 turns it off.) Why this hook and not HiCache L3 or a radix-cache backend: see
-:mod:`bana_sglang.radix_global` (one index round trip per request, the layer
-counter that lets layer l+1 load while layer l computes, request-private
-landing slots).
+:mod:`bana_sglang.radix_global`.
 
 What happens per request (``UnifiedCacheLinkerWrapper`` drives the calls):
 
 - ``match_prefix``: SGLang's device tree answers first; for the uncached tail
-  the wrapper passes SGLang's chained storage hashes (which fix the tokens,
-  ``extra_key`` and ``cache_salt``). :meth:`BanaGlobalLinker.lookup` maps them
-  into this model's and layout's namespace (:func:`keys.namespaced`), asks the
-  index once for the longest cached prefix, and verifies those pages' headers
-  in the store (one batched ranged read) so that a page the index lists but
-  the store lost is a miss (reported to the index), not a failed load.
-- ``init_load_back`` -> :meth:`load` queues the pages into request-private
-  KV slots; ``start_layer_wise_loading`` hands the batch to the load thread,
-  which reads layer l of every page straight into the KV pool (zero copy:
-  the pool is registered with the transfer engine) and marks layer l done;
-  the forward of layer l waits for exactly that (the pool's
-  ``get_key_buffer`` hook), so the read of layer l+1 overlaps the compute of
-  layer l. The last layer is released only after the pages' MACs
-  (keyed BLAKE2b, fed layer by layer) match.
+  the wrapper passes SGLang's chained storage hashes. :meth:`BanaGlobalLinker.lookup`
+  maps them into this model's and layout's namespace, asks the index once for
+  the longest cached prefix, asks the :class:`~cost.CostModel` whether loading
+  those pages beats computing their tokens on this worker (measured, see
+  :mod:`.cost`), and asks the store whether it holds them (one round trip to the
+  master, no data), so that a page the index lists but the store lost is a miss.
+- ``init_load_back`` -> :meth:`load` queues the pages into request-private KV
+  slots; ``start_layer_wise_loading`` hands the batch to the load thread, which
+  runs the :class:`~loader.Loader` (staged through the host arena or direct
+  into the pool, ``BANA_STORE_MODE``) group of layers by group, completing each
+  layer on the :class:`~layer_counter.LayerCounter` the forward waits on. Each
+  page's header comes with its first layers and is checked before they are
+  used; the last layer is released only after every page's MAC matched.
 - After an insert into the device tree, the write-through chain offloads new
-  nodes (parents first) -> :meth:`offload`: the publish thread asks the index
-  for an intent, writes the pages straight from the KV pool slots (locked by
-  SGLang until the offload is acknowledged), and commits. Prefill workers
-  publish prompts; decode workers publish finished requests (prompt and
-  answer), so the next turn of a conversation hits on any prefill worker.
+  nodes (parents first) -> :meth:`offload`: the :class:`~publisher.Publisher`
+  thread publishes them in batches, at a lower priority (prefill workers
+  publish prompts; decode workers finished requests).
+
+The worker's pool may be on the CPU or on a CUDA device
+(:class:`~device.Device`): on CUDA the load's copies run on a side stream after
+the scheduler's queued work, the forward waits for each layer's event on the
+GPU, and a publish waits for SGLang's offload-ready events before it reads.
 
 Failure behaviour: an index or store outage makes lookups misses and
 publishing a no-op (each logged once per episode by the clients); nothing
 raises into the scheduler. A load that fails *after* it started (store died
-mid-read, checksum mismatch) fails its batch's layer counter: SGLang then
-drops those requests' output with a 503 "External KV cache load failed"
-(never wrong tokens), the bad pages are reported to the index, and the
-router retries the request, which now misses and recomputes.
+mid-read, MAC mismatch) fails its batch's layer counter: SGLang then drops
+those requests' output with a 503 "External KV cache load failed" (never
+wrong tokens), the bad pages are reported to the index, and the router
+retries the request, which now misses and recomputes.
 
-Limits: CPU KV pools (the GPU path needs the CUDA Mooncake
-wheel or a staging copy), MHA pools with K and V of the same head dim (no
-MLA/SWA/Mamba), TP size 1 per layout (TP rank is part of the key).
+Limits: MHA pools with K and V of the same head dim (no MLA/SWA/Mamba), TP size
+1 per layout (TP rank is part of the key).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -64,18 +64,22 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
-    LayerWiseLoadCounter,
     UnifiedCacheLinker,
     UnifiedCacheLinkerWrapper,
 )
 
-from bana_sglang.counters import CounterSet
+from bana_sglang import envs
+from bana_sglang.counters import CounterSet, HistogramSet
 from bana_sglang.radix_global.client import IndexClient
 from bana_sglang.radix_global.config import LINKER_NAME, LinkerConfig
+from bana_sglang.radix_global.cost import CostModel
 from bana_sglang.radix_global.keys import KVLayout, PageHash, model_identity, namespaced
+from bana_sglang.radix_global.layer_counter import LayerCounter
+from bana_sglang.radix_global.loader import Loader
 from bana_sglang.radix_global.mooncake_kv import StoreConfig
+from bana_sglang.radix_global.pool import Arena, KVPool
+from bana_sglang.radix_global.publisher import Offload, Publisher, RoundStats
 from bana_sglang.radix_global.store import PageStore
-from bana_sglang.radix_global.worker_cache import GlobalKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -91,16 +95,24 @@ class _Metrics(CounterSet):
         "local_hit_tokens": "Prompt tokens found in the worker's own device tree",
         "global_hit_pages": "Pages found in the global store for an uncached tail",
         "global_hit_tokens": "Tokens found in the global store for an uncached tail",
+        "recomputed_hit_pages": "Hit pages computed again: loading them was predicted slower",
         "lookup_tokens": "Prompt tokens looked up (device tree + global index)",
         "loaded_pages": "Pages loaded from the global store",
         "loaded_bytes": "Bytes loaded from the global store",
         "load_seconds": "Time the load thread spent loading (start to last layer)",
+        "load_read_seconds": "Time loads spent in Mooncake reads",
         "load_wait_seconds": "Time the forward pass waited for a layer to land",
         "load_failures": "Load batches that failed after starting",
         "published_pages": "Pages this worker wrote and committed to the global store",
         "published_bytes": "Bytes this worker wrote to the global store",
-        "publish_seconds": "Time spent publishing (intent, write, commit)",
-        "publish_skipped_pages": "Pages offered but not written (present, pending elsewhere, no room, down)",
+        "publish_seconds": "Wall time of publishing rounds (intent, frame, write, commit)",
+        "publish_cpu_seconds": "CPU time of the publish thread in its rounds",
+        "publish_skipped_pages": "Pages offered but not written (present, pending elsewhere, "
+        "no room, down, backlog full)",
+        "forward_tokens": "Tokens of prefill forwards without a load",
+        "forward_seconds": "Time of prefill forwards without a load",
+        "forward_tokens_publishing": "Tokens of such forwards that ran while a publish was written",
+        "forward_seconds_publishing": "Time of such forwards that ran while a publish was written",
     }
 
     def __init__(self) -> None:
@@ -111,26 +123,30 @@ class _Metrics(CounterSet):
         hidden = 1.0 - v["load_wait_seconds"] / v["load_seconds"] if v["load_seconds"] else 0.0
         return (
             f"lookups={v['lookups']:.0f} local_hit_tokens={v['local_hit_tokens']:.0f} "
-            f"global_hit_tokens={v['global_hit_tokens']:.0f} loaded={v['loaded_bytes'] / 1e6:.1f}MB "
-            f"in {v['load_seconds']:.2f}s (hidden {hidden:.0%}) published={v['published_pages']:.0f} pages "
-            f"{v['published_bytes'] / 1e6:.1f}MB failures={v['load_failures']:.0f}"
+            f"global_hit_tokens={v['global_hit_tokens']:.0f} "
+            f"recomputed_hit_pages={v['recomputed_hit_pages']:.0f} "
+            f"loaded={v['loaded_bytes'] / 1e6:.1f}MB "
+            f"in {v['load_seconds']:.2f}s (hidden {hidden:.0%}) published={v['published_pages']:.0f} "
+            f"pages {v['published_bytes'] / 1e6:.1f}MB in {v['publish_cpu_seconds']:.2f}s CPU "
+            f"failures={v['load_failures']:.0f}"
         )
 
 
-class _TimedCounter(LayerWiseLoadCounter):
-    """SGLang's layer counter, timing how long the forward waits for each layer."""
+class _Durations(HistogramSet):
+    """Per-event durations (``bana_store_<name>`` histograms): the per-request breakdown."""
 
-    def __init__(self, num_layers: int, metrics: _Metrics):
-        super().__init__(num_layers)
-        self._metrics = metrics
+    NAMES: ClassVar[dict[str, str]] = {
+        "lookup_index_seconds": "Index round trip of one lookup",
+        "lookup_header_seconds": "Existence check of one lookup's hit pages in the store",
+        "load_batch_seconds": "One load batch, start to last layer",
+        "load_wait_batch_seconds": "Time one forward waited for its load's layers",
+        "publish_round_seconds": "Wall time of one publishing round",
+        "publish_round_cpu_seconds": "CPU time of one publishing round",
+        "publish_index_seconds": "Index round trips (intent, commit) of one publishing round",
+    }
 
-    def wait_until(self, threshold: int) -> None:
-        futures = self.futures.get(self.consumer_index)
-        if futures is None or futures[threshold].done():
-            return super().wait_until(threshold)
-        t0 = time.perf_counter()
-        super().wait_until(threshold)
-        self._metrics.add("load_wait_seconds", time.perf_counter() - t0)
+    def __init__(self) -> None:
+        super().__init__("bana_store", self.NAMES)
 
 
 # ---------------------------------------------------------------------- linker
@@ -138,29 +154,11 @@ class _TimedCounter(LayerWiseLoadCounter):
 
 class _Load(NamedTuple):
     chain: list[PageHash]
-    slots: torch.Tensor  # int64 KV slots, len(chain) * page_size, page-aligned
-
-
-class _Offload(NamedTuple):
-    chain: list[PageHash]
-    parent: PageHash | None
-    slots: torch.Tensor
+    page_ids: torch.Tensor  # pool pages, CPU int64
 
 
 class LoadFailed(RuntimeError):
     pass
-
-
-def _page_starts(slots: torch.Tensor, page_size: int) -> list[int]:
-    """First slot of every page; raises when a page's slots are not one aligned run
-    (SGLang's paged allocator always gives such runs when page_size > 1)."""
-    if slots.numel() % page_size:
-        raise ValueError(f"{slots.numel()} slots is not a whole number of {page_size}-token pages")
-    pages = slots.view(-1, page_size)
-    starts = pages[:, 0]
-    if page_size > 1 and not bool(((pages - starts[:, None]) == torch.arange(page_size)).all()):
-        raise ValueError("KV slots of a page are not contiguous")
-    return starts.tolist()
 
 
 class BanaGlobalLinker(UnifiedCacheLinker):
@@ -181,16 +179,12 @@ class BanaGlobalLinker(UnifiedCacheLinker):
                 f"{LINKER_NAME} needs an MHA KV pool with k_buffer/v_buffer, "
                 f"got {type(kvcache).__name__}"
             )
-        if k[0].device.type != "cpu":
-            raise ValueError(
-                f"{LINKER_NAME} in this version reads into CPU KV pools only "
-                f"(the pool is on {k[0].device}); run the worker with --device cpu"
-            )
         if k[0].shape[1:] != v[0].shape[1:] or k[0].dtype != v[0].dtype:
             raise ValueError(f"{LINKER_NAME} needs K and V of the same shape and dtype")
-        self.k_buffer, self.v_buffer = list(k), list(v)
-        self.page_size = int(params.page_size)
-        self.num_layers = len(k)
+        self.pool = KVPool(k, v, int(params.page_size))
+        self.device = self.pool.device
+        self.page_size = self.pool.page_size
+        self.num_layers = self.pool.num_layers
         tp_rank, tp_size = 0, 1
         group = params.attn_tp_cache_group or params.tp_cache_group
         if (
@@ -204,7 +198,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
             )
         self.layout = KVLayout(
             model=model_identity(server_args.model_path),
-            dtype=str(k[0].dtype),
+            dtype=str(k[0].dtype).removeprefix("torch."),
             page_size=self.page_size,
             num_kv_heads=int(k[0].shape[1]),
             head_dim=int(k[0].shape[2]),
@@ -217,75 +211,89 @@ class BanaGlobalLinker(UnifiedCacheLinker):
             extra_config, f"{role}@{server_args.host}:{server_args.port}"
         )
         self.metrics = _Metrics()
+        self.durations = _Durations()
         self.pools = {PoolName.KV: kvcache}
-        self.layer_done_counter = _TimedCounter(self.num_layers, self.metrics)
+        self.layer_done_counter = LayerCounter(self.num_layers, self.device, self._waited)
+        self.mode = envs.BANA_STORE_MODE.get()
+        self.cost = CostModel(self.page_size, policy=envs.BANA_STORE_LOAD_POLICY.get())
+        settle_ms = envs.BANA_STORE_PUBLISH_SETTLE_MS.get()
+        if settle_ms < 0:  # auto: a CPU forward competes with publishing for the cores
+            settle_ms = 0 if self.device.is_cuda else 50
+        self._settle_s = settle_ms / 1e3
+        self._forwarding = False
+        self._last_forward_end = 0.0
+        arena_bytes = envs.BANA_STORE_ARENA_BYTES.get()
 
         # Two store clients: one for lookups and loads (the request path), one for
-        # publishing. A Mooncake client serialises its calls, and puts were seen to
-        # stall for up to Mooncake's 60 s transfer timeout on the overloaded 2-core
-        # machine: on a shared client every lookup would have waited behind them.
+        # publishing, owned by the publish thread (a Mooncake client serialises its
+        # calls; on a shared client every lookup would wait behind a put).
         store_cfg = StoreConfig.from_env(self.cfg.master)
         self.store = PageStore.connect(self.layout, store_cfg)
-        publish_store = PageStore.connect(self.layout, store_cfg)
-        for buf in self.k_buffer + self.v_buffer:  # zero copy both ways
-            self.store.register(buf)
-            publish_store.register(buf)
-        self.index = IndexClient(self.cfg.index, name=f"{self.cfg.owner}/lookup")
-        self._publisher = GlobalKVCache(
-            self.layout,
-            IndexClient(self.cfg.index, name=f"{self.cfg.owner}/publish"),
-            publish_store,
-            self.cfg.owner,
+        arena = None
+        if self.mode == "staged" or self.device.is_cuda:
+            arena = Arena(self.device, arena_bytes, self.store.kv)
+        if self.mode == "direct":
+            for buf in self.pool.buffers():  # ranged reads land straight in the pool
+                self.store.kv.register(buf.data_ptr(), buf.numel() * buf.element_size())
+        self.loader = Loader(
+            self.pool,
+            self.mode,
+            arena,
+            growth=envs.BANA_STORE_GROUP_GROWTH.get(),
+            min_slice_bytes=envs.BANA_STORE_MIN_SLICE_BYTES.get(),
         )
+        if self.mode == "direct":
+            self.loader.register_headers(self.store.kv)
+        self.index = IndexClient(self.cfg.index, name=f"{self.cfg.owner}/lookup")
         self._loss_index = IndexClient(self.cfg.index, name=f"{self.cfg.owner}/load")
+        total_pages = k[0].shape[0] // self.page_size
+        self.publisher = Publisher(
+            self.pool,
+            lambda: PageStore.connect(self.layout, store_cfg),
+            IndexClient(self.cfg.index, name=f"{self.cfg.owner}/publish"),
+            self.cfg.owner,
+            arena_bytes=arena_bytes,
+            nice=envs.BANA_STORE_PUBLISH_NICE.get(),
+            max_pending_pages=max(1, total_pages // 4),
+            on_round=self._published,
+            quiet=self._quiet if role == "prefill" else None,
+            max_delay_s=envs.BANA_STORE_PUBLISH_MAX_DELAY_MS.get() / 1e3,
+        )
 
         self.pending_loads: dict[str, _Load] = {}
-        self.load_queue: queue.Queue[tuple[int, list[_Load]] | None] = queue.Queue()
-        self.offload_queue: queue.Queue[_Offload | None] = queue.Queue()
-        self.offload_results: queue.Queue[bool] = queue.Queue()
+        self.load_queue: queue.Queue[tuple[int, list[_Load], object] | None] = queue.Queue()
         self.next_offload_parent: str | None = None  # set by BanaLinkerWrapper per node
-        self._threads = [
-            threading.Thread(
-                target=self._serve,
-                args=(self.load_queue, self._load_task),
-                daemon=True,
-                name="bana-store-load",
-            ),
-            threading.Thread(
-                target=self._serve,
-                args=(self.offload_queue, self._offload_task),
-                daemon=True,
-                name="bana-store-publish",
-            ),
-        ]
-        for t in self._threads:
-            t.start()
+        self._wait_acc = 0.0
+        self._timers: collections.deque = collections.deque()
+        self._load_thread = threading.Thread(
+            target=self._serve, daemon=True, name="bana-store-load"
+        )
+        self._load_thread.start()
         logger.info(
             "global KV store linker: index %s, master %s, layout %s (digest %s), %d-token pages "
-            "of %d bytes",
+            "of %d bytes, %s loads into a %s pool, load policy %s",
             self.cfg.index,
             self.cfg.master,
             self.layout.model,
             self.layout.digest[:12],
             self.page_size,
             self.store.object_size,
+            self.mode,
+            self.device.device,
+            self.cost.policy,
         )
 
     # -- helpers
     def _chain(self, sglang_hashes: Sequence[str]) -> list[PageHash]:
         return [namespaced(h, self.layout) for h in sglang_hashes]
 
-    def _parts(self, start: int, layers: range | None = None) -> list[torch.Tensor]:
-        """Page payload parts in the store's layer-major order: K then V per layer."""
-        end = start + self.page_size
-        out: list[torch.Tensor] = []
-        for layer in layers if layers is not None else range(self.num_layers):
-            out += [self.k_buffer[layer][start:end], self.v_buffer[layer][start:end]]
-        return out
-
     @staticmethod
     def _kv(transfers: list[PoolTransfer]) -> PoolTransfer | None:
         return next((t for t in transfers if t.name == PoolName.KV), None)
+
+    def _waited(self, seconds: float) -> None:
+        self.metrics.add("load_wait_seconds", seconds)
+        self._wait_acc += seconds
 
     # -- lookup (scheduler thread)
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
@@ -294,15 +302,29 @@ class BanaGlobalLinker(UnifiedCacheLinker):
             return []
         chain = self._chain(kv.keys)
         self.metrics.add("lookups")
+        t0 = time.perf_counter()
         match = self.index.lookup(chain, any_parent=True)
+        t1 = time.perf_counter()
+        self.durations.observe("lookup_index_seconds", t1 - t0)
         n = match.length
         if n:
-            read = self.store.layerwise(chain[:n])
-            miss = read.start()
-            read.close()  # headers only: payloads are checked when they are loaded
+            decision = self.cost.decide(n)
+            if not decision.load:
+                self.metrics.add("recomputed_hit_pages", n)
+                logger.debug(
+                    "rid=%s: recomputing %d hit pages (load %.1f ms > compute %.1f ms)",
+                    rid,
+                    n,
+                    decision.load_s * 1e3,
+                    decision.compute_s * 1e3,
+                )
+                return []
+            # a page the index lists but the store lost is a miss now, not a failed load;
+            # headers and MACs are checked as the pages land
+            n, miss = self.store.present(chain[:n])
             if miss is not None:
-                n = len(read.pages)
                 self._report(miss, self.index)
+            self.durations.observe("lookup_header_seconds", time.perf_counter() - t1)
         if n:
             self.metrics.add("global_hit_pages", n)
             self.metrics.add("global_hit_tokens", n * self.page_size)
@@ -321,24 +343,28 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         index.report_loss([miss.page], self.cfg.owner)
 
     # -- loads
-    def _slots(self, transfers: list[PoolTransfer]) -> tuple[PoolTransfer, torch.Tensor] | None:
-        """The KV transfer and its slots, when it is a whole number of pages to move."""
+    def _pages(self, transfers: list[PoolTransfer]) -> tuple[PoolTransfer, torch.Tensor] | None:
+        """The KV transfer and its pool pages, when it is a whole number of pages to move."""
         kv = self._kv(transfers)
         if kv is None or kv.device_indices is None or not kv.keys:
             return None
         slots = kv.device_indices.to(torch.int64).cpu()
         if slots.numel() != len(kv.keys) * self.page_size:
             return None
-        return kv, slots
+        try:
+            return kv, self.pool.page_ids(slots)
+        except ValueError:
+            logger.warning("KV slots that are not whole aligned pages: not moved", exc_info=True)
+            return None
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         if rid in self.pending_loads:
             raise RuntimeError(f"a global-store load for rid={rid} is already queued")
-        got = self._slots(transfers)
+        got = self._pages(transfers)
         if got is None:
             return False
-        kv, slots = got
-        self.pending_loads[rid] = _Load(self._chain(kv.keys), slots)
+        kv, page_ids = got
+        self.pending_loads[rid] = _Load(self._chain(kv.keys), page_ids)
         return True
 
     def cancel_queued_load(self, rid: str) -> bool:
@@ -349,104 +375,139 @@ class BanaGlobalLinker(UnifiedCacheLinker):
             return -1
         pending, self.pending_loads = list(self.pending_loads.values()), {}
         index = self.layer_done_counter.update_producer()
-        self.load_queue.put((index, pending))
+        # what the scheduler queued before this load (CUDA): the copies start after it
+        self.load_queue.put((index, pending, self.device.ready_event()))
         return index
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         landed = self.layer_done_counter.finish(counter_index)
+        self.durations.observe("load_wait_batch_seconds", self._wait_acc)
+        self._wait_acc = 0.0
         if not landed:
             self.metrics.add("load_failures")
         return landed
 
-    @staticmethod
-    def _serve(q: queue.Queue, handle) -> None:
-        """A worker thread: ``handle`` each task until None; ``join()`` works on ``q``."""
+    def _serve(self) -> None:
         while True:
-            task = q.get()
+            task = self.load_queue.get()
             try:
                 if task is None:
                     return
-                handle(task)
+                index, loads, ready = task
+                try:
+                    self._load_batch(index, loads, ready)
+                except BaseException as e:  # any failure fails the batch, never hangs it
+                    logger.exception("global store load batch failed")
+                    self.layer_done_counter.fail(index, e)
             finally:
-                q.task_done()
+                self.load_queue.task_done()
 
-    def _load_task(self, task: tuple[int, list[_Load]]) -> None:
-        index, loads = task
-        try:
-            self._load_batch(index, loads)
-        except BaseException as e:  # any failure fails the batch, never hangs it
-            logger.exception("global store load batch failed")
-            self.layer_done_counter.fail(index, e)
-
-    def _load_batch(self, index: int, loads: list[_Load]) -> None:
+    def _load_batch(self, index: int, loads: list[_Load], ready) -> None:
         t0 = time.perf_counter()
         chain = [p for ld in loads for p in ld.chain]
-        starts = [s for ld in loads for s in _page_starts(ld.slots, self.page_size)]
-        read = self.store.layerwise(chain)
+        page_ids = torch.cat([ld.page_ids for ld in loads])
+        read = self.store.layerwise(chain, headers_inline=True)
         miss = read.start()
+        t_started = time.perf_counter()
         if miss is not None:
             read.close()
             self._report(miss, self._loss_index)
             raise LoadFailed(f"page {miss.page}: {miss.reason} {miss.detail}")
-        last = self.num_layers - 1
-        for layer in range(self.num_layers):
-            miss = read.read_layer(layer, [self._parts(s, range(layer, layer + 1)) for s in starts])
-            if miss is not None:
-                read.close()
-                self._report(miss, self._loss_index)
-                raise LoadFailed(f"layer {layer} of page {miss.page}: {miss.reason} {miss.detail}")
-            if layer < last:  # the last layer is released once the checksums match
-                self.layer_done_counter.complete(index, layer)
-        miss = read.finish()
+        counter = self.layer_done_counter
+        miss, stats = self.loader.load(
+            read, page_ids, lambda layer, ev: counter.complete(index, layer, ev), ready
+        )
         if miss is not None:
             self._report(miss, self._loss_index)
-            raise LoadFailed(f"page {miss.page}: {miss.reason}")
-        self.layer_done_counter.complete(index, last)
+            raise LoadFailed(f"page {miss.page}: {miss.reason} {miss.detail}")
+        counter.complete(index, self.num_layers - 1, stats.event)
+        seconds = time.perf_counter() - t0
+        logger.debug(
+            "load of %d pages: %.1f ms (session %.1f, reads %.1f, MACs %.1f, copies %.1f; "
+            "%d groups)",
+            len(chain),
+            seconds * 1e3,
+            (t_started - t0) * 1e3,
+            stats.read_s * 1e3,
+            stats.verify_s * 1e3,
+            stats.copy_s * 1e3,
+            stats.groups,
+        )
+        self.cost.observe_load(len(chain), seconds)
         self.metrics.add("loaded_pages", len(chain))
-        self.metrics.add("loaded_bytes", len(chain) * self.layout.page_nbytes)
-        self.metrics.add("load_seconds", time.perf_counter() - t0)
+        self.metrics.add("loaded_bytes", stats.bytes)
+        self.metrics.add("load_seconds", seconds)
+        self.metrics.add("load_read_seconds", stats.read_s)
+        self.durations.observe("load_batch_seconds", seconds)
+
+    # -- forwards (the scheduler's run_batch hook)
+    def forward_began(self) -> None:
+        self._forwarding = True
+
+    def forward_ended(self) -> None:
+        self._forwarding = False
+        self._last_forward_end = time.monotonic()
+
+    def _quiet(self) -> float:
+        """Seconds until publishing should start (the publisher's ``quiet``): a while
+        after the last prefill forward, so the request's KV transfer and its first
+        decode step do not share the cores with a publish."""
+        if self._forwarding:
+            return self._settle_s or 0.0
+        return self._last_forward_end + self._settle_s - time.monotonic()
+
+    def observe_forward(self, tokens: int, timer, publishing: bool) -> None:
+        """A prefill forward without a load computed ``tokens`` in ``timer``'s time."""
+        self._timers.append((tokens, timer, publishing))
+        while self._timers:
+            tokens, timer, publishing = self._timers[0]
+            seconds = timer.seconds()
+            if seconds is None:  # CUDA: not done yet
+                break
+            self._timers.popleft()
+            self.cost.observe_prefill(tokens, seconds)
+            self.metrics.add("forward_tokens", tokens)
+            self.metrics.add("forward_seconds", seconds)
+            if publishing:
+                self.metrics.add("forward_tokens_publishing", tokens)
+                self.metrics.add("forward_seconds_publishing", seconds)
 
     # -- offloads (publishing)
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
         parent, self.next_offload_parent = self.next_offload_parent, None
-        got = self._slots(transfers)
+        got = self._pages(transfers)
         if got is None:
             return False
-        kv, slots = got
-        self.offload_queue.put(
-            _Offload(
-                self._chain(kv.keys), namespaced(parent, self.layout) if parent else None, slots
+        kv, page_ids = got
+        if not self.publisher.accepts(len(kv.keys)):
+            self.metrics.add("publish_skipped_pages", len(kv.keys))
+            return False
+        ready = self.record_offload_ready() if self.device.is_cuda else []
+        self.publisher.submit(
+            Offload(
+                self._chain(kv.keys),
+                namespaced(parent, self.layout) if parent else None,
+                page_ids,
+                ready,
             )
         )
         return True
 
-    def _offload_task(self, task: _Offload) -> None:
-        try:
-            ok = self._publish(task)
-        except BaseException:  # a failed publish is a skipped publish
-            logger.exception("global store publish failed")
-            ok = False
-        self.offload_results.put(ok)
-
-    def _publish(self, task: _Offload) -> bool:
-        t0 = time.perf_counter()
-        parts = [self._parts(s) for s in _page_starts(task.slots, self.page_size)]
-        res = self._publisher.publish(task.chain, parts, parent=task.parent)
-        self.metrics.add("published_pages", res.committed)
-        self.metrics.add("published_bytes", res.written * self.layout.page_nbytes)
-        self.metrics.add("publish_skipped_pages", len(task.chain) - res.committed)
-        self.metrics.add("publish_seconds", time.perf_counter() - t0)
-        if res.note and res.note != "present":
-            logger.debug(
-                "publish of %d pages: %d committed (%s)", len(task.chain), res.committed, res.note
-            )
-        return res.complete
+    def _published(self, st: RoundStats) -> None:
+        self.metrics.add("published_pages", st.committed)
+        self.metrics.add("published_bytes", st.written * self.store.object_size)
+        self.metrics.add("publish_skipped_pages", st.offered - st.committed)
+        self.metrics.add("publish_seconds", st.wall_s)
+        self.metrics.add("publish_cpu_seconds", st.cpu_s)
+        self.durations.observe("publish_round_seconds", st.wall_s)
+        self.durations.observe("publish_round_cpu_seconds", st.cpu_s)
+        self.durations.observe("publish_index_seconds", st.index_s)
 
     def num_completed_offloads(self) -> int:
-        return self.offload_results.qsize()
+        return self.publisher.results.qsize()
 
     def pop_completed_offload(self) -> bool:
-        return self.offload_results.get_nowait()
+        return self.publisher.results.get_nowait()
 
     # -- lifecycle
     def make_wrapper(self, cache) -> BanaLinkerWrapper:
@@ -457,10 +518,10 @@ class BanaGlobalLinker(UnifiedCacheLinker):
     def reset(self) -> None:
         self.pending_loads.clear()
         self.load_queue.join()
-        self.offload_queue.join()
+        self.publisher.join()
         while True:
             try:
-                self.offload_results.get_nowait()
+                self.publisher.results.get_nowait()
             except queue.Empty:
                 break
         self.layer_done_counter.reset()
@@ -468,14 +529,12 @@ class BanaGlobalLinker(UnifiedCacheLinker):
     def close(self) -> None:
         self.reset()
         self.load_queue.put(None)
-        self.offload_queue.put(None)
-        for t in self._threads:
-            t.join(timeout=10)
+        self._load_thread.join(timeout=10)
+        self.publisher.close()
         logger.info("global KV store linker stats: %s", self.metrics.summary())
-        for client in (self.index, self._loss_index, self._publisher.index):
+        for client in (self.index, self._loss_index, self.publisher.index):
             client.close()
         self.store.kv.close()
-        self._publisher.store.kv.close()
 
 
 # ---------------------------------------------------------------------- wrapper

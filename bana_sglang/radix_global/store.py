@@ -4,31 +4,31 @@
 :mod:`~bana_sglang.radix_global.page_format` header, then the payload) through
 :class:`~bana_sglang.radix_global.mooncake_kv.MooncakeKV` (the binding: native
 codes -> ``StoreError``, outage gate), and verifies every header field and the
-page MAC (keyed BLAKE2b under the cluster secret) on load. :class:`LayerwiseRead` reads pages layer by layer
-straight into KV pool slots (the SGLang linker's loads).
+page MAC (HMAC-SHA256 under the cluster secret) on load. :class:`LayerwiseRead`
+reads ranges of layers of many pages (the SGLang linker's loads).
 
 Invariants:
 - a load returns the bytes that were stored under that page hash *for this
   layout*, or a :class:`Miss` (missing key, other layout, other page, wrong
   size, bad MAC, store down); never wrong data, never an exception;
-- a store failure never raises out of ``put_pages``/``get_pages``/``get_page``;
-  it is reported in the result (puts) or as a miss (gets);
+- a store failure never raises out of ``put_pages``/``put_objects``/``get_pages``/
+  ``get_page``; it is reported in the result (puts) or as a miss (gets);
 - workers contribute no memory segment (``global_segment_size=0``): the pages
   live in the dedicated storage process (:mod:`storage_server`), so a worker's
   exit loses nothing.
 
-Data path: the zero-copy multi-buffer APIs (``batch_put_from_multi_buffers``,
-``batch_get_into_multi_buffers``) work over TCP on CPU once buffers are
-registered (an unregistered buffer fails with TRANSFER_FAIL; a buffer larger or
-smaller than the object fails with INVALID_PARAMS/TRANSFER_FAIL, hence the
-size diagnosis on failed reads). The header always goes through a registered
-header arena. The payload goes directly from/to the caller's tensor when it
-lies in a region registered with :meth:`PageStore.register` (e.g. a KV pool),
-else through a registered staging buffer (one memcpy each way, done with numpy:
-torch's ``copy_``/``clone`` of a 64 KB tensor took ~15 ms under CPU contention).
-``python -m bana_sglang.radix_global.bench_store`` measures both paths; on the
-shared 2-core machine (load ~15) both gave ~20 MB/s at 64 KB pages and
-~100-200 MB/s at 1-4 MB pages, batches of 8.
+Data path and its cost: Mooncake's zero-copy multi-buffer calls
+(``batch_put_from_multi_buffers``, ``batch_get_into_multi_buffers``,
+``batch_get_into_multi_buffer_ranges``) move registered memory. Over TCP each
+*slice* (one pointer of one object) costs about as much as 50-75 KB of payload
+(measured on the 2-core VM: 87 objects of 16 KB took 11 ms as one slice each and
+46 ms as eight), so the linker's data path frames whole pages in a host arena
+and moves one slice per page (:meth:`PageStore.put_objects`) and one range per
+page per group of layers (:meth:`LayerwiseRead.read_regions`).
+:meth:`PageStore.put_pages` and :meth:`PageStore.get_pages` take tensors (a page,
+or its parts) and move the header through a registered header arena and the
+payload directly when it lies in registered memory, else through a staging
+buffer. ``python -m bana_sglang.radix_global.bench_store`` measures them.
 """
 
 from __future__ import annotations
@@ -164,6 +164,27 @@ class PageStore:
                 if failed is not None:
                     return PutResult(written, failed)
         return PutResult(written, None)
+
+    def put_objects(self, pages: Sequence[PageHash], ptrs: Sequence[int]) -> PutResult:
+        """Store pages already framed in registered memory: ``ptrs[i]`` holds page i's
+        header and payload, :attr:`object_size` bytes (one slice per page)."""
+        if len(pages) != len(ptrs):
+            raise ValueError(f"{len(pages)} pages but {len(ptrs)} objects")
+        if not pages:
+            return PutResult(0, None)
+        with self._lock:
+            try:
+                rcs = self.kv.put_multi(
+                    [page_key(p) for p in pages],
+                    [[p] for p in ptrs],
+                    [[self.object_size]] * len(pages),
+                )
+            except StoreError as e:
+                return PutResult(0, Miss(pages[0], _reason(e), str(e)))
+        for i, rc in enumerate(rcs):
+            if rc != 0:
+                return PutResult(i, Miss(pages[i], "store_error", f"put: {describe(rc)}"))
+        return PutResult(len(pages), None)
 
     def _registered(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and self.kv.is_registered(
@@ -324,9 +345,31 @@ class PageStore:
             )
         return Miss(page, "store_error", describe(rc))
 
-    def layerwise(self, pages: Sequence[PageHash]) -> LayerwiseRead:
-        """A layer-by-layer read of ``pages`` (see :class:`LayerwiseRead`)."""
-        return LayerwiseRead(self, pages)
+    def layerwise(
+        self,
+        pages: Sequence[PageHash],
+        macs: Sequence[bytes] | None = None,
+        *,
+        headers_inline: bool = False,
+    ) -> LayerwiseRead:
+        """A layer-by-layer read of ``pages`` (see :class:`LayerwiseRead`); ``macs``: their
+        stored MACs, when their headers were verified already; ``headers_inline``: read
+        each header with the first range of layers instead of in a round trip of its own."""
+        return LayerwiseRead(self, pages, macs, headers_inline=headers_inline)
+
+    def present(self, pages: Sequence[PageHash]) -> tuple[int, Miss | None]:
+        """How many leading ``pages`` the store holds (one round trip to the master, no
+        data read), and why it stopped (None: all)."""
+        if not pages:
+            return 0, None
+        try:
+            found = self.kv.exists_many([page_key(p) for p in pages])
+        except StoreError as e:
+            return 0, Miss(pages[0], _reason(e), str(e))
+        for i, ok in enumerate(found):
+            if not ok:
+                return i, Miss(pages[i], "missing", "not in the store")
+        return len(pages), None
 
     # -- housekeeping
     def remove(self, pages: Sequence[PageHash], *, force: bool = False) -> list[int]:
@@ -339,19 +382,24 @@ class PageStore:
 
 
 class LayerwiseRead:
-    """Read pages layer by layer straight into scattered destinations (KV pool slots),
-    verifying them as they land.
+    """Read ranges of layers of many pages into scattered destinations, verifying the
+    pages as they land.
 
-    The payload is layer-major (``page_shape`` starts with the layer), so layer
-    ``l`` of a page is one contiguous byte range: ``read_layer`` fetches that range
-    of every page in one batched ranged get (Mooncake ``batch_get_into_multi_buffer_ranges``
-    inside a get session). Verification is split accordingly:
+    The payload is layer-major (``page_shape`` starts with the layer), so layers
+    ``[lo, hi)`` of a page are one contiguous byte range: :meth:`read_regions` reads
+    that range of every page in one batched ranged get (Mooncake
+    ``batch_get_into_multi_buffer_ranges`` inside a get session). Verification:
 
-    - :meth:`start` verifies every header field except the payload checksum
-      (layout, page hash, dtype, shape, length) and keeps the leading pages
-      whose headers verify: what follows a bad or missing page is not read;
-    - every :meth:`read_layer` extends a running MAC per page (layer-major reads
-      feed it the whole payload in order);
+    - :meth:`start` opens the session and verifies every header field except the
+      MAC (layout, page hash, dtype, shape, length), keeping the leading pages
+      whose headers verify: what follows a bad or missing page is not read. Pages
+      whose headers were verified before (``macs`` given) only get a session,
+      and so do pages whose headers come with the first range of layers
+      (``headers_inline``: :meth:`read_regions` with ``lo == 0`` then reads the
+      header in front of the layers, the caller hands it to :meth:`check_header`,
+      and no separate header round trip is paid);
+    - the caller feeds every landed byte to its page's running MAC, in payload
+      order (:meth:`feed`; :meth:`read_layer` does both for tensor destinations);
     - :meth:`finish` compares the running MACs with the headers'. A mismatch
       means the bytes already handed to compute were wrong: the caller must
       discard what was computed from them (the SGLang linker fails the load,
@@ -360,15 +408,38 @@ class LayerwiseRead:
     Never raises for store trouble: methods return a :class:`Miss`.
     """
 
-    def __init__(self, store: PageStore, pages: Sequence[PageHash]):
+    def __init__(
+        self,
+        store: PageStore,
+        pages: Sequence[PageHash],
+        macs: Sequence[bytes] | None = None,
+        *,
+        headers_inline: bool = False,
+    ):
         self.store = store
         self.pages = list(pages)
         self._keys = [page_key(p) for p in self.pages]
-        self._macs: list[bytes] = []  # stored, per page
+        if macs is not None and len(macs) != len(self.pages):
+            raise ValueError(f"{len(self.pages)} pages but {len(macs)} MACs")
+        self._verified = macs is not None
+        self.headers_inline = headers_inline and not self._verified
+        # stored MAC per page (b"" until its header is checked, when headers come inline)
+        self._macs: list[bytes] = (
+            list(macs)
+            if macs is not None
+            else [b""] * len(self.pages)
+            if self.headers_inline
+            else []
+        )
         self._running: list = []  # the MAC computed over what landed, per page
         self._session = False
         layout = store.layout
         self.layer_bytes = store._payload // layout.num_layers
+
+    @property
+    def macs(self) -> list[bytes]:
+        """The stored MACs of :attr:`pages` (after :meth:`start`)."""
+        return list(self._macs)
 
     def start(self) -> Miss | None:
         """Open the session and verify headers; ``self.pages`` shrinks to the
@@ -380,7 +451,7 @@ class LayerwiseRead:
             codes = st.kv.get_session_start(self._keys)
         except StoreError as e:
             first = self.pages[0]
-            self.pages, self._keys = [], []
+            self.pages, self._keys, self._macs = [], [], []
             return Miss(first, _reason(e), str(e))
         self._session = True
         miss: Miss | None = None
@@ -394,6 +465,20 @@ class LayerwiseRead:
                     f"session: {describe(rc)}",
                 )
                 break
+        if not self._verified and not self.headers_inline:
+            keep, miss = self._read_headers(keep, miss)
+        self._truncate(keep)
+        return miss
+
+    def check_header(self, i: int, header) -> Miss | None:
+        """Verify page i's header (read inline with its first layers) and keep its MAC."""
+        bad, mac = self.store.format.verify_header(self.pages[i], bytes(header))
+        if bad is None:
+            self._macs[i] = mac
+        return bad
+
+    def _read_headers(self, keep: int, miss: Miss | None) -> tuple[int, Miss | None]:
+        st = self.store
         with st._lock:
             for lo in range(0, keep, st._batch):
                 hi = min(keep, lo + st._batch)
@@ -404,8 +489,7 @@ class LayerwiseRead:
                         keys, ptrs, [[HEADER_SIZE]] * len(keys), [[0]] * len(keys)
                     )
                 except StoreError as e:
-                    keep, miss = lo, Miss(self.pages[lo], _reason(e), str(e))
-                    break
+                    return lo, Miss(self.pages[lo], _reason(e), str(e))
                 for i, rc in enumerate(rcs):
                     page = self.pages[lo + i]
                     if rc != HEADER_SIZE:
@@ -418,13 +502,9 @@ class LayerwiseRead:
                         header = st._headers_np[i * HEADER_SIZE : (i + 1) * HEADER_SIZE].tobytes()
                         bad, mac = st.format.verify_header(page, header)
                     if bad is not None:
-                        keep, miss = lo + i, bad
-                        break
+                        return lo + i, bad
                     self._macs.append(mac)
-                if miss is not None and keep < hi:
-                    break
-        self._truncate(keep)
-        return miss
+        return keep, miss
 
     def _truncate(self, keep: int) -> None:
         if keep < len(self.pages):
@@ -435,45 +515,75 @@ class LayerwiseRead:
                 self.store.kv.get_session_end(dropped)
         self._running = [self.store.format.mac(p) for p in self.pages]
 
-    def read_layer(self, layer: int, dests: Sequence[Sequence[torch.Tensor]]) -> Miss | None:
-        """Read layer ``layer`` of every page: page i's bytes land in ``dests[i]``
-        (registered CPU tensors, filled in order, ``layer_bytes`` in total)."""
-        if len(dests) != len(self.pages):
-            raise ValueError(f"{len(self.pages)} pages but {len(dests)} destinations")
-        if not self.pages:
+    def header_first(self, lo: int) -> bool:
+        """Whether a read of layers from ``lo`` carries the pages' headers in front."""
+        return self.headers_inline and lo == 0
+
+    def read_regions(
+        self, lo: int, hi: int, regions: Sequence[Sequence[tuple[int, int]]], start: int = 0
+    ) -> Miss | None:
+        """Read layers ``[lo, hi)`` of pages ``start .. start + len(regions) - 1``: page
+        ``start + i``'s bytes land in ``regions[i]``, a list of ``(pointer, nbytes)`` in
+        registered memory, filled in order (headed by the page's header when
+        :meth:`header_first`). The caller feeds the payload to :meth:`feed`."""
+        if start < 0 or start + len(regions) > len(self.pages):
+            raise ValueError(
+                f"pages {start}..{start + len(regions) - 1} of a read of {len(self.pages)}"
+            )
+        if not regions:
             return None
-        off = HEADER_SIZE + layer * self.layer_bytes
+        head = self.header_first(lo)
+        want = (hi - lo) * self.layer_bytes + (HEADER_SIZE if head else 0)
+        off = 0 if head else HEADER_SIZE + lo * self.layer_bytes
         ptrs, sizes, offsets = [], [], []
-        for parts in dests:
+        for parts in regions:
             pos, p_ptrs, p_sizes, p_offs = off, [], [], []
-            for t in parts:
-                n = t.numel() * t.element_size()
-                p_ptrs.append(t.data_ptr())
+            for ptr, n in parts:
+                p_ptrs.append(ptr)
                 p_sizes.append(n)
                 p_offs.append(pos)
                 pos += n
-            if pos - off != self.layer_bytes:
+            if pos - off != want:
                 raise ValueError(
-                    f"destinations hold {pos - off} bytes, a layer of a page is {self.layer_bytes}"
+                    f"destinations hold {pos - off} bytes, layers {lo}:{hi} of a page are {want}"
                 )
             ptrs.append(p_ptrs)
             sizes.append(p_sizes)
             offsets.append(p_offs)
+        keys = self._keys[start : start + len(regions)]
         try:
-            rcs = self.store.kv.get_ranges(self._keys, ptrs, sizes, offsets)
+            rcs = self.store.kv.get_ranges(keys, ptrs, sizes, offsets)
         except StoreError as e:
-            return Miss(self.pages[0], _reason(e), str(e))
+            return Miss(self.pages[start], _reason(e), str(e))
         for i, rc in enumerate(rcs):
-            if rc != self.layer_bytes:
+            if rc != want:
                 return Miss(
-                    self.pages[i],
+                    self.pages[start + i],
                     "missing" if rc == NOT_FOUND else "store_error",
-                    f"layer {layer} read: {rc if rc < 0 else f'{rc} bytes'}",
+                    f"layers {lo}:{hi} read: {rc if rc < 0 else f'{rc} bytes'}",
                 )
+        return None
+
+    def feed(self, i: int, data) -> None:
+        """Extend page i's running MAC with the next landed bytes (a buffer)."""
+        self._running[i].update(data)
+
+    def read_layer(self, layer: int, dests: Sequence[Sequence[torch.Tensor]]) -> Miss | None:
+        """Read layer ``layer`` of every page into CPU tensors: page i's bytes land in
+        ``dests[i]`` (registered, filled in order, ``layer_bytes`` in total) and are
+        fed to its MAC (a read with its headers inline takes them elsewhere: use
+        :meth:`read_regions`)."""
+        if self.headers_inline:
+            raise ValueError("read_layer reads payload only; this read wants its headers inline")
+        if len(dests) != len(self.pages):
+            raise ValueError(f"{len(self.pages)} pages but {len(dests)} destinations")
+        regions = [[(t.data_ptr(), t.numel() * t.element_size()) for t in parts] for parts in dests]
+        miss = self.read_regions(layer, layer + 1, regions)
+        if miss is not None:
+            return miss
         for i, parts in enumerate(dests):
-            mac = self._running[i]
             for t in parts:
-                mac.update(_as_bytes_view(t).numpy())
+                self.feed(i, _as_bytes_view(t).numpy())
         return None
 
     def close(self) -> None:
@@ -486,6 +596,8 @@ class LayerwiseRead:
         """Close the session; the first page whose MAC does not match what landed."""
         self.close()
         for page, want, got in zip(self.pages, self._macs, self._running):
+            if not want:
+                return Miss(page, "bad_header", "its header was never checked")
             if not self.store.format.payload_ok(want, got.digest()):
                 return Miss(page, "checksum", "page MAC mismatch after a layer-wise read")
         return None

@@ -36,13 +36,49 @@ def parse(text: str) -> dict[str, float]:
     return out
 
 
-def scrape(url: str, timeout: float = 5.0) -> dict[str, float] | None:
-    """The counters of the worker at ``url``, or None when it does not answer."""
+def parse_histograms(text: str) -> dict[str, tuple[float, float]]:
+    """``bana_store_*`` histograms of a Prometheus text page: name -> (sum, count),
+    summed over labels."""
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        if not line.startswith(PREFIX):
+            continue
+        name, _, value = line.rpartition(" ")
+        key = name.split("{", 1)[0].removeprefix(PREFIX)
+        for suffix, slot in (("_sum", 0), ("_count", 1)):
+            if key.endswith(suffix):
+                try:
+                    out.setdefault(key.removesuffix(suffix), [0.0, 0.0])[slot] += float(value)
+                except ValueError:
+                    pass
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def _get(url: str, timeout: float) -> str | None:
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as r:
-            return parse(r.read().decode("utf-8", "replace"))
+            return r.read().decode("utf-8", "replace")
     except OSError:
         return None
+
+
+def scrape(url: str, timeout: float = 5.0) -> dict[str, float] | None:
+    """The counters of the worker at ``url``, or None when it does not answer."""
+    text = _get(url, timeout)
+    return None if text is None else parse(text)
+
+
+def scrape_all(url: str, timeout: float = 5.0) -> dict[str, float] | None:
+    """The counters and, as ``<name>_sum``/``<name>_count``, the histograms of the
+    worker at ``url``; None when it does not answer."""
+    text = _get(url, timeout)
+    if text is None:
+        return None
+    out = parse(text)
+    for name, (total, count) in parse_histograms(text).items():
+        out[f"{name}_sum"] = total
+        out[f"{name}_count"] = count
+    return out
 
 
 def table(rows: Sequence[tuple[str, dict[str, float] | None]]) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import time
 from collections.abc import Iterator
@@ -107,6 +108,10 @@ class PDCluster:
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory) -> Iterator[PDCluster]:
+    """2P1D with the store. prefill-0 loads through the host arena (``staged``, the
+    default), prefill-1 straight into its KV pool (``direct``): a reuse on either worker
+    exercises one mode. Every hit is loaded (``BANA_STORE_LOAD_POLICY=always``): the
+    tests assert exact hit sizes, which the measured choice of recomputing may change."""
     # a small decode KV pool: finished requests' pages must be released after publishing
     cfg = LaunchConfig(
         num_prefill=2,
@@ -117,7 +122,17 @@ def pd(tmp_path_factory) -> Iterator[PDCluster]:
         store_bytes=256 << 20,
         decode_args=("--max-total-tokens", str(DECODE_KV)),
     )
-    with Cluster(plan_cluster(cfg), log_dir=cfg.log_dir, startup_timeout=900) as cluster:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BANA_STORE_LOAD_POLICY", "always")
+        plan = plan_cluster(cfg)
+    workers = tuple(
+        dataclasses.replace(w, env=(*w.env, ("BANA_STORE_MODE", "direct")))
+        if w.name == "prefill-1"
+        else w
+        for w in plan.workers
+    )
+    plan = dataclasses.replace(plan, workers=workers)
+    with Cluster(plan, log_dir=cfg.log_dir, startup_timeout=900) as cluster:
         yield PDCluster(cluster)
 
 
@@ -147,21 +162,36 @@ def poll_until(check, what: str, timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
-def wait_published(pd: PDCluster, url: str, at_least: float, timeout: float = 30) -> None:
-    poll_until(
-        lambda: pd.metrics(url).get("published_pages", 0) >= at_least,
-        f"{at_least} pages published by {url}",
-        timeout,
-    )
+def wait_indexed(pd: PDCluster, ids: list[int], timeout: float = 30) -> int:
+    """Wait until the index lists every full page of ``ids`` (published by the prefill
+    worker that computed them or by the decode worker that received them, whichever
+    came first); returns the number of pages."""
+    from bana_sglang.radix_global.client import IndexClient
+    from bana_sglang.radix_global.keys import namespaced, sglang_page_hashes
+    from bana_sglang.router.global_index import layout_for
+
+    plan = pd.cluster.plan
+    layout = layout_for(plan.model_path, PAGE)
+    chain = [namespaced(h, layout) for h in sglang_page_hashes(ids, PAGE)]
+    endpoint = next(a for a in plan.router.argv if a.startswith("tcp://"))
+    client = IndexClient(endpoint, name="test")
+    try:
+        poll_until(
+            lambda: client.lookup(chain, touch=False).length >= len(chain),
+            f"the index listing {len(chain)} pages",
+            timeout,
+        )
+    finally:
+        client.close()
+    return len(chain)
 
 
 def test_prefix_computed_on_one_prefill_worker_is_reused_by_another(pd, single_server):
     ids = prompt(1, 300)
-    p0, p1 = pd.prefill[0][0], pd.prefill[1][0]
-    before = pd.metrics(p0).get("published_pages", 0)
+    p1 = pd.prefill[1][0]
     d0, pre0 = pd.generate(0, ids, n=12)
     assert pre0["meta_info"]["cached_tokens"] == 0
-    wait_published(pd, p0, before + 300 // PAGE)
+    wait_indexed(pd, ids)
 
     loaded_before = pd.metrics(p1).get("loaded_pages", 0)
     d1, pre1 = pd.generate(1, ids, n=12)
@@ -171,6 +201,22 @@ def test_prefix_computed_on_one_prefill_worker_is_reused_by_another(pd, single_s
     m1 = pd.metrics(p1)
     assert m1["loaded_pages"] - loaded_before == (300 - 1) // PAGE
     assert m1["loaded_bytes"] > 0 and m1["load_seconds"] > 0
+
+
+def test_a_staged_load_and_a_direct_load_give_the_plain_tokens(pd, single_server):
+    """The same prompt computed on prefill-1 and loaded by prefill-0 (staged: through the
+    host arena), then another computed on prefill-0 and loaded by prefill-1 (direct: into
+    the pool's slots); both give a plain worker's greedy tokens."""
+    for seed, (computes, loads) in ((21, (1, 0)), (22, (0, 1))):
+        ids = prompt(seed, 420)
+        pl = pd.prefill[loads][0]
+        d0, _ = pd.generate(computes, ids, n=10)
+        wait_indexed(pd, ids)
+        loaded = pd.metrics(pl).get("loaded_pages", 0)
+        d1, p1 = pd.generate(loads, ids, n=10)
+        assert p1["meta_info"]["cached_tokens"] == (420 - 1) // PAGE * PAGE
+        assert pd.metrics(pl)["loaded_pages"] - loaded == (420 - 1) // PAGE
+        assert d1["output_ids"] == d0["output_ids"] == plain_tokens(single_server, ids, 10)
 
 
 def test_next_turn_hits_the_answer_published_by_the_decode_worker(pd, single_server):
@@ -331,14 +377,13 @@ def test_a_forged_or_corrupt_page_is_a_miss_and_the_tokens_stay_plain(pd, single
     master = f"127.0.0.1:{plan.master.tcp_port}"
     store = PageStore.connect(layout, StoreConfig(master_addr=master))
     forger = PageStore(layout, store.kv, mac_key=b"no cluster secret")
-    p0, p1 = pd.prefill[0][0], pd.prefill[1][0]
+    p1 = pd.prefill[1][0]
     try:
         for seed, how in ((12, "forged"), (13, "flipped")):
             ids = prompt(seed, 160)  # 9 full pages below the last token
             chain = [namespaced(h, layout) for h in sglang_page_hashes(ids, PAGE)]
-            before = pd.metrics(p0).get("published_pages", 0)
             d0, _ = pd.generate(0, ids, n=10)
-            wait_published(pd, p0, before + len(chain) - 1)
+            wait_indexed(pd, ids)
             bad = chain[3]
             raw = store.kv.get_bytes(page_key(bad))
             assert raw is not None and len(raw) == store.object_size

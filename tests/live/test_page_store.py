@@ -21,6 +21,7 @@ from support.cluster import free_port
 from support.radix_index import index_service
 
 from bana_sglang.launch.procs import ManagedProcess, tcp_open, wait_until
+from bana_sglang.mooncake_env import master_binary
 from bana_sglang.radix_global.client import IndexClient
 from bana_sglang.radix_global.keys import KVLayout, PageHash, page_chain
 from bana_sglang.radix_global.mooncake_kv import StoreConfig, page_key
@@ -32,7 +33,6 @@ pytestmark = pytest.mark.slow
 
 LAYOUT = KVLayout("store-test", "float32", page_size=4, num_kv_heads=2, head_dim=8, num_layers=2)
 ENV = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", MC_LOG_LEVEL="ERROR")
-BIN = os.path.dirname(sys.executable)
 
 
 class Mooncake:
@@ -50,7 +50,7 @@ class Mooncake:
         self.master = ManagedProcess(
             f"mooncake-master-{self.generation}",
             [
-                os.path.join(BIN, "mooncake_master"),
+                master_binary(),
                 f"-rpc_port={self.rpc}",
                 "-rpc_address=127.0.0.1",
                 f"-metrics_port={self.metrics}",

@@ -1,0 +1,313 @@
+"""Loading verified pages from the store into a KV pool, group of layers by group.
+
+One load moves the hit pages of every request of a batch. Its layers are read
+in *groups* (:func:`layer_groups`: layer 0 alone, since the forward waits for
+it, then groups that grow with what is already loaded), each group one batched
+ranged get for all pages; every layer is released to the forward as soon as its
+group is in the pool, except the last, which the caller releases once every
+page's MAC has matched (:meth:`LayerwiseRead.finish`).
+
+Two modes, the same pages and the same checks:
+
+- ``staged`` (any Mooncake build; HiCache's pattern): each group lands in the
+  host :class:`~bana_sglang.radix_global.pool.Arena`, one range per page; the
+  MAC is fed from the arena, and one indexed copy per layer and K/V moves it
+  into the pool. The arena is used in two halves: a reader thread fetches the
+  next chunk into one while the load thread verifies and copies the other, so
+  the transfer, the MAC and the copy overlap. On CUDA the arena is pinned, the
+  copies run on a side stream (one host-to-device copy per chunk, then the
+  indexed copies), they start only after the scheduler's work queued before the
+  load (``ready``), and each group's layers are released with an event the
+  forward waits on GPU-side.
+- ``direct`` (``MooncakeDirectLinker``'s pattern): each group is read straight
+  into the pool's slots (two ranges per page and layer: K and V live in
+  separate buffers), which must be registered with the client. The MAC is fed
+  from the pool on CPU, and from a device-to-host copy of the landed rows on
+  CUDA (a device checksum cannot authenticate a page; the key never leaves the
+  host). On CUDA the load waits on the CPU for ``ready`` before Mooncake writes.
+
+Over TCP the staged mode moves far fewer slices (one per page per group against
+two per page per layer), which is why it is the default on CPU too.
+
+No SGLang import.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from bana_sglang.radix_global.page_format import HEADER_SIZE, Miss
+from bana_sglang.radix_global.pool import Arena, KVPool
+from bana_sglang.radix_global.store import LayerwiseRead
+
+MODES = ("staged", "direct")
+DIRECT_CHUNK_PAGES = 256  # pages per native call in direct mode (bounds one call's slices)
+# Bytes per staged chunk: small enough that the next chunk's transfer overlaps this
+# one's MAC and copy, large enough that a call's fixed cost stays small (the cost of a
+# load is per slice: one per page per group however the pages are chunked).
+CHUNK_BYTES = 4 << 20
+
+Release = Callable[[int, object], None]  # (layer, event or None)
+
+
+def layer_groups(
+    num_layers: int, growth: float = 2.0, layer_bytes: int = 0, min_slice_bytes: int = 0
+) -> list[tuple[int, int]]:
+    """``[lo, hi)`` groups covering every layer. Each group has at least enough layers
+    that one page's range of it carries ``min_slice_bytes`` (a slice's fixed cost is
+    about that much payload over TCP); beyond that, the first group is one layer (the
+    forward waits for it) and each later one ``growth - 1`` times the layers loaded
+    before it: ``growth`` 2 gives 1, 1, 2, 4, ... layers, 1 one layer per group. A
+    model whose pages are small in all gets one group."""
+    if num_layers < 1:
+        raise ValueError("a model has at least one layer")
+    if growth < 1:
+        raise ValueError(f"the group growth must be >= 1, got {growth}")
+    least = 1
+    if min_slice_bytes > 0 and layer_bytes > 0:
+        least = max(1, -(-min_slice_bytes // layer_bytes))
+    groups: list[tuple[int, int]] = []
+    lo = 0
+    while lo < num_layers:
+        size = max(least, int(lo * (growth - 1) + 1e-9), 1)
+        hi = min(num_layers, lo + size)
+        if num_layers - hi < least:  # no runt group at the end
+            hi = num_layers
+        groups.append((lo, hi))
+        lo = hi
+    return groups
+
+
+@dataclass
+class LoadStats:
+    """What one load moved and how long its parts took (seconds)."""
+
+    pages: int = 0
+    bytes: int = 0
+    read_s: float = 0.0  # in Mooncake ranged gets
+    verify_s: float = 0.0  # feeding MACs (and, direct on CUDA, the copy back to the host)
+    copy_s: float = 0.0  # queueing copies into the pool (CPU: doing them)
+    groups: int = 0
+    event: object = None  # after the last layer's copies (CUDA staged; else None)
+
+
+class Loader:
+    """Loads :class:`LayerwiseRead` sessions into one :class:`KVPool`."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        mode: str,
+        arena: Arena | None,
+        *,
+        growth: float = 2.0,
+        min_slice_bytes: int = 0,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"load mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if arena is None and (mode == "staged" or pool.device.is_cuda):
+            raise ValueError(f"{mode} loads on {pool.device.device} need a host arena")
+        if arena is not None and arena.nbytes < 2 * pool.num_layers * pool.layer_bytes:
+            raise ValueError(
+                f"the arena ({arena.nbytes} bytes) must hold two pages "
+                f"({2 * pool.num_layers * pool.layer_bytes} bytes)"
+            )
+        self.pool = pool
+        self.mode = mode
+        self.arena = arena
+        self.groups = layer_groups(pool.num_layers, growth, pool.layer_bytes, min_slice_bytes)
+        self._busy: list[object] = [None, None]  # last copy out of each arena half (CUDA)
+        # direct mode reads each page's header into this (registered by register_headers)
+        self._headers = torch.zeros(DIRECT_CHUNK_PAGES * HEADER_SIZE, dtype=torch.uint8)
+        self._reader = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="bana-store-read"
+        )
+
+    def register_headers(self, kv) -> None:
+        """Register the direct mode's header buffer with the load's Mooncake client."""
+        kv.register(self._headers.data_ptr(), self._headers.numel())
+
+    def load(
+        self,
+        read: LayerwiseRead,
+        page_ids: torch.Tensor,
+        release: Release,
+        ready=None,
+    ) -> tuple[Miss | None, LoadStats]:
+        """Load every page of the started ``read`` into pool pages ``page_ids`` (CPU int64,
+        one per page). Layers ``0..L-2`` are released as they land; the caller releases
+        the last one when this returns no miss (the MACs matched: :meth:`LayerwiseRead.finish`
+        has run). On a miss the pool pages hold garbage and the read is closed."""
+        if len(page_ids) != len(read.pages):
+            raise ValueError(f"{len(read.pages)} pages but {len(page_ids)} pool pages")
+        stats = LoadStats(pages=len(read.pages), bytes=len(read.pages) * read.layer_bytes)
+        stats.bytes *= self.pool.num_layers
+        if not read.pages:
+            return read.finish(), stats
+        run = self._staged if self.mode == "staged" else self._direct
+        try:
+            miss = run(read, page_ids, release, ready, stats)
+        except BaseException:
+            read.close()
+            raise
+        if miss is not None:
+            read.close()
+            return miss, stats
+        return read.finish(), stats
+
+    # -- staged
+    def _staged(self, read, page_ids, release, ready, stats: LoadStats) -> Miss | None:
+        """Chunks (a group of layers of as many pages as half the arena holds) are read
+        into alternating arena halves by the reader thread while this thread verifies
+        and copies the chunk before: Mooncake's transfer, the MAC and the copy to the
+        pool overlap."""
+        pool, dev, arena = self.pool, self.pool.device, self.arena
+        assert arena is not None
+        n, last, p = len(read.pages), pool.num_layers - 1, pool.page_size
+        with dev.copy_stream():
+            dev.wait_on_side(ready)
+            ids = dev.to_device(page_ids)
+        half = arena.nbytes // 2
+
+        def slot_bytes(lo: int, hi: int) -> int:  # one page's range: [header +] layers
+            return (hi - lo) * pool.layer_bytes + (HEADER_SIZE if read.header_first(lo) else 0)
+
+        chunks: list[tuple[int, int, int, int]] = []  # (lo, hi, first page, pages)
+        for lo, hi in self.groups:
+            per = max(1, min(half, CHUNK_BYTES) // slot_bytes(lo, hi))
+            chunks += [(lo, hi, s, min(per, n - s)) for s in range(0, n, per)]
+
+        def read_chunk(k: int) -> tuple[Miss | None, float]:
+            lo, hi, start, m = chunks[k]
+            gb = slot_bytes(lo, hi)
+            base = arena.ptr + (k % 2) * half
+            t0 = time.perf_counter()
+            miss = read.read_regions(lo, hi, [[(base + j * gb, gb)] for j in range(m)], start)
+            return miss, time.perf_counter() - t0
+
+        pending = self._reader.submit(read_chunk, 0)
+        try:
+            for k, (lo, hi, start, m) in enumerate(chunks):
+                miss, took = pending.result()
+                pending = None
+                stats.read_s += took
+                if miss is not None:
+                    return miss
+                if k + 1 < len(chunks):
+                    dev.synchronize(self._busy[(k + 1) % 2])  # its last copy out is done
+                    pending = self._reader.submit(read_chunk, k + 1)
+                t1 = time.perf_counter()
+                gb = slot_bytes(lo, hi)
+                head = HEADER_SIZE if read.header_first(lo) else 0
+                base = (k % 2) * half
+                rows = arena.buffer[base : base + m * gb].view(m, gb)
+                host = rows.numpy()
+                for j in range(m):
+                    if head:
+                        miss = read.check_header(start + j, host[j, :head])
+                        if miss is not None:
+                            return miss
+                    read.feed(start + j, host[j, head:])
+                t2 = time.perf_counter()
+                stats.verify_s += t2 - t1
+                with dev.copy_stream():
+                    src = dev.to_device(rows)[:, head:].view(pool.dtype)
+                    src = src.view(m, hi - lo, 2, p, *pool.row_shape)
+                    chunk_ids = ids[start : start + m]
+                    for layer in range(lo, hi):
+                        dev.scatter_pages(pool.k[layer], chunk_ids, src[:, layer - lo, 0], p)
+                        dev.scatter_pages(pool.v[layer], chunk_ids, src[:, layer - lo, 1], p)
+                    self._busy[k % 2] = dev.record()
+                stats.copy_s += time.perf_counter() - t2
+                if start + m == n:  # the group is in the pool
+                    stats.groups += 1
+                    event = self._busy[k % 2]
+                    stats.event = event
+                    for layer in range(lo, hi):
+                        if layer < last:
+                            release(layer, event)
+        finally:
+            if pending is not None:  # never leave a read running into a closing session
+                pending.result()
+        return None
+
+    # -- direct
+    def _direct(self, read, page_ids, release, ready, stats: LoadStats) -> Miss | None:
+        pool, dev = self.pool, self.pool.device
+        n, last, prn = len(read.pages), pool.num_layers - 1, pool.page_rows_nbytes
+        dev.synchronize(ready)  # Mooncake writes outside any stream
+        pids = page_ids.tolist()
+        for lo, hi in self.groups:
+            stats.groups += 1
+            for start in range(0, n, DIRECT_CHUNK_PAGES):
+                chunk = pids[start : start + DIRECT_CHUNK_PAGES]
+                head = read.header_first(lo)
+                regions = []
+                for j, pid in enumerate(chunk):
+                    parts = (
+                        [(self._headers.data_ptr() + j * HEADER_SIZE, HEADER_SIZE)] if head else []
+                    )
+                    for layer in range(lo, hi):
+                        parts.append((pool.k[layer].data_ptr() + pid * prn, prn))
+                        parts.append((pool.v[layer].data_ptr() + pid * prn, prn))
+                    regions.append(parts)
+                t0 = time.perf_counter()
+                miss = read.read_regions(lo, hi, regions, start=start)
+                t1 = time.perf_counter()
+                stats.read_s += t1 - t0
+                if miss is not None:
+                    return miss
+                if head:
+                    hdrs = self._headers.numpy()
+                    for j in range(len(chunk)):
+                        miss = read.check_header(
+                            start + j, hdrs[j * HEADER_SIZE : (j + 1) * HEADER_SIZE]
+                        )
+                        if miss is not None:
+                            return miss
+                self._feed_direct(read, start, chunk, lo, hi)
+                stats.verify_s += time.perf_counter() - t1
+            for layer in range(lo, hi):
+                if layer < last:
+                    release(layer, None)  # Mooncake's writes are done when the call returns
+        return None
+
+    def _feed_direct(self, read: LayerwiseRead, start: int, pids: Sequence[int], lo, hi) -> None:
+        pool, p = self.pool, self.pool.page_size
+        if not pool.device.is_cuda:
+            for j, pid in enumerate(pids):
+                for layer in range(lo, hi):
+                    for buf in (pool.k[layer], pool.v[layer]):
+                        read.feed(start + j, _bytes(buf[pid * p : (pid + 1) * p]))
+            return
+        # CUDA: gather the landed rows in payload order, copy them to the host, hash there
+        arena, dev = self.arena, pool.device
+        assert arena is not None
+        ids = torch.tensor(pids, dtype=torch.int64, device=pool.device.device)
+        gb = (hi - lo) * pool.layer_bytes
+        per = max(1, arena.nbytes // gb)
+        for s in range(0, len(pids), per):
+            sub = ids[s : s + per]
+            m = len(sub)
+            with dev.copy_stream():
+                parts = []
+                for layer in range(lo, hi):
+                    parts.append(dev.gather_pages(pool.k[layer], sub, p))
+                    parts.append(dev.gather_pages(pool.v[layer], sub, p))
+                rows = torch.stack(parts, dim=1).view(m, -1).view(torch.uint8)
+                host = arena.buffer[: m * gb].view(m, gb)
+                host.copy_(rows, non_blocking=True)
+                done = dev.record()
+            dev.synchronize(done)
+            h = host.numpy()
+            for j in range(m):
+                read.feed(start + s + j, h[j])
+
+
+def _bytes(t: torch.Tensor):
+    return t.reshape(-1).view(torch.uint8).numpy()
