@@ -1,0 +1,337 @@
+"""Cold prompts and their repeats on the other prefill worker, global store on and off.
+
+``python -m bench.bench_cold_repeat`` starts a 2P1D cluster with round-robin
+routing, sends ``--prompts`` distinct prompts of ``--prompt-tokens`` tokens one
+at a time (cold: nothing to hit), then the same prompts again, each landing on
+the *other* prefill worker (a global-store hit with the store on; a recompute
+without it). Arms, one after the other on the same machine: ``store`` (the
+launcher's default) and ``nostore`` (``--no-global-store``); with ``--rounds 2``
+the order is store, nostore, nostore, store, so that the machine's drift falls
+on both. Every arm starts from an empty store (a cluster starts with a fresh
+master and storage process).
+
+It prints, per model: the median TTFT of cold prompts and of repeats per arm,
+and the ratios the store is held to (a miss costs nothing: cold store/nostore
+<= 1.05; a hit pays: repeat store / repeat nostore, at most 0.25 on ``small``
+and below 1 on ``tiny``); then the per-request breakdown of the store arm, from
+the workers' and the router's ``/metrics`` deltas over each phase: the router's
+global lookup, the linker's index round trip and header check, loads (time, the
+forward's wait, pages recomputed because loading was predicted slower), and
+publishing (wall and CPU time per request, and the prefill forward's time per
+token while a publish was written against without).
+
+Outputs: ``bench/runs/cold-repeat-<UTC time>/`` (``summary.json``,
+``report.md``, logs); ``--write-results`` replaces the "Global KV store: cold
+and repeated prompts" section of ``docs/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
+from bana_sglang.radix_global import summary as store_summary
+from bench.results import ROOT, machine_description, parse_cluster_bench_args, write_results_section
+
+logger = logging.getLogger("bench.cold_repeat")
+
+SECTION = "Global KV store: cold and repeated prompts"
+ARMS = ("store", "nostore")
+
+
+@dataclass
+class Phase:
+    ttft_s: list[float] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)  # usage's (the decode worker's) cached tokens
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # worker -> deltas
+    router: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ArmRun:
+    model: str
+    arm: str
+    cold: Phase
+    repeat: Phase
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 250) for _ in range(length)] for _ in range(n)]
+
+
+def ttft(client: httpx.Client, url: str, ids: list[int], max_tokens: int) -> tuple[float, int]:
+    """(seconds to the first token, cached prompt tokens) of one streamed completion."""
+    body = {
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    first = None
+    cached = 0
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if first is None and any(c.get("text") for c in event.get("choices", [])):
+                first = time.perf_counter() - t0
+            usage = event.get("usage") or {}
+            details = usage.get("prompt_tokens_details") or {}
+            cached = int(details.get("cached_tokens") or cached)
+    if first is None:
+        raise RuntimeError("the stream ended without a token")
+    return first, cached
+
+
+def _scrape(urls: dict[str, str]) -> dict[str, dict[str, float]]:
+    return {name: store_summary.scrape_all(u) or {} for name, u in urls.items()}
+
+
+def _router_metrics(endpoint: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        text = httpx.get(endpoint + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return out
+    for line in text.splitlines():
+        if line.startswith("bana_router_global_lookup_seconds_") and " " in line:
+            name, _, value = line.rpartition(" ")
+            if name.endswith(("_sum", "_count")):
+                out[name.removeprefix("bana_router_")] = float(value)
+    return out
+
+
+def _delta(after: dict[str, dict[str, float]], before: dict[str, dict[str, float]]):
+    return {
+        w: {k: v - before.get(w, {}).get(k, 0.0) for k, v in m.items()} for w, m in after.items()
+    }
+
+
+def run_arm(model: str, arm: str, ids: list[list[int]], args, out: Path, port: int) -> ArmRun:
+    cfg = LaunchConfig(
+        model_path=model,
+        num_prefill=2,
+        num_decode=1,
+        port=port,
+        worker_base_port=port + 100,
+        policy="round_robin",
+        global_store=arm == "store",
+        sglang_args=("--enable-cache-report", *args.sglang_args.split()),
+        decode_args=tuple(args.decode_args.split()),
+        log_dir=out / "logs" / f"{model}-{arm}-{int(time.time())}",
+    )
+    plan = plan_cluster(cfg)
+    workers = {p.name: p.health_url.removesuffix("/health") for p in plan.workers}
+    t0 = time.monotonic()
+    with Cluster(plan, log_dir=cfg.log_dir, startup_timeout=900), httpx.Client(timeout=600) as c:
+        logger.info("%s/%s up in %.0fs", model, arm, time.monotonic() - t0)
+        url = plan.endpoint
+        warm = prompts(3, 64, seed=10_000)
+        ttft(c, url, warm[0], 2)
+        ttft(c, url, warm[1], 2)  # one warm-up per prefill worker
+        phases = []
+        for phase, fill in (("cold", len(ids) % 2 == 0), ("repeat", False)):
+            before, rbefore = _scrape(workers), _router_metrics(url)
+            ph = Phase()
+            for p in ids:
+                s, cached = ttft(c, url, p, args.max_tokens)
+                ph.ttft_s.append(s)
+                ph.cached.append(cached)
+            time.sleep(1.0)  # publishing is asynchronous: let it land in this phase
+            ph.metrics = _delta(_scrape(workers), before)
+            ph.router = {k: v - rbefore.get(k, 0.0) for k, v in _router_metrics(url).items()}
+            phases.append(ph)
+            if fill:  # round robin: repeat i lands on the other prefill worker than cold i
+                ttft(c, url, warm[2], 2)
+            logger.info(
+                "%s/%s %s: TTFT p50 %.0f ms, cached %s",
+                model,
+                arm,
+                phase,
+                1e3 * statistics.median(ph.ttft_s),
+                ph.cached,
+            )
+    return ArmRun(model, arm, phases[0], phases[1])
+
+
+def _p50(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def breakdown(ph: Phase, n: int, router: bool = True) -> list[tuple[str, str]]:
+    """(what, value) rows of the per-request breakdown of one phase of the store arm."""
+    tot: dict[str, float] = {}
+    for m in ph.metrics.values():
+        for k, v in m.items():
+            tot[k] = tot.get(k, 0.0) + v
+
+    def ms(key: str) -> float:
+        return 1e3 * tot.get(key, 0.0) / n
+
+    def per_call(name: str) -> str:
+        c = tot.get(f"{name}_count", 0.0)
+        return f"{1e3 * tot.get(f'{name}_sum', 0.0) / c:.2f} ms x {c / n:.1f}" if c else "-"
+
+    rows = []
+    if router:
+        c = ph.router.get("global_lookup_seconds_count", 0.0)
+        rows.append(
+            (
+                "router: global lookup",
+                f"{1e3 * ph.router.get('global_lookup_seconds_sum', 0.0) / c:.2f} ms" if c else "-",
+            )
+        )
+    tok = tot.get("forward_tokens", 0.0) - tot.get("forward_tokens_publishing", 0.0)
+    sec = tot.get("forward_seconds", 0.0) - tot.get("forward_seconds_publishing", 0.0)
+    tok_p, sec_p = tot.get("forward_tokens_publishing", 0.0), tot.get("forward_seconds_publishing")
+    slow = (
+        f"{(sec_p / tok_p) / (sec / tok):.2f}x ({1e6 * sec_p / tok_p:.0f} vs {1e6 * sec / tok:.0f} us/token)"
+        if tok and tok_p and sec_p
+        else "no forward overlapped a publish"
+    )
+    rows += [
+        ("worker: index round trip per lookup", per_call("lookup_index_seconds")),
+        ("worker: header check per hit lookup", per_call("lookup_header_seconds")),
+        (
+            "worker: hit pages recomputed (load predicted slower)",
+            f"{tot.get('recomputed_hit_pages', 0.0) / n:.1f} per request",
+        ),
+        ("worker: load batch", per_call("load_batch_seconds")),
+        ("worker: of which Mooncake reads", f"{ms('load_read_seconds'):.2f} ms per request"),
+        ("worker: forward waiting for layers", f"{ms('load_wait_seconds'):.2f} ms per request"),
+        ("worker: publishing wall time", f"{ms('publish_seconds'):.2f} ms per request"),
+        ("worker: publishing CPU time", f"{ms('publish_cpu_seconds'):.2f} ms per request"),
+        ("worker: publishing index round trips", per_call("publish_index_seconds")),
+        ("worker: published", f"{tot.get('published_bytes', 0.0) / n / 1e6:.2f} MB per request"),
+        ("prefill forward per token while publishing", slow),
+    ]
+    return rows
+
+
+def report(runs: Sequence[ArmRun], command: str, n: int, length: int) -> str:
+    lines = [
+        f"Command: `{command}`",
+        "",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Machine: {machine_description()}",
+        "",
+        f"2P1D, round-robin routing, {n} distinct prompts of {length} tokens sent one at a time "
+        "(cold), then the same prompts again, each on the other prefill worker (repeat). "
+        "TTFT medians in ms; each arm starts with an empty store.",
+        "",
+        "| model | arm | cold TTFT | repeat TTFT | prompt tokens loaded per repeat |",
+        "|---|---|---|---|---|",
+    ]
+    by: dict[tuple[str, str], list[ArmRun]] = {}
+    for r in runs:
+        by.setdefault((r.model, r.arm), []).append(r)
+    for (model, arm), rs in by.items():
+        cold = [x for r in rs for x in r.cold.ttft_s]
+        rep = [x for r in rs for x in r.repeat.ttft_s]
+        loaded = sum(
+            m.get("global_hit_tokens", 0.0) for r in rs for m in r.repeat.metrics.values()
+        ) / max(1, sum(len(r.repeat.ttft_s) for r in rs))
+        lines.append(
+            f"| {model} | {arm} | {1e3 * _p50(cold):.0f} | {1e3 * _p50(rep):.0f} | {loaded:.0f} |"
+        )
+    lines += [
+        "",
+        "| model | cold: store / nostore | repeat: store hit / nostore recompute |",
+        "|---|---|---|",
+    ]
+    for model in dict.fromkeys(r.model for r in runs):
+        on, off = by.get((model, "store")), by.get((model, "nostore"))
+        if not on or not off:
+            continue
+        cold = _p50([x for r in on for x in r.cold.ttft_s]) / _p50(
+            [x for r in off for x in r.cold.ttft_s]
+        )
+        rep = _p50([x for r in on for x in r.repeat.ttft_s]) / _p50(
+            [x for r in off for x in r.repeat.ttft_s]
+        )
+        lines.append(f"| {model} | {cold:.2f} | {rep:.2f} |")
+    for model in dict.fromkeys(r.model for r in runs):
+        on = by.get((model, "store"))
+        if not on:
+            continue
+        r = on[-1]
+        lines += [
+            "",
+            f"Per-request breakdown, store arm, {model} (last round; from `/metrics` deltas):",
+            "",
+            "| | cold | repeat |",
+            "|---|---|---|",
+        ]
+        for (what, a), (_, b) in zip(breakdown(r.cold, n), breakdown(r.repeat, n)):
+            lines.append(f"| {what} | {a} | {b} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.bench_cold_repeat",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--models", default="small,tiny", help="comma-separated embedded models")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=1400)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated, from: store, nostore")
+    p.add_argument("--rounds", type=int, default=1, help="2: store, nostore, nostore, store")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sglang-args", default="", help="extra SGLang flags for every worker")
+    p.add_argument("--decode-args", default="", help="extra SGLang flags for decode workers")
+    args = parse_cluster_bench_args(p, argv, default_port=32000)
+    arms = [a for a in args.arms.split(",") if a]
+    for a in arms:
+        if a not in ARMS:
+            p.error(f"unknown arm {a!r}; choose from {', '.join(ARMS)}")
+    out = args.out or ROOT / "bench" / "runs" / time.strftime(
+        "cold-repeat-%Y%m%d-%H%M%S", time.gmtime()
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    ids = prompts(args.prompts, args.prompt_tokens, args.seed)
+    runs: list[ArmRun] = []
+    for model in [m for m in args.models.split(",") if m]:
+        order = arms if args.rounds < 2 else arms + arms[::-1]
+        for arm in order:
+            runs.append(run_arm(model, arm, ids, args, out, args.port))
+    command = "python -m bench.bench_cold_repeat " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    text = report(runs, command.strip(), args.prompts, args.prompt_tokens)
+    (out / "report.md").write_text(text + "\n")
+    (out / "summary.json").write_text(
+        json.dumps(
+            [
+                dict(model=r.model, arm=r.arm, cold=r.cold.__dict__, repeat=r.repeat.__dict__)
+                for r in runs
+            ],
+            indent=1,
+        )
+    )
+    print(text)
+    if args.write_results:
+        write_results_section(SECTION, SECTION, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
