@@ -3,7 +3,8 @@
 For each configuration of a :class:`RunSpec`, in order: plan it
 (:mod:`bench.configs`), start it with :class:`bana_sglang.launch.Cluster`,
 warm it up with requests that share nothing with the workload, then for each
-request rate flush every worker's prefix cache and replay the same workload
+request rate flush every worker's prefix cache (and the global store, when the
+configuration has one) and replay the same workload
 (same seed, same prompts) while sampling the workers' ``/metrics``; stop it
 (the context manager leaves no process behind) before the next one starts.
 Nothing runs concurrently with a measured replay except the machine's other
@@ -129,7 +130,7 @@ def run_config(name: str, spec: RunSpec, space: workloads.TokenSpace) -> list[Ru
     logger.info("starting %s: %s", name, cfg.description)
     with Cluster(
         plan, log_dir=spec.out_dir / "logs" / name, startup_timeout=spec.startup_timeout_s
-    ):
+    ) as cluster:
         startup = time.monotonic() - t0
         logger.info("%s up in %.0fs at %s", name, startup, plan.endpoint)
         ccfg = ClientConfig(
@@ -147,6 +148,9 @@ def run_config(name: str, spec: RunSpec, space: workloads.TokenSpace) -> list[Ru
                 space,
             )
             client.flush_caches(list(urls.values()))
+            if plan.store:  # the global store too: every rate starts from an empty store
+                cleared = cluster.clear_store()
+                logger.info("%s: global store cleared (%s pages)", name, cleared)
             time.sleep(1.0)
             sampler = LoadSampler(urls, spec.sample_interval_s)
             logger.info("%s: replaying %s", name, wl.describe())

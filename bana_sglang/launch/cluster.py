@@ -33,6 +33,7 @@ from bana_sglang.launch.procs import (
     tcp_open,
     wait_until,
 )
+from bana_sglang.radix_global.client import IndexClient
 from bana_sglang.wire import security
 
 logger = logging.getLogger("bana_sglang.launch")
@@ -298,6 +299,23 @@ class Cluster:
     def restarts(self) -> dict[str, int]:
         """How often each part was restarted."""
         return {n: len(st.times) for n, st in self._restarts.items()}
+
+    def clear_store(self, timeout_s: float = 10.0) -> int | None:
+        """Empty the global store (its index and its pages), as the cluster's own parts
+        would ask: a benchmark starts each arm and each rate from an empty store. The
+        number of pages forgotten; None without a store or when the index did not answer."""
+        if not self.plan.index_endpoint:
+            return None
+        client = IndexClient(
+            self.plan.index_endpoint,
+            timeout_s=timeout_s,
+            name="launcher",
+            keys=security.curve_keys(security.read_secret(self.secret_file)),
+        )
+        try:
+            return client.clear()
+        finally:
+            client.close()
 
     def stop(self) -> None:
         """Stop the balancer first (it recalls the layers it moved, through the router),

@@ -28,7 +28,7 @@ from bana_sglang import envs
 from bana_sglang.radix_global.errors import IndexUnavailable
 from bana_sglang.radix_global.keys import PageHash
 from bana_sglang.wire import index as m
-from bana_sglang.wire.transport import ChannelError, Client
+from bana_sglang.wire.transport import FROM_ENV, ChannelError, Client
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class IndexClient:
         timeout_s: float | None = None,
         retry_interval_s: float | None = None,
         name: str = "client",
+        keys=FROM_ENV,
     ):
         self.endpoint = endpoint
         self.name = name
@@ -65,7 +66,9 @@ class IndexClient:
         self.retry_interval_s = (
             retry_interval_s if retry_interval_s is not None else envs.BANA_INDEX_RETRY_S.get()
         )
-        self._client = Client(endpoint, m.CHANNEL, timeout_s=self.timeout_s, send_hwm=SEND_HWM)
+        self._client = Client(
+            endpoint, m.CHANNEL, timeout_s=self.timeout_s, send_hwm=SEND_HWM, keys=keys
+        )
         self._down_since: float | None = None
         self._next_try = 0.0
 
@@ -189,6 +192,12 @@ class IndexClient:
                 id=self.next_id(), deadline=self.deadline(), pages=list(pages), reporter=reporter
             )
         )
+        return reply.count if isinstance(reply, m.Ok) else None
+
+    def clear(self) -> int | None:
+        """Empty the store (index and pages); the pages forgotten, or None if the service
+        could not be asked."""
+        reply = self._ask(m.Clear(id=self.next_id(), deadline=self.deadline()))
         return reply.count if isinstance(reply, m.Ok) else None
 
     def stats(self) -> m.StatsResult | None:

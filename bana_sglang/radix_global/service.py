@@ -236,6 +236,7 @@ class IndexService:
             m.Commit: self._commit,
             m.ReportLoss: self._report_loss,
             m.Stats: self._stats,
+            m.Clear: self._clear,
         }
         bind = cfg.endpoint if cfg.port else f"tcp://{cfg.host}:*"  # port 0: any free port
         self._server = Server(m.CHANNEL, handlers, bind, ctx=self._ctx)
@@ -293,6 +294,20 @@ class IndexService:
                 len(req.pages),
                 len(dropped),
             )
+        return m.Ok(id=req.id, count=len(dropped))
+
+    def _clear(self, req: m.Clear) -> m.Reply:
+        dropped = self.index.clear()
+        pending = list(self._pending)
+        self._intents.clear()
+        self._pending.clear()
+        self._pending_bytes = 0
+        self._remove([d.page for d in dropped] + pending, force=True)
+        logger.info(
+            "cleared: %d pages forgotten and removed, %d pending dropped",
+            len(dropped),
+            len(pending),
+        )
         return m.Ok(id=req.id, count=len(dropped))
 
     def _stats(self, req: m.Stats) -> m.Reply:

@@ -90,7 +90,12 @@ class Stats(_Request, tag="stats"):
     """Index and service counters; doubles as a health probe."""
 
 
-Request = Union[Lookup, PublishIntent, Commit, ReportLoss, Stats]
+class Clear(_Request, tag="clear"):
+    """Forget every page, drop every pending intent and remove the pages from the
+    store (a benchmark starts each arm and each rate from an empty store)."""
+
+
+Request = Union[Lookup, PublishIntent, Commit, ReportLoss, Stats, Clear]
 
 
 class LookupResult(_Reply, tag="lookup_result"):
@@ -114,7 +119,7 @@ class IntentResult(_Reply, tag="intent_result"):
 
 
 class Ok(_Reply, tag="ok"):
-    """Done. ``count``: pages committed (Commit) or dropped (ReportLoss)."""
+    """Done. ``count``: pages committed (Commit) or dropped (ReportLoss, Clear)."""
 
     count: int = 0
     note: str = ""

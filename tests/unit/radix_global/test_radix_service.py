@@ -62,6 +62,21 @@ def test_publish_then_lookup_round_trip(service):
     c.close()
 
 
+def test_clear_forgets_every_page_and_every_pending_intent(service):
+    c = IndexClient(service, timeout_s=5, name="clear")
+    done, pending = chain_of(*range(700, 708)), chain_of(*range(710, 718))
+    g = c.publish_intent(done, [100] * 2, "clear")
+    assert c.commit(g.intent, 2) == 2
+    g2 = c.publish_intent(pending, [100] * 2, "clear")
+    assert c.lookup(done).length == 2
+    assert c.clear() >= 2
+    assert c.lookup(done).length == 0
+    assert c.commit(g2.intent, 2) in (None, 0)  # the intent is gone with the rest
+    again = c.publish_intent(pending, [100] * 2, "clear")  # not "pending elsewhere" any more
+    assert (again.start, again.stop) == (0, 2)
+    c.close()
+
+
 def test_two_workers_do_not_write_the_same_pages(service):
     a, b = IndexClient(service, timeout_s=5, name="a"), IndexClient(service, timeout_s=5, name="b")
     chain = chain_of(*range(200, 212))
