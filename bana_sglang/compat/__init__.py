@@ -49,6 +49,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -93,12 +95,55 @@ def cuda_available() -> bool:
         return False
 
 
+class GpuUnusable(RuntimeError):
+    """A GPU is present but torch cannot use it: the CPU layer is not taken silently."""
+
+
+@functools.lru_cache(maxsize=1)
+def visible_gpus() -> tuple[int, str | None]:
+    """(GPUs ``nvidia-smi`` lists, the driver's version), or (0, None) without one."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0, None
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return 0, None
+    rows = [r.strip() for r in out.stdout.splitlines() if r.strip()]
+    return (len(rows), rows[0]) if out.returncode == 0 and rows else (0, None)
+
+
 def cpu_mode() -> bool:
-    """Whether the CPU layer applies: ``BANA_DEVICE`` (cpu|cuda) wins, else no CUDA."""
+    """Whether the CPU layer applies: ``BANA_DEVICE`` (cpu|cuda) wins, else no CUDA.
+
+    A machine whose GPUs ``nvidia-smi`` lists but torch cannot use (a driver too old for
+    torch's CUDA build, say) raises :class:`GpuUnusable` naming both instead of falling
+    back to the CPU layer: ``BANA_DEVICE=cpu`` asks for that on purpose."""
     forced = envs.BANA_DEVICE.get()
     if forced:
         return forced == "cpu"
-    return not cuda_available()
+    if cuda_available():
+        return False
+    n, driver = visible_gpus()
+    if n:
+        try:
+            import torch
+
+            build = f"torch {torch.__version__} (built for CUDA {torch.version.cuda})"
+        except Exception:  # noqa: BLE001  (a broken torch: say so, do not crash on it)
+            build = "torch"
+        raise GpuUnusable(
+            f"nvidia-smi lists {n} GPU(s) with driver {driver}, but {build} cannot use them: "
+            "the driver is too old for that CUDA build (CUDA 13 needs driver 580 or newer), or "
+            "the install is broken. Update the driver, or run on the CPU on purpose with "
+            "BANA_DEVICE=cpu"
+        )
+    return True
 
 
 def child_env(base: Mapping[str, str] | None = None, *, host: str = "127.0.0.1") -> dict[str, str]:
@@ -182,7 +227,12 @@ def server_args(role: str, *, user_args: list[str] | tuple[str, ...] = ()) -> li
 
 def in_cpu_sglang_process() -> bool:
     """True inside an SGLang process that the CPU layer configured."""
-    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and cpu_mode()
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+        return False
+    try:
+        return cpu_mode()
+    except GpuUnusable:  # the launcher refused this machine already; SGLang says the rest
+        return False
 
 
 def apply_in_process_fixes() -> list[str]:

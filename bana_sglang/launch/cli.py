@@ -193,6 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dry-run", action="store_true", help="print the plan (commands, ports) and exit"
     )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="GPUs for the workers on a CUDA machine (default: every GPU nvidia-smi lists); "
+        "workers go round robin (--base-gpu-id) and split --mem-fraction-static where they "
+        "share one",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -221,6 +230,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         balancer=args.balancer,
         balancer_args=tuple(shlex.split(args.balancer_args)),
         cpu_threads=args.cpu_threads,
+        gpus=args.gpus,
     )
 
 
@@ -246,6 +256,7 @@ SPEC_REPLACES = (
     "balancer",
     "balancer_args",
     "cpu_threads",
+    "gpus",
 )
 
 

@@ -32,13 +32,18 @@ class Part:
     ] = ()  # (name, host:port) on other nodes to wait for before starting
 
 
-def dtype_args(model_path: str, user_args: tuple[str, ...] | list[str]) -> list[str]:
-    """Keep a float32 checkpoint in float32.
+def dtype_args(
+    model_path: str, user_args: tuple[str, ...] | list[str], *, cuda: bool = False
+) -> list[str]:
+    """The dtype a float32 checkpoint runs in: float32 on CPU, bfloat16 on a GPU.
 
     SGLang's ``--dtype auto`` silently runs float32 checkpoints in float16
-    ("common practice", ``configs/model_config.py``), which breaks the
-    exactness contract (greedy float32 tokens equal HF's) and, on CPU, is slow.
-    A user's own ``--dtype`` always wins.
+    ("common practice", ``configs/model_config.py``). On CPU that breaks the
+    exactness contract (greedy float32 tokens equal HF's) and is slow, so they
+    stay float32. On a GPU, SGLang's default attention backends (FlashAttention 3,
+    FlashInfer) have no float32 path, so they run in bfloat16. A user's own
+    ``--dtype`` always wins (``--dtype float32 --attention-backend triton`` runs a
+    GPU worker in float32).
     """
     if any(a == "--dtype" or a.startswith("--dtype=") for a in user_args):
         return []
@@ -47,8 +52,18 @@ def dtype_args(model_path: str, user_args: tuple[str, ...] | list[str]) -> list[
     except (OSError, ValueError):
         return []
     if (cfg.get("torch_dtype") or cfg.get("dtype")) == "float32":
-        return ["--dtype", "float32"]
+        return ["--dtype", "bfloat16" if cuda else "float32"]
     return []
+
+
+def kv_dtype(argv: tuple[str, ...] | list[str]) -> str | None:
+    """The ``--dtype`` a worker's command line gives (None: the checkpoint's)."""
+    for i, a in enumerate(argv):
+        if a == "--dtype" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--dtype="):
+            return a.split("=", 1)[1]
+    return None
 
 
 # ----------------------------------------------------------------- part builders
@@ -152,9 +167,12 @@ def worker_part(
     page_size: int,
     advertise: str | None = None,
     agent_port: int | None = None,
+    cuda: bool = False,
+    device_flags: tuple[str, ...] = (),
 ) -> Part:
     """One SGLang PD worker with the extension (and the global store's linker when there is one,
-    and the migration agent on ``agent_port``)."""
+    and the migration agent on ``agent_port``). ``cuda``: a GPU worker (its float32
+    checkpoints run in bfloat16); ``device_flags``: its GPU and memory share."""
     from bana_sglang.radix_global import config as flags
 
     argv = [
@@ -181,7 +199,10 @@ def worker_part(
         if index_endpoint and master_addr
         else None
     )
-    argv += compat.server_args(role, user_args=user_args) + dtype_args(model_path, user_args)
+    if not cuda:  # the CPU layer's flags (none on a GPU machine)
+        argv += compat.server_args(role, user_args=user_args)
+    argv += list(device_flags)
+    argv += dtype_args(model_path, user_args, cuda=cuda)
     argv += store_args(role, linker, page_size, user_args) + list(user_args)
     url = f"http://{advertise or bind}:{port}"
     env: tuple[tuple[str, str], ...] = ()
@@ -210,6 +231,7 @@ def router_part(
     user_args: tuple[str, ...],
     api_key: str | None,
     agents: list[tuple[str, str]] = (),
+    kv_dtype: str | None = None,
 ) -> Part:
     """The bana router in front of the workers; it also watches the store's parts for ``/health``."""
     argv = [
@@ -233,6 +255,8 @@ def router_part(
         argv += ["--decode", url]
     if index_endpoint:
         argv += ["--global-index", index_endpoint, "--store-page-size", str(page_size)]
+        if kv_dtype:
+            argv += ["--kv-dtype", kv_dtype]
     for name, addr in watch:
         argv += ["--watch", f"{name}={addr}"]
     for url, agent in agents:  # the workers' migration agents (admin endpoints)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from bana_sglang import compat, models
+from bana_sglang.launch import gpus
 from bana_sglang.launch import spec as cluster_spec
 from bana_sglang.launch.parts import (
     BALANCER_CHOICES,
@@ -25,6 +26,7 @@ from bana_sglang.launch.parts import (
     balancer_part,
     device_args,
     dtype_args,
+    kv_dtype,
     master_part,
     page_size_of,
     router_part,
@@ -66,6 +68,7 @@ class LaunchConfig:
     balancer: str = "none"  # "bana": the live balancer (migrate/controller.py); "none": static PD
     balancer_args: tuple[str, ...] = ()
     cpu_threads: int = 0  # OMP threads per worker on CPU; 0: the machine's CPUs / workers
+    gpus: int | None = None  # GPUs for the workers on a CUDA machine; None: what nvidia-smi lists
 
     def __post_init__(self) -> None:
         if self.balancer not in BALANCER_CHOICES:
@@ -100,6 +103,8 @@ class LaunchConfig:
             raise ValueError(
                 f"--cpu-threads {self.cpu_threads}: give a positive count, or 0 for automatic"
             )
+        if self.gpus is not None and self.gpus < 1:
+            raise ValueError(f"--gpus {self.gpus}: give a positive count (or leave it out)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +120,7 @@ class ClusterPlan:
     store: tuple[Part, ...] = ()  # the global store's storage process and index service
     node: str | None = None  # a cluster spec's node whose share this is; None: the whole cluster
     balancer: Part | None = None  # the live balancer, started after the router
+    index_endpoint: str | None = None  # the global store's index service (tcp://host:port)
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -158,11 +164,28 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
             index_endpoint = f"tcp://{h}:{index_port}"
             store = store_parts(h, h, master_addr, index_port, cfg.store_bytes)
 
+    cuda = not compat.cpu_mode()
+    placement: list[tuple[int, float | None]] = []
+    inventory = None
+    if cuda:
+        found = gpus.detect()
+        inventory = dataclasses.replace(found, count=cfg.gpus) if cfg.gpus else found
+        if inventory.count < 1:
+            raise ValueError(
+                "no GPU is visible (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them); "
+                "give --gpus N, or run on the CPU with BANA_DEVICE=cpu"
+            )
+        placement = gpus.place(cfg.num_prefill + cfg.num_decode, inventory.count)
     workers: list[Part] = []
     prefill_urls: list[tuple[str, int]] = []
     decode_urls: list[str] = []
     for role, count in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
         for i in range(count):
+            user = (*cfg.sglang_args, *(cfg.prefill_args if role == "prefill" else cfg.decode_args))
+            device_flags: tuple[str, ...] = ()
+            if cuda:
+                gpu, fraction = placement[len(workers)]
+                device_flags = tuple(gpus.worker_flags(gpu, fraction, user))
             port = ports.take()
             boot = ports.take() if role == "prefill" else None
             agent_port = ports.take()
@@ -176,13 +199,12 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
                     port=port,
                     bootstrap_port=boot,
                     agent_port=agent_port,
-                    user_args=(
-                        *cfg.sglang_args,
-                        *(cfg.prefill_args if role == "prefill" else cfg.decode_args),
-                    ),
+                    user_args=user,
                     index_endpoint=index_endpoint,
                     master_addr=master_addr,
                     page_size=cfg.store_page_size,
+                    cuda=cuda,
+                    device_flags=device_flags,
                 )
             )
             if boot is not None:
@@ -213,6 +235,7 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
                 (w.health_url.removesuffix("/health"), dict(w.env)["BANA_AGENT_ENDPOINT"])
                 for w in workers
             ],
+            kv_dtype=kv_dtype(workers[0].argv),
         )
     else:
         router_argv = [
@@ -260,11 +283,27 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
         master=master,
         workers=tuple(workers),
         router=router,
-        env=compat.with_cpu_threads(compat.child_env(host=h), len(workers), cfg.cpu_threads),
+        env=_gpu_env(
+            compat.with_cpu_threads(compat.child_env(host=h), len(workers), cfg.cpu_threads),
+            inventory,
+        ),
         api_key=cfg.api_key,
         store=tuple(store),
         balancer=balancer,
+        index_endpoint=index_endpoint,
     )
+
+
+def _gpu_env(env: dict[str, str], inventory: gpus.GpuInventory | None) -> dict[str, str]:
+    """On a GPU machine, Mooncake's transport from the hardware (SGLang's PD default is
+    ``rdma``, which fails without an RDMA device; the store's clients take the same),
+    unless the operator set it."""
+    if inventory is None:
+        return env
+    env = dict(env)
+    env.setdefault("MOONCAKE_PROTOCOL", inventory.transport)
+    env.setdefault("BANA_STORE_PROTOCOL", inventory.transport)
+    return env
 
 
 def plan_spec(
@@ -347,6 +386,7 @@ def plan_spec(
                     page_size=page_size,
                     advertise=n.address,
                     agent_port=w.agent_port,
+                    cuda=w.device.startswith("cuda"),
                 ),
             )
         )
@@ -384,6 +424,7 @@ def plan_spec(
             user_args=tuple(spec.router.args),
             api_key=api_key,
             agents=agents,
+            kv_dtype=kv_dtype(workers[0][1].argv) if workers else None,
         ),
     )
 
@@ -411,6 +452,7 @@ def plan_spec(
         api_key=api_key,
         store=tuple(mine(store)),
         node=node,
+        index_endpoint=index_endpoint,
     )
 
 

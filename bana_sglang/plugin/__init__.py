@@ -67,7 +67,11 @@ def register() -> None:
         scheduler_hook,
         HookType.AROUND,
     )
-    if compat.cpu_mode():
+    try:
+        cpu = compat.cpu_mode()
+    except compat.GpuUnusable:  # the launcher refuses this machine; never break SGLang here
+        cpu = False
+    if cpu:
         # The CPU attention backend: its name must pass argparse and reach the model runner.
         try:
             from bana_sglang.attention import register_backend

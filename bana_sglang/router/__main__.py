@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the workers' --page-size (the store's unit)",
     )
     p.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="the workers' KV dtype, part of the store's page keys (default: the checkpoint's; "
+        "the launcher passes bfloat16 when GPU workers run a float32 checkpoint in bf16)",
+    )
+    p.add_argument(
         "--watch",
         action="append",
         default=[],
@@ -191,6 +197,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         global_index=args.global_index,
         model_path=args.model_path,
         store_page_size=args.store_page_size,
+        kv_dtype=args.kv_dtype,
         watch=tuple(tuple(w.split("=", 1)) if "=" in w else ("", w) for w in args.watch),
         agents=tuple(tuple(a.split("=", 1)) if "=" in a else (a, "") for a in args.agent),
         request_migration=args.request_migration,

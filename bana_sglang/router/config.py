@@ -30,6 +30,7 @@ class RouterConfig:
     global_index: str | None = None  # tcp://host:port of the global store's index service
     model_path: str | None = None  # for the store's KV layout (with global_index)
     store_page_size: int = 16
+    kv_dtype: str | None = None  # the workers' KV dtype (None: the checkpoint's)
     watch: tuple[tuple[str, str], ...] = ()  # (name, host:port) of other parts reported by /health
     agents: tuple[tuple[str, str], ...] = ()  # (worker url, tcp://host:port of its migration agent)
     request_migration: bool = True  # mark streamed requests migratable (live request migration)

@@ -96,7 +96,7 @@ class Router(PDDispatchMixin, ContinuationMixin):
 
             self.global_index = GlobalIndexView(
                 cfg.global_index,
-                layout_for(cfg.model_path, cfg.store_page_size),
+                layout_for(cfg.model_path, cfg.store_page_size, cfg.kv_dtype),
                 metrics=self.metrics,
             )
         by_url = {w.url.rstrip("/"): w for w in self.workers}

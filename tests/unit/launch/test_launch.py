@@ -104,7 +104,7 @@ def test_cpu_workers_share_the_machines_cores_unless_told(monkeypatch):
     monkeypatch.setenv("BANA_DEVICE", "cuda")
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert (
-        "OMP_NUM_THREADS" not in launch.plan_cluster(launch.LaunchConfig()).env
+        "OMP_NUM_THREADS" not in launch.plan_cluster(launch.LaunchConfig(gpus=1)).env
     )  # GPU: torch's default
 
 
