@@ -6,12 +6,16 @@
 #
 #   BANA_VENV=path   where the virtual environment lives (default: .venv)
 #   BANA_DEVICE=cpu|cuda   force the wheel flavour (default: cuda iff nvidia-smi sees a GPU)
+#   PYTHON=python3.x   the interpreter of the venv (default: python3.11, else python3.12, else python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VENV=${BANA_VENV:-$ROOT/.venv}
-PYTHON=${PYTHON:-python3.11}
-command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+if [ -z "${PYTHON:-}" ]; then
+  for p in python3.11 python3.12 python3; do
+    if command -v "$p" >/dev/null 2>&1; then PYTHON=$p; break; fi
+  done
+fi
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
@@ -29,6 +33,10 @@ if [ -z "$DEVICE" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=cuda; else DEVICE=cpu; fi
 fi
 case "$DEVICE" in cpu|cuda) ;; *) log "BANA_DEVICE must be cpu or cuda, got '$DEVICE'"; exit 2 ;; esac
+# SGLang 0.5.23 is a CUDA 13 stack: refuse a driver too old for it before installing GBs.
+if [ "$DEVICE" = cuda ]; then
+  "$PYTHON" scripts/cuda_stack.py driver
+fi
 
 # 3. The virtual environment (reused when present).
 if [ ! -x "$VENV/bin/python" ]; then
@@ -52,6 +60,10 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     "${PIP[@]}" install -r requirements/cuda.txt
   fi
   "${PIP[@]}" install --no-deps -e "$ROOT"
+  if [ "$DEVICE" = cuda ]; then
+    # the install can succeed and still leave torch without the GPU: say so now
+    "$VENV/bin/python" scripts/cuda_stack.py torch
+  fi
   echo "$WANT" > "$STAMP"
 else
   log "environment $VENV is up to date ($DEVICE)"
