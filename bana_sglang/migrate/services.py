@@ -65,7 +65,13 @@ class WorkerHandles:
                 "kernels, so the owner must too (exact tokens)"
             )
         if next(self.model.parameters()).device.type != "cpu":
-            return "the model is not on the CPU: the CUDA path needs the CUDA transfer engine"
+            return (
+                "the model is on a GPU, where remote layers and KV blocks are not run yet: a "
+                "switch would leave captured CUDA graphs replaying freed weights, and the "
+                "guest and host run the bana_cpu kernels (weight staging with a device "
+                "checksum and the partial-attention kernels are built and checked on a GPU; "
+                "docs/MIGRATION.md, On GPUs)"
+            )
         return ""
 
 

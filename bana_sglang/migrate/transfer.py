@@ -1,6 +1,17 @@
 """Pieces every side of a migration shares: the Mooncake transfer engine
-wrapper and the CRC32 of a tensor (the failure type of a migration step is
-:class:`bana_sglang.migrate.errors.TransferError`)."""
+wrapper and the checksums of a tensor's bytes (the failure type of a migration
+step is :class:`bana_sglang.migrate.errors.TransferError`).
+
+Two checksums, named on the wire (``TensorDesc.checksum``) so both sides compute
+the same one: ``crc32`` (zlib, on the host) for CPU tensors, and ``sum32`` for
+device tensors, computed where the tensor lives (on a GPU: GPU kernels, no copy
+to the host), which zlib cannot do. ``sum32`` is a Fletcher-style pair of sums
+over the bytes as little-endian 32-bit words modulo 2^31 - 1, the second
+weighted by position, so a changed, lost or reordered word shows; the same bytes
+give the same value on any device. Both catch a transfer that went wrong; neither
+authenticates: the expected value travels on the authenticated agent channel,
+but whoever can write the transfer engine's memory can craft bytes that match
+it (docs/SECURITY.md)."""
 
 from __future__ import annotations
 
@@ -120,3 +131,38 @@ class TransferEngine:
 def crc32(t: torch.Tensor) -> int:
     """CRC32 of a contiguous CPU tensor's bytes."""
     return zlib.crc32(t.detach().contiguous().view(torch.uint8).numpy()) & 0xFFFFFFFF
+
+
+_P = (1 << 31) - 1  # the modulus of sum32 (a prime: position weights never vanish)
+_CHUNK_WORDS = 1 << 26  # words per step: bounds the int64 temporaries (512 MB)
+
+
+def sum32(t: torch.Tensor) -> int:
+    """The ``sum32`` checksum of a tensor's bytes, computed on its own device."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    pad = (-b.numel()) % 4
+    if pad:
+        b = torch.cat((b, b.new_zeros(pad)))
+    words = b.view(torch.int32)
+    s1 = s2 = 0
+    for lo in range(0, words.numel(), _CHUNK_WORDS):
+        w = words[lo : lo + _CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
+        w = w % _P
+        pos = torch.arange(lo + 1, lo + 1 + w.numel(), device=w.device, dtype=torch.int64) % _P
+        s1 = (s1 + int(w.sum())) % _P
+        s2 = (s2 + int(((w * pos) % _P).sum())) % _P  # each term < 2^31: the sum stays exact
+    return ((s1 << 1) ^ s2) & 0xFFFFFFFF
+
+
+CHECKSUMS = {"crc32": crc32, "sum32": sum32}
+
+
+def checksum_for(t: torch.Tensor) -> str:
+    """The checksum a migration uses for ``t``: ``crc32`` on the CPU, ``sum32`` elsewhere."""
+    return "crc32" if t.device.type == "cpu" else "sum32"
+
+
+def checksum(t: torch.Tensor, algo: str) -> int:
+    if algo not in CHECKSUMS:
+        raise ValueError(f"unknown checksum {algo!r}; known: {', '.join(CHECKSUMS)}")
+    return CHECKSUMS[algo](t)

@@ -125,7 +125,10 @@ class TensorDesc(msgspec.Struct, frozen=True, kw_only=True):
     shape: list[Annotated[int, msgspec.Meta(ge=0)]]
     addr: Annotated[int, msgspec.Meta(ge=1)]
     nbytes: Annotated[int, msgspec.Meta(ge=0)]
-    crc32: Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+    crc32: Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]  # the checksum's value
+    # which checksum ``crc32`` holds: "crc32" (CPU tensors) or "sum32" (device tensors,
+    # computed on the device: bana_sglang.migrate.transfer)
+    checksum: Literal["crc32", "sum32"] = "crc32"
 
 
 class HostLayers(_Request, tag="host_layers"):

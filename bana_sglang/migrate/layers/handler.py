@@ -31,7 +31,7 @@ from bana_sglang.migrate.layers.switch import LayerSwitch, layer_params
 from bana_sglang.migrate.records import LayerMigration, Migration
 from bana_sglang.migrate.services import Services
 from bana_sglang.migrate.states import SETTLED, Side, State
-from bana_sglang.migrate.transfer import crc32
+from bana_sglang.migrate.transfer import checksum, checksum_for
 from bana_sglang.wire import agent as m
 from bana_sglang.wire.agent import describe
 
@@ -144,12 +144,8 @@ class LayerMigrations:
         try:
             mig.state = State.CHECKSUMMING
             tensors = layer_tensors(sv.layers, mig.start, mig.stop)
-            if any(t.device.type != "cpu" or not t.is_contiguous() for _, _, t in tensors):
-                raise TransferError(
-                    "invalid",
-                    "layer migration reads CPU, contiguous parameters only (this worker's "
-                    "are not); the CUDA path needs the CUDA transfer engine",
-                )
+            if any(not t.is_contiguous() for _, _, t in tensors):
+                raise TransferError("invalid", "layer migration reads contiguous parameters only")
             te = sv.engine()
             descs = []
             for layer, name, t in tensors:
@@ -162,7 +158,8 @@ class LayerMigrations:
                         shape=list(t.shape),
                         addr=t.data_ptr(),
                         nbytes=t.numel() * t.element_size(),
-                        crc32=crc32(t),
+                        crc32=checksum(t, checksum_for(t)),
+                        checksum=checksum_for(t),
                     )
                 )
             mig.crc = [d.crc32 for d in descs]
@@ -284,7 +281,13 @@ class LayerMigrations:
         sv = self.sv
         try:
             te = sv.engine()
-            area = [torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in req.tensors]
+            # the guest area lives where this worker's own weights do (a GPU's: the
+            # transfer engine reads into device memory, the checksum runs there)
+            device = next((p.device for p in sv.layers.parameters()), None)
+            area = [
+                torch.empty(d.shape, dtype=getattr(torch, d.dtype), device=device)
+                for d in req.tensors
+            ]
             mig.guest = area
             for t in area:
                 te.register(t)
@@ -296,7 +299,7 @@ class LayerMigrations:
                 if idx:
                     te.read(req.session, [area[i] for i in idx], [req.tensors[i].addr for i in idx])
                     mig.bytes_done += sum(req.tensors[i].nbytes for i in idx)
-            mig.crc = [crc32(t) for t in area]
+            mig.crc = [checksum(t, d.checksum) for t, d in zip(area, req.tensors)]
             bad = [d.name for d, got in zip(req.tensors, mig.crc) if got != d.crc32]
             if bad:
                 raise TransferError(

@@ -27,7 +27,7 @@ from bana_sglang.migrate.layers.owner import OwnerContext, RemoteSpan, Skip
 from bana_sglang.migrate.records import LayerMigration
 from bana_sglang.migrate.services import Services
 from bana_sglang.migrate.states import Pending, Side, State
-from bana_sglang.migrate.transfer import crc32
+from bana_sglang.migrate.transfer import checksum, checksum_for
 from bana_sglang.wire import agent as m
 from bana_sglang.wire.agent import describe
 
@@ -202,7 +202,7 @@ class LayerSwitch:
 
     @staticmethod
     def _verify_home(mig: LayerMigration) -> None:
-        got = [crc32(p.data) for p, _ in mig.params]
+        got = [checksum(p.data, checksum_for(p.data)) for p, _ in mig.params]
         bad = [n for n, a, b in zip(mig.names, got, mig.crc) if a != b]
         if bad:
             raise RuntimeError(

@@ -315,3 +315,45 @@ def test_scatter_and_gather_move_pages_between_host_rows_and_the_pool():
     t.stop()
     assert t.seconds() >= 0
     assert HEADER_SIZE % 8 == 0  # payloads in an arena slot stay aligned for every dtype
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_staged_publish_and_load_round_trip_through_pinned_memory(kv):
+    """The same publish and staged load on a CUDA pool: the publish waits for the
+    forward's event, gathers on a side stream and copies to the pinned arena; the load
+    copies each chunk to the GPU on a side stream and the forward's stream waits on the
+    layer's event, never the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    host = make_pool()
+    pool = KVPool([t.cuda() for t in host.k], [t.cuda() for t in host.v], LAYOUT.page_size)
+    index = FakeIndex()
+    chain = page_chain(range(N * LAYOUT.page_size), LAYOUT)
+    src, dst = torch.arange(1, N + 1), torch.arange(N + 1, 2 * N + 1)
+    written = pool.device.ready_event()  # "the forward wrote the rows"
+    pub = Publisher(
+        pool, lambda: PageStore(LAYOUT, kv, mac_key=KEY), index, "w", arena_bytes=1 << 20
+    )
+    pub.submit(Offload(list(chain), None, src, [written]))
+    pub.join()
+    assert pub.results.get_nowait() is True
+    pub.close()
+    store = PageStore(LAYOUT, kv, mac_key=KEY)
+    arena = Arena(pool.device, 1 << 20, store.kv)
+    assert arena.buffer.is_pinned()
+    loader = Loader(pool, "staged", arena)
+    counter = LayerCounter(LAYOUT.num_layers, pool.device)
+    index_ = counter.update_producer()
+    read = store.layerwise(chain, headers_inline=True)
+    assert read.start() is None
+    miss, stats = loader.load(
+        read, dst, lambda layer, ev: counter.complete(index_, layer, ev), pool.device.ready_event()
+    )
+    assert miss is None and stats.event is not None
+    counter.complete(index_, LAYOUT.num_layers - 1, stats.event)
+    counter.set_consumer(index_)
+    for layer in range(LAYOUT.num_layers):
+        counter.wait_until(layer)  # GPU-side: the current stream waits for the copies
+    assert counter.finish(index_)
+    for a, b in zip(pages_of(pool, dst.cuda()), pages_of(pool, src.cuda())):
+        assert torch.equal(a, b)
