@@ -136,7 +136,8 @@ def run(args) -> list[dict]:
             nice=0,
         )
         t0 = time.perf_counter()
-        pub.submit(Offload(list(chain), None, src_ids))
+        # the pool's rows were written on the current stream: the publish waits for them
+        pub.submit(Offload(list(chain), None, src_ids, [device.ready_event()]))
         pub.join()
         publish_s = time.perf_counter() - t0
         ok = pub.results.get_nowait()
