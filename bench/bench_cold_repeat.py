@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 
 from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
-from bana_sglang.radix_global import summary as store_summary
+from bench import breakdown
 from bench.results import ROOT, machine_description, parse_cluster_bench_args, write_results_section
 
 logger = logging.getLogger("bench.cold_repeat")
@@ -100,30 +100,6 @@ def ttft(client: httpx.Client, url: str, ids: list[int], max_tokens: int) -> tup
     return first, cached
 
 
-def _scrape(urls: dict[str, str]) -> dict[str, dict[str, float]]:
-    return {name: store_summary.scrape_all(u) or {} for name, u in urls.items()}
-
-
-def _router_metrics(endpoint: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    try:
-        text = httpx.get(endpoint + "/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return out
-    for line in text.splitlines():
-        if line.startswith("bana_router_global_lookup_seconds_") and " " in line:
-            name, _, value = line.rpartition(" ")
-            if name.endswith(("_sum", "_count")):
-                out[name.removeprefix("bana_router_")] = float(value)
-    return out
-
-
-def _delta(after: dict[str, dict[str, float]], before: dict[str, dict[str, float]]):
-    return {
-        w: {k: v - before.get(w, {}).get(k, 0.0) for k, v in m.items()} for w, m in after.items()
-    }
-
-
 def run_arm(model: str, arm: str, ids: list[list[int]], args, out: Path, port: int) -> ArmRun:
     cfg = LaunchConfig(
         model_path=model,
@@ -148,15 +124,17 @@ def run_arm(model: str, arm: str, ids: list[list[int]], args, out: Path, port: i
         ttft(c, url, warm[1], 2)  # one warm-up per prefill worker
         phases = []
         for phase, fill in (("cold", len(ids) % 2 == 0), ("repeat", False)):
-            before, rbefore = _scrape(workers), _router_metrics(url)
+            before, rbefore = breakdown.scrape(workers), breakdown.router_metrics(url)
             ph = Phase()
             for p in ids:
                 s, cached = ttft(c, url, p, args.max_tokens)
                 ph.ttft_s.append(s)
                 ph.cached.append(cached)
             time.sleep(1.0)  # publishing is asynchronous: let it land in this phase
-            ph.metrics = _delta(_scrape(workers), before)
-            ph.router = {k: v - rbefore.get(k, 0.0) for k, v in _router_metrics(url).items()}
+            ph.metrics = breakdown.delta(breakdown.scrape(workers), before)
+            ph.router = {
+                k: v - rbefore.get(k, 0.0) for k, v in breakdown.router_metrics(url).items()
+            }
             phases.append(ph)
             if fill:  # round robin: repeat i lands on the other prefill worker than cold i
                 ttft(c, url, warm[2], 2)
@@ -173,56 +151,6 @@ def run_arm(model: str, arm: str, ids: list[list[int]], args, out: Path, port: i
 
 def _p50(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def breakdown(ph: Phase, n: int, router: bool = True) -> list[tuple[str, str]]:
-    """(what, value) rows of the per-request breakdown of one phase of the store arm."""
-    tot: dict[str, float] = {}
-    for m in ph.metrics.values():
-        for k, v in m.items():
-            tot[k] = tot.get(k, 0.0) + v
-
-    def ms(key: str) -> float:
-        return 1e3 * tot.get(key, 0.0) / n
-
-    def per_call(name: str) -> str:
-        c = tot.get(f"{name}_count", 0.0)
-        return f"{1e3 * tot.get(f'{name}_sum', 0.0) / c:.2f} ms x {c / n:.1f}" if c else "-"
-
-    rows = []
-    if router:
-        c = ph.router.get("global_lookup_seconds_count", 0.0)
-        rows.append(
-            (
-                "router: global lookup",
-                f"{1e3 * ph.router.get('global_lookup_seconds_sum', 0.0) / c:.2f} ms" if c else "-",
-            )
-        )
-    tok = tot.get("forward_tokens", 0.0) - tot.get("forward_tokens_publishing", 0.0)
-    sec = tot.get("forward_seconds", 0.0) - tot.get("forward_seconds_publishing", 0.0)
-    tok_p, sec_p = tot.get("forward_tokens_publishing", 0.0), tot.get("forward_seconds_publishing")
-    slow = (
-        f"{(sec_p / tok_p) / (sec / tok):.2f}x ({1e6 * sec_p / tok_p:.0f} vs {1e6 * sec / tok:.0f} us/token)"
-        if tok and tok_p and sec_p
-        else "no forward overlapped a publish"
-    )
-    rows += [
-        ("worker: index round trip per lookup", per_call("lookup_index_seconds")),
-        ("worker: header check per hit lookup", per_call("lookup_header_seconds")),
-        (
-            "worker: hit pages recomputed (load predicted slower)",
-            f"{tot.get('recomputed_hit_pages', 0.0) / n:.1f} per request",
-        ),
-        ("worker: load batch", per_call("load_batch_seconds")),
-        ("worker: of which Mooncake reads", f"{ms('load_read_seconds'):.2f} ms per request"),
-        ("worker: forward waiting for layers", f"{ms('load_wait_seconds'):.2f} ms per request"),
-        ("worker: publishing wall time", f"{ms('publish_seconds'):.2f} ms per request"),
-        ("worker: publishing CPU time", f"{ms('publish_cpu_seconds'):.2f} ms per request"),
-        ("worker: publishing index round trips", per_call("publish_index_seconds")),
-        ("worker: published", f"{tot.get('published_bytes', 0.0) / n / 1e6:.2f} MB per request"),
-        ("prefill forward per token while publishing", slow),
-    ]
-    return rows
 
 
 def report(runs: Sequence[ArmRun], command: str, n: int, length: int) -> str:
@@ -278,7 +206,9 @@ def report(runs: Sequence[ArmRun], command: str, n: int, length: int) -> str:
             "| | cold | repeat |",
             "|---|---|---|",
         ]
-        for (what, a), (_, b) in zip(breakdown(r.cold, n), breakdown(r.repeat, n)):
+        cold = breakdown.rows(r.cold.metrics, n, r.cold.router)
+        rep = breakdown.rows(r.repeat.metrics, n, r.repeat.router)
+        for (what, a), (_, b) in zip(cold, rep):
             lines.append(f"| {what} | {a} | {b} |")
     return "\n".join(lines)
 

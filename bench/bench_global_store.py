@@ -39,7 +39,7 @@ from pathlib import Path
 from bana_sglang import _cli
 from bana_sglang.launch import Cluster
 from bana_sglang.radix_global import summary as store_summary
-from bench import client, configs, metrics, workloads
+from bench import breakdown, client, configs, metrics, workloads
 from bench.client import ClientConfig, LoadSampler
 from bench.results import ROOT, machine_description, write_results_section
 from bench.sidebyside import warmup
@@ -111,6 +111,9 @@ class ArmResult:
     raw_put_mbps: float | None = None
     raw_get_mbps: float | None = None
     page_nbytes: int | None = None
+    metrics: dict | None = None  # the workers' /metrics deltas over the replay (breakdown)
+    router: dict | None = None  # the router's global lookup histogram delta
+    requests: int = 0
 
 
 def run_arm(
@@ -132,14 +135,21 @@ def run_arm(
         )
         warmup(ccfg, space, 2)
         sampler = LoadSampler(urls, 0.5)
+        before, rbefore = breakdown.scrape(urls), breakdown.router_metrics(plan.endpoint)
         logger.info("%s: replaying %s", name, wl.describe())
         records = client.replay(ccfg, wl, sampler)
+        time.sleep(1.0)  # publishing is asynchronous
+        deltas = breakdown.delta(breakdown.scrape(urls), before)
+        rdelta = {
+            k: v - rbefore.get(k, 0.0) for k, v in breakdown.router_metrics(plan.endpoint).items()
+        }
         summ = metrics.summarize(records, metrics.SLO(), sampler.samples)
         with (out / f"{name}.records.jsonl").open("w") as f:
             for r in records:
                 f.write(json.dumps(r.to_json()) + "\n")
         print(metrics.format_summary(name, summ), flush=True)
         result = ArmResult(name, summ, {w: store_summary.scrape(u) for w, u in urls.items()})
+        result.metrics, result.router, result.requests = deltas, rdelta, len(records)
         if plan.store and plan.master is not None:
             rpc = next(a for a in plan.master.argv if a.startswith("-rpc_port=")).split("=")[1]
             result.page_nbytes = _page_nbytes(plan.model_path)
@@ -165,6 +175,9 @@ def report(arms: Sequence[ArmResult], inf_hit: float, wl: workloads.Workload, co
     on, off = by.get("store-round-robin"), by.get("nostore-round-robin")
     lines = [
         f"Command: `{command}`",
+        "",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Each arm is a cluster of "
+        "its own, started for it: the store arm starts from an empty global store.",
         "",
         f"Workload: {wl.describe()}",
         "",
@@ -196,6 +209,13 @@ def report(arms: Sequence[ArmResult], inf_hit: float, wl: workloads.Workload, co
         loaded, load_s, wait_s = (
             _sum(on.store, k) for k in ("loaded_bytes", "load_seconds", "load_wait_seconds")
         )
+        if on.metrics:
+            lines += [
+                "",
+                "Per-request breakdown of the store arm (`/metrics` deltas over the replay):",
+                "",
+                breakdown.markdown(on.metrics, on.requests, on.router),
+            ]
         lines += [
             "",
             "Store counters of the store arm (per worker, from `/metrics`):",

@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import configs, metrics, workloads
+from bench import breakdown, configs, metrics, workloads
 from bench.results import RESULTS_MD
 from bench.sidebyside import RunResult, RunSpec, rate_label
 
@@ -208,6 +208,16 @@ def report(
     ]
     if spec.min_goodput is not None:
         parts += ["", "Saturation (sweep):", "", saturation_table(results, spec.min_goodput)]
+    for r in results:
+        if r.store_metrics:
+            n = len(r.ttfts) or 1
+            parts += [
+                "",
+                f"Global store, per-request breakdown of `{r.key}` (`/metrics` deltas over the "
+                "replay; the store was emptied before it):",
+                "",
+                breakdown.markdown(r.store_metrics, n, r.router_metrics),
+            ]
     failed = [n for n in spec.configs if not any(r.config == n for r in results)]
     if failed:
         parts += ["", f"Failed to run (see the logs): {', '.join(failed)}."]

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bana_sglang.launch import Cluster
-from bench import client, configs, metrics, workloads
+from bench import breakdown, client, configs, metrics, workloads
 from bench.client import ClientConfig, LoadSampler, RequestRecord
 from bench.configs import Resources
 from bench.metrics import SLO, Summary
@@ -72,6 +72,9 @@ class RunResult:
     startup_s: float
     ttfts: tuple[float, ...]  # successful requests, for the CDF
     load_series: dict[str, list[tuple[float, float]]]  # worker -> (t, running + queued)
+    # the global store's per-request breakdown (configurations with the store only)
+    store_metrics: dict | None = None
+    router_metrics: dict | None = None
 
     @property
     def key(self) -> str:
@@ -153,10 +156,22 @@ def run_config(name: str, spec: RunSpec, space: workloads.TokenSpace) -> list[Ru
                 logger.info("%s: global store cleared (%s pages)", name, cleared)
             time.sleep(1.0)
             sampler = LoadSampler(urls, spec.sample_interval_s)
+            before = breakdown.scrape(urls) if plan.store else None
+            rbefore = breakdown.router_metrics(plan.endpoint) if plan.store else None
             logger.info("%s: replaying %s", name, wl.describe())
             records = client.replay(ccfg, wl, sampler)
             summary = metrics.summarize(records, spec.slo, sampler.samples)
             res = _save(name, rate, wl, records, sampler, summary, startup, spec.out_dir)
+            if before is not None and rbefore is not None:
+                time.sleep(1.0)  # publishing is asynchronous
+                res = dataclasses.replace(
+                    res,
+                    store_metrics=breakdown.delta(breakdown.scrape(urls), before),
+                    router_metrics={
+                        k: v - rbefore.get(k, 0.0)
+                        for k, v in breakdown.router_metrics(plan.endpoint).items()
+                    },
+                )
             results.append(res)
             print(metrics.format_summary(res.key, summary), flush=True)
             if spec.min_goodput is not None and summary.goodput_frac < spec.min_goodput:

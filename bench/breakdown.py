@@ -1,0 +1,103 @@
+"""The per-request breakdown of the global store's costs, from ``/metrics``.
+
+Every benchmark that runs the store prints it for its store arm: the
+workers' ``bana_store_*`` counters and histograms and the router's
+``bana_router_global_lookup_seconds``, as deltas over a phase, divided by the
+phase's requests. :func:`scrape` and :func:`router_metrics` read them;
+:func:`rows` and :func:`markdown` lay them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import httpx
+
+from bana_sglang.radix_global import summary as store_summary
+
+Metrics = Mapping[str, Mapping[str, float]]  # worker -> name -> value
+
+
+def scrape(urls: Mapping[str, str]) -> dict[str, dict[str, float]]:
+    """Counters and histogram sums/counts of each worker (empty for one that did not answer)."""
+    return {name: store_summary.scrape_all(u) or {} for name, u in urls.items()}
+
+
+def router_metrics(endpoint: str) -> dict[str, float]:
+    """The router's global lookup histogram (``global_lookup_seconds_sum``/``_count``)."""
+    out: dict[str, float] = {}
+    try:
+        text = httpx.get(endpoint + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return out
+    for line in text.splitlines():
+        if line.startswith("bana_router_global_lookup_seconds_") and " " in line:
+            name, _, value = line.rpartition(" ")
+            if name.endswith(("_sum", "_count")):
+                out[name.removeprefix("bana_router_")] = float(value)
+    return out
+
+
+def delta(after: Metrics, before: Metrics) -> dict[str, dict[str, float]]:
+    return {
+        w: {k: v - before.get(w, {}).get(k, 0.0) for k, v in m.items()} for w, m in after.items()
+    }
+
+
+def rows(
+    metrics: Metrics, n: int, router: Mapping[str, float] | None = None
+) -> list[tuple[str, str]]:
+    """(what, value) per row, for ``n`` requests."""
+    n = max(1, n)
+    tot: dict[str, float] = {}
+    for m in metrics.values():
+        for k, v in m.items():
+            tot[k] = tot.get(k, 0.0) + v
+
+    def ms(key: str) -> str:
+        return f"{1e3 * tot.get(key, 0.0) / n:.2f} ms per request"
+
+    def per_call(name: str) -> str:
+        c = tot.get(f"{name}_count", 0.0)
+        return f"{1e3 * tot.get(f'{name}_sum', 0.0) / c:.2f} ms x {c / n:.1f}" if c else "-"
+
+    out: list[tuple[str, str]] = []
+    if router is not None:
+        c = router.get("global_lookup_seconds_count", 0.0)
+        s = router.get("global_lookup_seconds_sum", 0.0)
+        out.append(
+            ("router: global lookup (beside the dispatch)", f"{1e3 * s / c:.2f} ms" if c else "-")
+        )
+    tok_p = tot.get("forward_tokens_publishing", 0.0)
+    sec_p = tot.get("forward_seconds_publishing", 0.0)
+    tok = tot.get("forward_tokens", 0.0) - tok_p
+    sec = tot.get("forward_seconds", 0.0) - sec_p
+    slow = (
+        f"{(sec_p / tok_p) / (sec / tok):.2f}x ({1e6 * sec_p / tok_p:.0f} vs "
+        f"{1e6 * sec / tok:.0f} us/token)"
+        if tok and tok_p and sec and sec_p
+        else "no forward overlapped a publish"
+    )
+    out += [
+        ("worker: index round trip per lookup", per_call("lookup_index_seconds")),
+        ("worker: presence check per hit lookup", per_call("lookup_header_seconds")),
+        (
+            "worker: hit pages recomputed (load predicted slower)",
+            f"{tot.get('recomputed_hit_pages', 0.0) / n:.1f} per request",
+        ),
+        ("worker: load batch", per_call("load_batch_seconds")),
+        ("worker: of which Mooncake reads", ms("load_read_seconds")),
+        ("worker: forward waiting for layers", ms("load_wait_seconds")),
+        ("worker: publishing wall time", ms("publish_seconds")),
+        ("worker: publishing CPU time (publish thread)", ms("publish_cpu_seconds")),
+        ("worker: publishing index round trips", per_call("publish_index_seconds")),
+        ("worker: published", f"{tot.get('published_bytes', 0.0) / n / 1e6:.2f} MB per request"),
+        ("prefill forward per token while a publish was written", slow),
+    ]
+    return out
+
+
+def markdown(metrics: Metrics, n: int, router: Mapping[str, float] | None = None) -> str:
+    lines = ["| | per request |", "|---|---|"]
+    lines += [f"| {what} | {value} |" for what, value in rows(metrics, n, router)]
+    return "\n".join(lines)
