@@ -354,9 +354,11 @@ class LoadSampler:
                 continue
 
 
-async def _post_all(urls: Sequence[str], path: str) -> dict[str, int | str]:
+async def _post_all(
+    urls: Sequence[str], path: str, headers: dict[str, str] | None = None
+) -> dict[str, int | str]:
     out: dict[str, int | str] = {}
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=headers or {}) as s:
         for u in urls:
             try:
                 async with s.post(
@@ -368,9 +370,12 @@ async def _post_all(urls: Sequence[str], path: str) -> dict[str, int | str]:
     return out
 
 
-def flush_caches(worker_urls: Sequence[str]) -> dict[str, int | str]:
-    """POST ``/flush_cache`` to each worker so every run starts with a cold prefix cache."""
-    res = asyncio.run(_post_all(worker_urls, "/flush_cache"))
+def flush_caches(
+    worker_urls: Sequence[str], headers: dict[str, str] | None = None
+) -> dict[str, int | str]:
+    """POST ``/flush_cache`` to each worker so every run starts with a cold prefix cache
+    (``headers``: the cluster's worker key, ``Cluster.worker_headers()``)."""
+    res = asyncio.run(_post_all(worker_urls, "/flush_cache", headers))
     bad = {u: s for u, s in res.items() if s != 200}
     if bad:
         logger.warning("flush_cache failed on %s", bad)

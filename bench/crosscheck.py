@@ -155,7 +155,7 @@ def run(
     spec.out_dir.mkdir(parents=True, exist_ok=True)
     out_file = spec.out_dir / "sglang_bench_serving.jsonl"
     out_file.unlink(missing_ok=True)
-    with Cluster(plan, log_dir=spec.out_dir / "logs", startup_timeout=600):
+    with Cluster(plan, log_dir=spec.out_dir / "logs", startup_timeout=600) as cluster:
         ccfg = ClientConfig(
             endpoint=plan.endpoint,
             model=plan.served_model_name,
@@ -170,7 +170,7 @@ def run(
             dataclasses.replace(ccfg, progress=False),
             workloads.build(dataclasses.replace(wl_spec, seed=spec.seed + 1000), space),
         )
-        client.flush_caches(urls)
+        client.flush_caches(urls, cluster.worker_headers())
         time.sleep(1.0)
         sampler = client.LoadSampler(configs.worker_urls(plan))
         records = client.replay(ccfg, wl, sampler)
@@ -179,7 +179,7 @@ def run(
             for r in records:
                 f.write(json.dumps(r.to_json()) + "\n")
         print(metrics.format_summary("harness", ours), flush=True)
-        client.flush_caches(urls)
+        client.flush_caches(urls, cluster.worker_headers())
         time.sleep(1.0)
         argv = _bench_serving_argv(
             spec, plan.endpoint, plan.served_model_name, plan.model_path, out_file

@@ -150,7 +150,7 @@ def run_config(name: str, spec: RunSpec, space: workloads.TokenSpace) -> list[Ru
                 else spec.workload,
                 space,
             )
-            client.flush_caches(list(urls.values()))
+            client.flush_caches(list(urls.values()), cluster.worker_headers())
             if plan.store:  # the global store too: every rate starts from an empty store
                 cleared = cluster.clear_store()
                 logger.info("%s: global store cleared (%s pages)", name, cleared)

@@ -144,6 +144,14 @@ BANA_CLUSTER_SECRET_FILE = _var(
     "accepts only peers that hold it; unset: plain ZMQ (the launcher always sets it)",
     set_by="launcher",
 )
+BANA_WORKER_AUTH = _var(
+    "BANA_WORKER_AUTH",
+    bool,
+    False,
+    "a worker requires SGLang's API key, derived from the cluster secret, on every endpoint "
+    "but /health and /metrics (the router and the project's clients send it)",
+    set_by="launcher",
+)
 
 # -- the global KV cache store
 BANA_INDEX_ENDPOINT = _var(

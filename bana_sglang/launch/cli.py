@@ -304,11 +304,17 @@ def _parts_by_node(
 
 def _secret_file(args: argparse.Namespace, spec: cluster_spec.ClusterSpec | None) -> Path | None:
     """The cluster secret's file: given (created when missing on one machine), or None (the
-    runner makes one per run). A spec whose nodes are not all loopback must name one."""
+    runner makes one per run). A spec whose nodes are not all loopback must name one, and
+    its router must take an API key (``router.api_key_env``)."""
     given = args.cluster_secret_file or (
         Path(envs.BANA_CLUSTER_SECRET_FILE.get()) if envs.BANA_CLUSTER_SECRET_FILE.is_set else None
     )
     if spec is not None and not all(cluster_spec.is_loopback(n.address) for n in spec.nodes):
+        if not spec.router.api_key_env:
+            raise security.SecretError(
+                f"{args.spec} spans a network: set router.api_key_env (the router's clients "
+                "and its admin API need a key there; the variable holds it on the router's node)"
+            )
         if given is None:
             raise security.SecretError(
                 f"{args.spec} spans a network: give --cluster-secret-file (one file, mode 0600, "

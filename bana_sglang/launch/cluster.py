@@ -300,6 +300,12 @@ class Cluster:
         """How often each part was restarted."""
         return {n: len(st.times) for n, st in self._restarts.items()}
 
+    def worker_headers(self) -> dict[str, str]:
+        """What a call to one of this cluster's workers must carry (their API key is
+        derived from the cluster's secret; /health and /metrics need none)."""
+        key = security.worker_api_key(security.read_secret(self.secret_file))
+        return {"Authorization": f"Bearer {key}"}
+
     def clear_store(self, timeout_s: float = 10.0) -> int | None:
         """Empty the global store (its index and its pages), as the cluster's own parts
         would ask: a benchmark starts each arm and each rate from an empty store. The

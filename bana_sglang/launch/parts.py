@@ -169,6 +169,7 @@ def worker_part(
     agent_port: int | None = None,
     cuda: bool = False,
     device_flags: tuple[str, ...] = (),
+    worker_auth: bool = True,
 ) -> Part:
     """One SGLang PD worker with the extension (and the global store's linker when there is one,
     and the migration agent on ``agent_port``). ``cuda``: a GPU worker (its float32
@@ -205,9 +206,9 @@ def worker_part(
     argv += dtype_args(model_path, user_args, cuda=cuda)
     argv += store_args(role, linker, page_size, user_args) + list(user_args)
     url = f"http://{advertise or bind}:{port}"
-    env: tuple[tuple[str, str], ...] = ()
+    env: tuple[tuple[str, str], ...] = (("BANA_WORKER_AUTH", "1"),) if worker_auth else ()
     if agent_port is not None:
-        env = (
+        env += (
             ("BANA_AGENT_ENDPOINT", f"tcp://{bind}:{agent_port}"),
             ("BANA_WORKER_NAME", name),
             ("BANA_AGENT_HOST", advertise or bind),

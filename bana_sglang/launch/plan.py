@@ -205,6 +205,7 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
                     page_size=cfg.store_page_size,
                     cuda=cuda,
                     device_flags=device_flags,
+                    worker_auth=cfg.router == "bana",
                 )
             )
             if boot is not None:

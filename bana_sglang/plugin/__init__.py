@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 
+from bana_sglang import envs
+
 logger = logging.getLogger(__name__)
 
 _registered = False
@@ -43,6 +45,12 @@ def register() -> None:
             server_routes.before_launch_server,
             HookType.BEFORE,
         )
+        if envs.BANA_WORKER_AUTH.get():  # the cluster's worker key, once the config is out
+            HookRegistry.register(
+                "sglang.srt.entrypoints.engine.Engine._launch_subprocesses",
+                server_routes.after_launch_subprocesses,
+                HookType.AFTER,
+            )
     # The global store's linker needs SGLang's linker wrapper extended (the parent
     # page of each offloaded node); installed for our linker only.
     HookRegistry.register(

@@ -95,6 +95,29 @@ def derive(secret: bytes, purpose: str, size: int = 32) -> bytes:
     return hashlib.blake2b(secret, digest_size=size, person=purpose.encode()).digest()
 
 
+WORKER_KEY_PURPOSE = "bana-worker-key"
+
+
+def worker_api_key(secret: bytes) -> str:
+    """The API key the cluster's SGLang workers require (SGLang's own ``--api-key``),
+    derived from the cluster secret: the router and every internal client send it,
+    nobody types it, and it is never on a command line."""
+    return derive(secret, WORKER_KEY_PURPOSE).hex()
+
+
+def process_worker_key() -> str | None:
+    """This process's cluster's worker API key, or None without a cluster secret."""
+    secret = cluster_secret()
+    return worker_api_key(secret) if secret else None
+
+
+def worker_headers() -> dict[str, str]:
+    """The ``Authorization`` header a call to a worker of this process's cluster needs
+    (empty without a cluster secret)."""
+    key = process_worker_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def curve_keys(secret: bytes) -> CurveKeys:
     server = z85.encode(derive(secret, "bana-zmq-server"))
     client = z85.encode(derive(secret, "bana-zmq-client"))

@@ -25,6 +25,8 @@ import pytest
 from support.cluster import LaunchedCluster
 from support.migrate import KEY, generate
 
+from bana_sglang.wire import security
+
 pytestmark = pytest.mark.slow
 
 MODEL = "bana-tiny-v1"
@@ -174,6 +176,33 @@ def test_bad_input_gets_a_4xx_that_names_the_problem_and_serving_goes_on(
         cluster, "/v1/completions", {"model": MODEL, "prompt": "still there?", "max_tokens": 3}
     )
     assert ok.status_code == 200, ok.text
+
+
+def test_workers_refuse_calls_without_the_clusters_worker_key(cluster):
+    """Every worker requires SGLang's API key, derived from the cluster secret, on every
+    endpoint but /health and /metrics: the router (and the project's clients) send it;
+    the clients' own key, or none, is refused."""
+    r = httpx.get(cluster.url + "/bana/router/workers", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    urls = [w["url"] for w in r.json()["workers"]]
+    assert len(urls) == 2
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+    for url in urls:
+        for path in ("/health", "/metrics"):
+            assert httpx.get(url + path, timeout=30).status_code == 200, (url, path)
+        for headers in ({}, AUTH):  # nothing, or the router's client key
+            for method, path in (
+                ("GET", "/bana/info"),
+                ("POST", "/flush_cache"),
+                ("GET", "/v1/loads"),
+            ):
+                r = httpx.request(method, url + path, headers=headers, timeout=30)
+                assert r.status_code == 401, (url, path, headers, r.status_code)
+            r = httpx.post(url + "/generate", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401, (url, r.status_code)
+        ok = httpx.get(url + "/bana/info", headers=security.worker_headers(), timeout=30)
+        assert ok.status_code == 200 and ok.json()["bana_sglang"], ok.text
+    assert post(cluster, "/generate", body).status_code == 200  # the router gets through
 
 
 def test_memory_of_the_1p1d_cluster(cluster, capsys):

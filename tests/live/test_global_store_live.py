@@ -40,6 +40,7 @@ from support.cluster import free_port, free_port_block
 from bana_sglang.launch import Cluster, LaunchConfig, plan_cluster
 from bana_sglang.launch.procs import tcp_open, wait_until
 from bana_sglang.radix_global import summary
+from bana_sglang.wire import security
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +89,7 @@ class PDCluster:
         async def both() -> tuple[httpx.Response | None, httpx.Response]:
             # as the router does: a failed prefill leaves its decode waiting for KV that
             # never comes, so the decode request is cancelled then (None)
-            async with httpx.AsyncClient(timeout=timeout) as c:
+            async with httpx.AsyncClient(timeout=timeout, headers=security.worker_headers()) as c:
                 p_task = asyncio.create_task(c.post(url + "/generate", json=body))
                 d_task = asyncio.create_task(c.post(self.decode[0] + "/generate", json=body))
                 await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)

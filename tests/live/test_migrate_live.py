@@ -45,6 +45,7 @@ from support.migrate import (
 from bana_sglang import models
 from bana_sglang.migrate.client import AgentClient
 from bana_sglang.wire import agent as m
+from bana_sglang.wire import security
 
 pytestmark = pytest.mark.slow
 
@@ -341,7 +342,9 @@ def test_a_guest_that_stops_answering_after_the_switch(cluster, single_server):
             while (
                 True
             ):  # every request is decoding on decode-0 (none still waits for the prefill worker)
-                loads = httpx.get(decode_url + "/v1/loads", timeout=10).json()["loads"]
+                loads = httpx.get(
+                    decode_url + "/v1/loads", headers=security.worker_headers(), timeout=10
+                ).json()["loads"]
                 if sum(int(x.get("num_running_reqs", 0)) for x in loads) == len(prompts):
                     break
                 assert time.monotonic() < deadline and not any(f.done() for f in running), loads

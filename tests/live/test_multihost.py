@@ -19,6 +19,7 @@ a test fails.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -34,10 +35,13 @@ import pytest
 import yaml
 
 from bana_sglang.launch import NODE_READY_MARK, READY_MARK
+from bana_sglang.wire import security
 
 pytestmark = pytest.mark.slow
 
 PAGE = 16
+ROUTER_KEY = "multihost-router-key"
+AUTH = {"Authorization": f"Bearer {ROUTER_KEY}"}
 HOSTS = ("a", "b", "c")
 
 
@@ -65,6 +69,7 @@ class Launcher:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env={**os.environ, "BANA_API_KEY": ROUTER_KEY},
         )
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -98,6 +103,7 @@ class MultiHost:
     def via_router(self, ids: list[int], n: int, timeout: float = 300) -> httpx.Response:
         return httpx.post(
             self.router + "/generate",
+            headers=AUTH,
             timeout=timeout,
             json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n}},
         )
@@ -113,17 +119,18 @@ class MultiHost:
             "bootstrap_room": random.getrandbits(63),
         }
         with ThreadPoolExecutor(1) as pool:
-            pre = pool.submit(httpx.post, url + "/generate", json=body, timeout=300)
-            d = httpx.post(self.decode + "/generate", json=body, timeout=300)
+            h = security.worker_headers()
+            pre = pool.submit(httpx.post, url + "/generate", json=body, headers=h, timeout=300)
+            d = httpx.post(self.decode + "/generate", json=body, headers=h, timeout=300)
             p = pre.result()
         assert d.status_code == 200 and p.status_code == 200, (d.text, p.text)
         return d.json(), p.json()
 
     def health(self) -> dict:
-        return httpx.get(self.router + "/health", timeout=10).json()
+        return httpx.get(self.router + "/health", headers=AUTH, timeout=10).json()
 
     def routed(self) -> dict[str, int]:
-        workers = httpx.get(self.router + "/bana/router/workers", timeout=10).json()
+        workers = httpx.get(self.router + "/bana/router/workers", headers=AUTH, timeout=10).json()
         rows = workers.get("workers", workers) if isinstance(workers, dict) else workers
         return {w["url"]: w["routed"] for w in rows}
 
@@ -153,7 +160,12 @@ def make_spec(addrs: list[str]) -> dict:
         "master": {"node": "a", "rpc_port": 30110, "metrics_port": 30111},
         "store": {"node": "a", "index_port": 30112, "bytes": "256M"},
         # a short probe backoff: a restored host is readmitted within seconds
-        "router": {"node": "a", "port": 30000, "args": "--poll-interval 0.2"},
+        "router": {
+            "node": "a",
+            "port": 30000,
+            "args": "--poll-interval 0.2",
+            "api_key_env": "BANA_API_KEY",  # required of a spec across a network
+        },
     }
 
 
@@ -310,6 +322,7 @@ def test_layer_weights_move_between_hosts(hosts):
     the spec advertises."""
     r = httpx.post(
         hosts.router + "/bana/admin/migrations",
+        headers=AUTH,
         timeout=60,
         json={
             "worker": "prefill-1",
@@ -321,7 +334,7 @@ def test_layer_weights_move_between_hosts(hosts):
     )
     assert r.status_code == 202, r.text
     deadline = time.monotonic() + 120
-    while (w := httpx.get(hosts.router + "/bana/admin/migrations/cross-host", timeout=60).json())[
+    while (w := httpx.get(hosts.router + "/bana/admin/migrations/cross-host", headers=AUTH, timeout=60).json())[
         "kind"
     ] == "progress":
         assert time.monotonic() < deadline, w
@@ -329,7 +342,7 @@ def test_layer_weights_move_between_hosts(hosts):
     assert w["kind"] == "done" and w["state"] == "staged", w
     agents = {
         a["worker"]: a
-        for a in httpx.get(hosts.router + "/bana/admin/agents", timeout=60).json()["agents"]
+        for a in httpx.get(hosts.router + "/bana/admin/agents", headers=AUTH, timeout=60).json()["agents"]
     }
     assert set(agents) == {"prefill-1", "decode-0"}  # prefill-0 has no agent_port in the spec
     src = next(x for x in agents["prefill-1"]["migrations"] if x["migration"] == "cross-host")
@@ -338,7 +351,7 @@ def test_layer_weights_move_between_hosts(hosts):
     assert agents["prefill-1"]["transfer_session"].startswith(hosts.addr["c"] + ":")
     assert agents["decode-0"]["transfer_session"].startswith(hosts.addr["b"] + ":")
     assert (
-        httpx.delete(hosts.router + "/bana/admin/migrations/cross-host", timeout=60).status_code
+        httpx.delete(hosts.router + "/bana/admin/migrations/cross-host", headers=AUTH, timeout=60).status_code
         == 200
     )
 

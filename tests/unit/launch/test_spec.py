@@ -108,7 +108,9 @@ def test_node_plan_advertises_addresses_and_binds_only_its_own(tmp_path):
     # the migration agent where the spec asks for one, and the router knows it
     assert dict(a.workers[0].env)["BANA_AGENT_ENDPOINT"] == "tcp://10.9.0.1:30103"
     assert "http://10.9.0.1:30100=tcp://10.9.0.1:30103" in router
-    assert not b.workers[0].env
+    assert "BANA_AGENT_ENDPOINT" not in dict(b.workers[0].env)
+    # every worker requires the cluster's worker key (the bana router sends it)
+    assert all(dict(w.env)["BANA_WORKER_AUTH"] == "1" for w in (*a.workers, *b.workers))
 
 
 def test_single_machine_plan_gives_every_worker_an_agent():
@@ -255,7 +257,8 @@ def test_launcher_cli_errors(tmp_path):
 
 
 def test_a_spec_across_a_network_needs_the_same_secret_file_on_every_node(tmp_path):
-    path = write(tmp_path, two_hosts())
+    spec = two_hosts()
+    path = write(tmp_path, spec)
     env = {k: v for k, v in os.environ.items() if k != "BANA_CLUSTER_SECRET_FILE"}
 
     def run(*args: str) -> subprocess.CompletedProcess:
@@ -267,6 +270,11 @@ def test_a_spec_across_a_network_needs_the_same_secret_file_on_every_node(tmp_pa
             env=env,
         )
 
+    r = run()  # a router open to the network is refused first
+    assert r.returncode == 2 and "spans a network: set router.api_key_env" in r.stderr
+    spec["router"]["api_key_env"] = "BANA_API_KEY"
+    path = write(tmp_path, spec)
+    env["BANA_API_KEY"] = "a key for the router"
     r = run()
     assert r.returncode == 2 and "spans a network: give --cluster-secret-file" in r.stderr
     missing = tmp_path / "nowhere.secret"
