@@ -19,7 +19,13 @@ They speak the part of the PD contract a router depends on:
   first request ends 503 "External KV cache load failed", as a prefill worker
   whose global-store load failed answers);
   ``loads_delay_s`` makes ``/v1/loads`` slow, as a CPU worker busy in a long
-  prefill is.
+  prefill is;
+- ``ids=True``: streams carry SGLang's token ids (``/generate``: cumulative
+  ``output_ids``, ``prompt_token_ids`` when asked; ``/v1/completions``: each
+  chunk's ``token_ids``, the first one's ``prompt_token_ids`` when
+  ``return_token_ids``), and the answer is a pure function of the ids so far
+  (:func:`next_token`), so a continuation from prompt + answer-so-far gives
+  exactly the rest of the answer, as greedy decoding does.
 
 Rooms are shared by the fakes of one process. ``python -m bench.fake_pd``
 runs a prefill and a decode fake as a separate process (benchmarks).
@@ -45,6 +51,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def next_token(ids: list[int]) -> int:
+    """The fakes' "greedy model": the next token of a sequence (``ids=True``)."""
+    return (sum(ids) * 31 + len(ids)) % 997
+
+
+def fake_answer(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt) :]
+
+
+def _prompt_ids(body: dict, path: str) -> list[int]:
+    v = body.get("input_ids") if path == "/generate" else body.get("prompt")
+    if isinstance(v, list) and all(type(x) is int for x in v):
+        return list(v)
+    text = str(body.get("text") if path == "/generate" else v)
+    return [1, *text.encode()]  # as a tokenizer with a BOS would
+
+
 def _answer(payload: dict):
     async def handler(request: web.Request) -> web.Response:
         return web.json_response(payload)
@@ -68,6 +94,7 @@ class FakeWorker:
         prefill_delay_s: float = 0.0,
         loads_delay_s: float = 0.0,
         kv_wait_s: float = 30.0,
+        ids: bool = False,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
@@ -82,6 +109,7 @@ class FakeWorker:
         )
         self.loads_delay_s = loads_delay_s  # a busy worker answers /v1/loads late
         self.kv_wait_s = kv_wait_s  # decode: how long to wait for the prefill's KV before a 500
+        self.ids = ids  # streams carry token ids (see the module doc)
         self.bodies: list[dict] = []
         self.runner: web.AppRunner | None = None
 
@@ -178,8 +206,55 @@ class FakeWorker:
             )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if self.ids:
+            return await self._stream_ids(request, resp, body)
         for i in range(self.chunks):
             await resp.write(f"data: {json.dumps({'i': i})}\n\n".encode())
+            await asyncio.sleep(self.chunk_delay_s)
+            if self.mode == "break_stream" and i == 1:
+                request.transport.close()
+                return resp
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+    async def _stream_ids(
+        self, request: web.Request, resp: web.StreamResponse, body: dict
+    ) -> web.StreamResponse:
+        path = request.path
+        prompt = _prompt_ids(body, path)
+        if path == "/generate":
+            n = (body.get("sampling_params") or {}).get("max_new_tokens", 128)
+        else:
+            n = body.get("max_tokens") or 16
+        answer = fake_answer(prompt, n)
+        for i, tok in enumerate(answer):
+            last = i == len(answer) - 1
+            if path == "/generate":
+                ev: dict = {
+                    "text": "".join(f" {t}" for t in answer[: i + 1]),
+                    "output_ids": answer[: i + 1],
+                    "meta_info": {
+                        "id": "fake",
+                        "prompt_tokens": len(prompt),
+                        "completion_tokens": i + 1,
+                        "finish_reason": {"type": "length", "length": n} if last else None,
+                    },
+                }
+                if body.get("return_prompt_token_ids"):
+                    ev["prompt_token_ids"] = prompt
+            else:
+                choice: dict = {
+                    "index": 0,
+                    "text": f" {tok}",
+                    "finish_reason": "length" if last else None,
+                }
+                if body.get("return_token_ids"):
+                    choice["token_ids"] = [tok]
+                    if i == 0:
+                        choice["prompt_token_ids"] = prompt
+                ev = {"id": "cmpl-fake", "object": "text_completion", "choices": [choice]}
+            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
             await asyncio.sleep(self.chunk_delay_s)
             if self.mode == "break_stream" and i == 1:
                 request.transport.close()

@@ -1,4 +1,5 @@
-"""The router's half of live request migration: continue a handed-off stream.
+"""The router's half of live request migration: continue a handed-off stream;
+and of a decode worker's death: resume its streams elsewhere.
 
 A decode worker that stopped a migratable request (:mod:`bana_sglang.migrate.requests.handler`)
 leaves its stream with the handoff mark; :class:`~.splice.Splicer` sees it, and
@@ -6,6 +7,10 @@ leaves its stream with the handoff mark; :class:`~.splice.Splicer` sees it, and
 tokens, waits briefly for the global index to list its pages, and opens the
 continuation on another pair (the migration's peer when it is healthy). The
 relay in :mod:`.server` then goes on with the new upstream.
+
+When a decode worker dies mid-stream, :meth:`ContinuationMixin._resume` opens the
+same kind of continuation from what the router itself relayed (the Splicer keeps
+the prompt's and the answer's token ids), so the client reads one answer.
 """
 
 from __future__ import annotations
@@ -76,6 +81,36 @@ class ContinuationMixin:
             splice.done_tokens,
             up.d.url,
             1e3 * stall,
+        )
+        return nxt
+
+    async def _resume(self, splice: Splicer, up: Upstream, route: RouteRequest) -> Upstream | None:
+        """The decode worker ``up.d`` died mid-stream: continue the stream on another
+        pair from the prompt and the answer the client has seen (the prompt's pages
+        come from the global store). None when it cannot be resumed exactly (a chat
+        stream, say) or no pair could take it: the client then gets an error event."""
+        cont = splice.resume()
+        if cont is None:
+            self.metrics.stream_resumes.labels("not_resumable").inc()
+            return None
+        t0 = time.perf_counter()
+        path, body = cont
+        ids = body.get("input_ids") or body.get("prompt")
+        nroute = await self._route_request(ids, splice.tokens_left())
+        nxt = await self._open_stream(path, body, nroute, avoid_d=frozenset({up.d.url}))
+        if not isinstance(nxt, Upstream):
+            why = nxt if isinstance(nxt, str) else f"refused ({nxt.status})"
+            logger.warning("could not resume a stream of %s: %s", up.d.url, why)
+            self.metrics.stream_resumes.labels("failed").inc()
+            return None
+        self.metrics.stream_resumes.labels("resumed").inc()
+        logger.info(
+            "a stream of %s resumed on %s (via %s) after %d answer tokens in %.0f ms",
+            up.d.url,
+            nxt.d.url,
+            nxt.p.url,
+            splice.done_tokens,
+            1e3 * (time.perf_counter() - t0),
         )
         return nxt
 

@@ -461,14 +461,18 @@ class PDDispatchMixin:
         label: str,
         t0: float,
     ) -> web.StreamResponse:
+        # A stream that a continuation can carry on exactly is watched event by event
+        # (a Splicer): to move it between decode workers (request migration, when the
+        # workers have agents) and to resume it elsewhere if its decode worker dies.
         splice = None
-        if self.cfg.request_migration and self.admin.agents:
-            why = unmigratable_reason(label, body)
-            if why is None:
+        why = unmigratable_reason(label, body)
+        if why is None:
+            if self.cfg.request_migration and self.admin.agents:
                 body = mark(body, self._rooms)
-                splice = Splicer(label, body)
-            else:
-                self.metrics.unmigratable.labels(why.split(":", 1)[0]).inc()
+            splice = Splicer(label, body)
+            body = splice.body
+        elif self.cfg.request_migration and self.admin.agents:
+            self.metrics.unmigratable.labels(why.split(":", 1)[0]).inc()
         up = await self._open_stream(path, body, route)
         if isinstance(up, web.Response):
             self._count(label, up.status, t0)
@@ -503,6 +507,7 @@ class PDDispatchMixin:
                             break
                         up, chunk = nxt, nxt.first
                         continue
+                why = None
                 try:
                     chunk = await up.resp.content.readany()
                 except (
@@ -512,10 +517,18 @@ class PDDispatchMixin:
                     ConnectionError,
                 ) as e:
                     why = f"decode worker {up.d.url} failed mid-stream: {type(e).__name__}"
-                    logger.warning("%s", why)
-                    self.metrics.stream_errors.inc()
                     if not isinstance(e, asyncio.TimeoutError):
                         self._fail(up.d, why)
+                if why is None and not chunk and splice is not None and not splice.done:
+                    why = f"decode worker {up.d.url} ended the stream before its end"
+                if why is not None:
+                    logger.warning("%s", why)
+                    nxt = await self._resume(splice, up, route) if splice is not None else None
+                    if nxt is not None:
+                        up.finish(drained=False)
+                        up, chunk = nxt, nxt.first
+                        continue
+                    self.metrics.stream_errors.inc()
                     await out.write(sse_error(why))
                     break
                 if not chunk:

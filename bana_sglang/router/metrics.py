@@ -98,6 +98,14 @@ class RouterMetrics:
             buckets=_FAST,
             registry=r,
         )
+        self.stream_resumes = Counter(
+            "bana_router_stream_resumes_total",
+            "Streams whose decode worker failed mid-answer, by result: resumed on another "
+            "pair, failed (no pair could take it), not_resumable (a chat stream, or nothing "
+            "left to resume)",
+            ["result"],
+            registry=r,
+        )
         self.request_migrations = Counter(
             "bana_router_request_migrations_total",
             "Streams whose request moved to another decode worker, by outcome "

@@ -108,10 +108,39 @@ def mark(body: dict, rng: random.Random) -> dict:
     return dict(body, rid=f"{PREFIX}{rng.getrandbits(64):016x}")
 
 
+def _int_list(v: object) -> bool:
+    return isinstance(v, list) and all(type(x) is int for x in v)
+
+
 class Splicer:
-    """Event-level view of one migratable stream (see the module doc)."""
+    """Event-level view of one migratable stream (see the module doc).
+
+    It also keeps what a *resume* needs (:meth:`resume`): when the stream's decode
+    worker dies mid-answer, the router continues it elsewhere from the prompt's
+    token ids and the answer's so far. ``/generate`` and ``/v1/completions`` streams
+    are resumable: their prompt ids are the body's ``input_ids``, or SGLang returns
+    them (``return_prompt_token_ids`` / ``return_token_ids``, asked for here and
+    taken out of the events unless the client asked), and the answer's ids come
+    with every event. A chat stream is not: SGLang 0.5.23 returns no token ids in a
+    streamed chat answer, and ids re-made from its text need not be the ones sampled.
+    """
 
     def __init__(self, label: str, body: dict):
+        body = dict(body)
+        self._strip: tuple[str, ...] = ()
+        self.prompt_ids: list[int] | None = None  # the client's prompt, in token ids
+        self.answer_ids: list[int] = []  # /v1/completions: the answer's ids relayed so far
+        self.done = False  # [DONE] relayed: the stream ended as it should
+        self.resumable = label in ("generate", "completions")
+        if label == "generate":
+            if _int_list(body.get("input_ids")):
+                self.prompt_ids = list(body["input_ids"])
+            elif not body.get("return_prompt_token_ids"):
+                body["return_prompt_token_ids"] = True
+                self._strip = ("prompt_token_ids",)
+        elif label == "completions" and not body.get("return_token_ids"):
+            body["return_token_ids"] = True
+            self._strip = ("token_ids", "prompt_token_ids")
         self.label, self.body = label, body
         self._buf = b""
         self.migrated: str | None = None  # migration id, once the current upstream handed off
@@ -152,7 +181,10 @@ class Splicer:
         return rest
 
     def _event(self, ev: bytes) -> bytes | None:
-        if not ev.startswith(b"data:") or ev.startswith(_DONE):
+        if ev.startswith(_DONE):
+            self.done = True
+            return ev
+        if not ev.startswith(b"data:"):
             return ev
         try:
             obj = orjson.loads(ev[5:])
@@ -161,6 +193,7 @@ class Splicer:
         if not isinstance(obj, dict) or "error" in obj:
             return ev
         migration = self._migration_of(obj) if MARK.encode() in ev else None
+        self._take_ids(obj)
         if self.label == "generate":
             obj = self._generate_event(obj)
             if migration is not None:
@@ -177,6 +210,38 @@ class Splicer:
             if not any(_delta_text(c, self.label) for c in obj.get("choices") or []):
                 return None
         return b"data: " + orjson.dumps(obj)
+
+    def _take_ids(self, obj: dict) -> None:
+        """Keep the prompt's and the answer's token ids of an event; take out the ones
+        the client did not ask for."""
+        if self.label == "generate":
+            pt = obj.pop("prompt_token_ids", None) if self._strip else obj.get("prompt_token_ids")
+            if self.prompt_ids is None and _int_list(pt):
+                self.prompt_ids = list(pt)
+            return
+        if self.label != "completions":
+            return
+        for c in obj.get("choices") or []:
+            if not isinstance(c, dict):
+                continue
+            get = c.pop if self._strip else c.get
+            pt, ids = get("prompt_token_ids", None), get("token_ids", None)
+            if self.prompt_ids is None and not self._cont and _int_list(pt):
+                self.prompt_ids = list(pt)
+            if _int_list(ids):
+                self.answer_ids.extend(ids)
+
+    def resume(self) -> tuple[str, dict] | None:
+        """The request that continues this stream after its decode worker died, from
+        the prompt and the answer the client has seen: (path, body), or None when
+        this stream cannot be resumed exactly."""
+        if not self.resumable or self.prompt_ids is None or self.done:
+            return None
+        left = self.tokens_left()
+        if left is not None and left <= 0:
+            return None  # every token is out; only the end was lost
+        answer = self.seen_ids if self.label == "generate" else self.answer_ids
+        return self.continuation(self.prompt_ids, list(answer))
 
     def _migration_of(self, obj: dict) -> str | None:
         if self.label == "generate":
@@ -257,7 +322,8 @@ class Splicer:
         self._buf = b""
         self._cont = True
         self.moves += 1
-        rid = f"{self.body['rid']}-c{self.moves}"
+        rid = self.body.get("rid")
+        rid = f"{rid}-c{self.moves}" if rid else None
         all_ids = list(input_ids) + list(output_ids)
         left = self.tokens_left()
         if self.label == "generate":
@@ -270,9 +336,16 @@ class Splicer:
                 for k, v in self.body.items()
                 if k not in ("text", "input_ids", "sampling_params")
             }
-            return "/generate", dict(body, input_ids=all_ids, sampling_params=sp, rid=rid)
+            body = dict(body, input_ids=all_ids, sampling_params=sp)
+            # the continuation's prompt ids are not the client's (those are known by now)
+            body.pop("return_prompt_token_ids", None)
+            return "/generate", dict(body, rid=rid) if rid else body
         body = {k: v for k, v in self.body.items() if k not in _CHAT_ONLY and k != "prompt"}
-        body.update(prompt=all_ids, rid=rid, stream=True)
+        body.update(prompt=all_ids, stream=True)
+        if rid:
+            body["rid"] = rid
+        if self.resumable:  # a resumed stream stays resumable: its answer's ids keep coming
+            body["return_token_ids"] = True
         if left is not None:
             body["max_tokens"] = max(1, left)
         return "/v1/completions", body

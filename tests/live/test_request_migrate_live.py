@@ -15,6 +15,7 @@ tokens or a hang.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 from support.cluster import launched_cluster
 from support.migrate import KEY, agents, cli, counter, generate, pid_of, prompts_of, wait_state
@@ -236,16 +238,79 @@ def test_bad_request_migrations_are_refused_with_the_reason(cluster):
     assert out.returncode == 1 and "can move" in out.stdout, out.stdout + out.stderr
 
 
+def kill_worker(url: str) -> int:
+    """SIGKILL a whole SGLang worker (its HTTP server and every child) by its URL's port."""
+    port = url.rstrip("/").rsplit(":", 1)[1]
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if (
+            "sglang.launch_server" in cmd
+            and "--port" in cmd
+            and cmd[cmd.index("--port") + 1] == port
+        ):
+            tree = [proc, *proc.children(recursive=True)]
+            for p in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            return len(tree)
+    raise AssertionError(f"no SGLang worker serves {url}")
+
+
+def completion_text(url: str, ids: list[int], n: int) -> str:
+    body = {"prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=body, headers=H, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_streams_of_a_decode_worker_that_dies_go_on_elsewhere(cluster, single_server):
+    """SIGKILL of a whole decode worker while streams run on both: the router resumes
+    each of its streams on the other decode worker from the prompt and the tokens it
+    already relayed, so every client reads one unbroken answer with a plain run's
+    tokens (``/generate``) or text (``/v1/completions``). Then the next test, with
+    that worker still dead."""
+    gens = prompts_of(61, 4, base=40, step=20)
+    want = [generate(single_server, ids, NEW, ignore_eos=True) for ids in gens]
+    comps = prompts_of(71, 2, base=50, step=20)
+    want_text = [completion_text(single_server, ids, NEW) for ids in comps]
+    streams = [Stream(cluster.url, "/generate", gen_body(ids)) for ids in gens]
+    streams += [
+        Stream(
+            cluster.url,
+            "/v1/completions",
+            {"prompt": ids, "max_tokens": NEW, "temperature": 0, "ignore_eos": True},
+        )
+        for ids in comps
+    ]
+    victim = "decode-1"
+    movable(cluster, worker=victim, n=1)  # it is decoding some of them
+    url = agents(cluster)[victim]["url"]
+    assert kill_worker(url) >= 2
+    got = [s.join() for s in streams]
+    for events, w in zip(got[: len(gens)], want, strict=True):
+        assert events[-1] == "[DONE]" and "error" not in events[-2], events[-3:]
+        assert events[-2]["output_ids"] == w  # the plain run's tokens, resumed or not
+        assert "prompt_token_ids" not in events[-2]
+    for events, w in zip(got[len(gens) :], want_text, strict=True):
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+        text = "".join(c["text"] for e in events[:-1] for c in e.get("choices", []))
+        assert text == w
+        assert not any("token_ids" in c for e in events[:-1] for c in e.get("choices", []))
+    assert router_counter(cluster, 'bana_router_stream_resumes_total{result="resumed"}') >= 1
+    assert router_counter(cluster, "bana_router_stream_errors_total") == 0
+
+
 def test_with_no_decode_worker_to_take_it_the_client_gets_a_prefix_and_an_error(
     cluster, single_server
 ):
-    """Last: it kills a decode worker. The request is stopped on the survivor,
+    """Last: decode-1 is dead (killed here if the test before did not). The request is stopped on the survivor,
     the continuation has nowhere to go: the stream ends with an error event
     after tokens that are a prefix of the plain run's, and the survivor serves on."""
     ids = prompts_of(51, 1, base=50)[0]
     want = generate(single_server, ids, NEW, ignore_eos=True)
     victim = "decode-1"
-    os.kill(pid_of(cluster, victim), signal.SIGKILL)
+    if httpx.get(cluster.url + "/health", headers=H, timeout=30).json()["healthy_decode"] == 2:
+        os.kill(pid_of(cluster, victim), signal.SIGKILL)  # unless the test before killed it
     deadline = time.monotonic() + 60
     while (
         httpx.get(cluster.url + "/health", headers=H, timeout=30).json()["healthy_decode"] != 1

@@ -198,10 +198,12 @@ def test_generate_never_5xx(router_url, body):
     check(send(router_url, "/generate", body))
 
 
-def test_n_choices_are_numbered_and_a_streamed_n_is_refused_by_name(router_url):
+def test_n_choices_are_numbered_and_n_with_a_prompt_list_is_refused_by_name(router_url):
     r = send(router_url, "/v1/completions", {"prompt": "hi", "n": 3, "max_tokens": 2})
     assert r.status_code == 200, r.text
     r = send(router_url, "/v1/completions", {"prompt": "hi", "n": 2, "stream": True})
+    assert r.status_code == 200 and r.text.count("data: [DONE]") == 1, r.text
+    r = send(router_url, "/v1/completions", {"prompt": ["a", "b"], "n": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     for bad, field in (
         ({"prompt": [1, "a"]}, "prompt[1]"),
