@@ -69,8 +69,8 @@ class WorkerHandles:
                 "the model is on a GPU, where remote layers and KV blocks are not run yet: a "
                 "switch would leave captured CUDA graphs replaying freed weights, and the "
                 "guest and host run the bana_cpu kernels (weight staging with a device "
-                "checksum and the partial-attention kernels are built and checked on a GPU; "
-                "docs/MIGRATION.md, On GPUs)"
+                "checksum and the partial-attention kernels are built, their GPU tests "
+                "prepared; docs/MIGRATION.md, On GPUs)"
             )
         return ""
 
