@@ -101,6 +101,11 @@ class RoutingPolicy(abc.ABC):
     """Base class. ``name`` is the registry key."""
 
     name: str = "base"
+    #: what the policy reads of a request beyond its size: its page hashes (prefix
+    #: affinity), the global index's cached tokens. The live router computes only what
+    #: the policy reads: hashing a long prompt and asking the index cost CPU per request.
+    reads_page_hashes: bool = False
+    reads_global_index: bool = False
 
     def __init__(
         self,
@@ -163,6 +168,7 @@ class BanaPolicy(RoutingPolicy):
     tokens (the second term is worker-independent, so placement never matters);
     ties broken by running requests, then busy fraction, then a rotating cursor."""
 
+    reads_global_index = True
     name = "bana"
 
     def __init__(self, **kw) -> None:
@@ -252,6 +258,7 @@ class CacheAwarePolicy(RoutingPolicy):
     chosen worker's tree gets the request's pages (decode uses the default).
     """
 
+    reads_page_hashes = True
     name = "cache_aware"
 
     def __init__(self, *, config: CacheAwareConfig | None = None, **kw) -> None:
@@ -293,6 +300,7 @@ class GlobalCacheAwarePolicy(RoutingPolicy):
     worker's own cache or be fetched from the global store at a transfer cost;
     pick the minimum. ``global_store=False`` gives the local-cache-aware variant."""
 
+    reads_page_hashes = True
     name = "global_cache_aware"
 
     def __init__(self, *, global_store: bool = True, **kw) -> None:

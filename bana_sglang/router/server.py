@@ -332,16 +332,23 @@ class Router(PDDispatchMixin, ContinuationMixin):
         awaited: no policy's choice of worker depends on it (the bana policy's uncached
         term is the same for every worker), only the chosen prefill worker's in-flight
         count does, which the answer corrects when it comes (:meth:`_charge_prefill`).
-        So the lookup's round trip is never on a request's critical path."""
+        So the lookup's round trip is never on a request's critical path. A policy that
+        does not read it (``reads_global_index``) gets no lookup, and one that does not
+        read page hashes gets none computed."""
         route = RouteRequest(
             request_id=RequestId(f"r{self._rooms.getrandbits(32):08x}"),
             num_tokens=max(1, len(ids)),
-            page_hashes=self.prompts.page_hashes(ids),
+            page_hashes=self.prompts.page_hashes(ids) if self.policy.reads_page_hashes else (),
             max_new_tokens=max_new or 0,
             page_size=self.prompts.page_tokens,
         )
         gi = self.global_index
-        if gi is not None and self.prompts.exact and len(ids) >= gi.page_size:
+        if (
+            gi is not None
+            and self.policy.reads_global_index
+            and self.prompts.exact
+            and len(ids) >= gi.page_size
+        ):
             self._lookups[route.request_id] = asyncio.ensure_future(gi.cached_tokens(ids))
             while len(self._lookups) > _LOOKUPS_KEPT:
                 self._lookups.pop(next(iter(self._lookups)))
