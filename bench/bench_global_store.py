@@ -261,7 +261,11 @@ def plot(arms: Sequence[ArmResult], inf_hit: float, out: Path) -> Path | None:
     ax1.tick_params(axis="x", labelsize=7)
     for a in arms:
         recs = [json.loads(x) for x in (out / f"{a.name}.records.jsonl").read_text().splitlines()]
-        ttfts = sorted(r["ttft"] for r in recs if r.get("ttft") is not None)
+        ttfts = sorted(
+            r["first_token_s"] - r["send_s"]
+            for r in recs
+            if r.get("ok") and r.get("first_token_s") is not None
+        )
         if ttfts:
             ax2.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=a.name)
     ax2.set_xlabel("TTFT (s)")
@@ -356,9 +360,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     text = report(results, inf, wl, command.strip())
     pic = plot(results, inf, out)
-    if pic:
-        text += f"\n\n![hit rates and TTFT]({pic.relative_to(ROOT)})"
-    (out / "report.md").write_text(text + "\n")
+    # the picture as each document sees it: the run's report.md beside it, RESULTS.md in docs/
+    here = f"\n\n![hit rates and TTFT]({pic.name})" if pic else ""
+    in_docs = f"\n\n![hit rates and TTFT](../{pic.relative_to(ROOT)})" if pic else ""
+    (out / "report.md").write_text(text + here + "\n")
     (out / "summary.json").write_text(
         json.dumps(
             dict(
@@ -378,9 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             default=str,
         )
     )
-    print(text)
+    print(text + here)
     if args.write_results:
-        write_results_section("Global KV store", "Global KV store", text)
+        write_results_section("Global KV store", "Global KV store", text + in_docs)
     return 0 if len(results) == len(arms) else 1
 
 

@@ -11,8 +11,9 @@ for a prefill and a decode worker, adds SGLang's bootstrap fields
 63-bit ``bootstrap_room``) and sends the same body to both at once, as SGLang's
 PD routers do. The client gets the decode worker's answer; a stream is relayed
 chunk by chunk as it arrives. That part lives in :mod:`.dispatch`; request
-migration's continuation in :mod:`.continuation`; this module holds the app,
-its endpoints and the request checks.
+migration's continuation and a dead decode worker's resumed streams in
+:mod:`.continuation`; ``n > 1`` choices in :mod:`.choices`; this module holds the
+app, its endpoints and the request checks.
 
 **Prompt-only requests** (``/generate`` with ``max_new_tokens: 0``: what the
 frontend's ``select``/``choices`` send) go to one prefill worker alone, with
@@ -22,8 +23,10 @@ windows fixed (:mod:`.generate`).
 **Faults.** Before the first byte reaches the client nothing is committed: a
 worker that refuses the connection or answers 5xx is marked down and the
 request is retried on another pair (at most ``max_attempts`` times). After the
-first byte a failure ends the stream with an OpenAI-style error event and
-``[DONE]``; it never hangs (``read_timeout_s`` bounds silence). 4xx answers of
+first byte a decode worker's failure resumes a ``/generate`` or completions
+stream on another pair (:mod:`.continuation`); any other failure ends the stream
+with an OpenAI-style error event and ``[DONE]``; it never hangs
+(``read_timeout_s`` bounds silence). 4xx answers of
 a worker are the client's problem and are passed through unchanged.
 
 **Requests are checked** before routing: JSON object bodies only (400), body
@@ -47,16 +50,16 @@ from aiohttp import web
 
 from bana_sglang.router.admin import AdminAPI
 from bana_sglang.router.bodies import GenerateItem, generate_item, openai_view
+from bana_sglang.router.choices import ChoicesMixin
 from bana_sglang.router.config import RouterConfig
 from bana_sglang.router.continuation import ContinuationMixin
 from bana_sglang.router.dispatch import PDDispatchMixin
-from bana_sglang.router.errors import error_body, error_response
+from bana_sglang.router.errors import error_response
 from bana_sglang.router.generate import split_generate
 from bana_sglang.router.metrics import RouterMetrics
 from bana_sglang.router.monitor import WorkerMonitor
 from bana_sglang.router.policy import RouteRequest, get_policy
 from bana_sglang.router.requests import BadRequest, PromptView
-from bana_sglang.router.upstream import Upstream
 from bana_sglang.router.workers import Worker
 from bana_sglang.types import RequestId, Tier
 from bana_sglang.wire import security
@@ -66,7 +69,7 @@ logger = logging.getLogger(__name__)
 _JSON = "application/json"
 
 
-class Router(PDDispatchMixin, ContinuationMixin):
+class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin):
     """State and handlers of one router process."""
 
     def __init__(self, cfg: RouterConfig):
@@ -399,143 +402,6 @@ class Router(PDDispatchMixin, ContinuationMixin):
             merge_logprobs=False,
         )
 
-    @staticmethod
-    def _choice_body(body: dict, i: int) -> dict:
-        """Choice ``i`` of an ``n > 1`` request: one choice, and with a ``seed``, seed + i."""
-        b = dict(body, n=1)
-        seed = body.get("seed")
-        if isinstance(seed, int) and not isinstance(seed, bool):
-            b["seed"] = seed + i
-        return b
-
-    async def _fan_out(
-        self, path: str, body: dict, route: RouteRequest, label: str, t0: float, n: int
-    ) -> web.Response:
-        """``n`` choices as OpenAI gives them: ``n`` PD requests of one choice each (each
-        with its own bootstrap room; with a ``seed``, choice i samples with seed + i), their
-        choices numbered 0..n-1 in one answer, usage summed over the completions."""
-        results = await asyncio.gather(
-            *(
-                self._pd_once_json(path, self._choice_body(body, i), route, merge_logprobs=False)
-                for i in range(n)
-            )
-        )
-        bad = next(((st, data) for st, data in results if st != 200), None)
-        if bad is not None:
-            self._count(label, bad[0], t0)
-            return web.Response(status=bad[0], body=bad[1], content_type=_JSON)
-        answers = [orjson.loads(data) for _, data in results]
-        merged = dict(answers[0])
-        merged["choices"] = [
-            dict(c, index=i) for i, a in enumerate(answers) for c in (a.get("choices") or [])[:1]
-        ]
-        usage = [a.get("usage") or {} for a in answers]
-        if all(usage):
-            completion = sum(int(u.get("completion_tokens") or 0) for u in usage)
-            prompt_tokens = int(usage[0].get("prompt_tokens") or 0)
-            merged["usage"] = dict(
-                usage[0],
-                completion_tokens=completion,
-                total_tokens=prompt_tokens + completion,
-            )
-        self._count(label, 200, t0)
-        return web.Response(body=orjson.dumps(merged), content_type=_JSON)
-
-    async def _fan_out_stream(
-        self,
-        request: web.Request,
-        path: str,
-        body: dict,
-        route: RouteRequest,
-        label: str,
-        t0: float,
-        n: int,
-    ) -> web.StreamResponse:
-        """``n`` streamed choices as OpenAI streams them: ``n`` streamed PD requests of one
-        choice each (as :meth:`_fan_out`), their events interleaved as they come in one
-        stream, each choice's ``index`` its number, one usage event (summed) and one
-        ``[DONE]`` at the end. A choice whose decode worker fails mid-stream ends with an
-        error event naming it; the others go on."""
-        opened = await asyncio.gather(
-            *(self._open_stream(path, self._choice_body(body, i), route) for i in range(n))
-        )
-        ups = [u for u in opened if isinstance(u, Upstream)]
-        bad = next((u for u in opened if not isinstance(u, Upstream)), None)
-        if bad is not None:  # nothing was sent to the client yet: answer as one request
-            for u in ups:
-                u.finish(drained=False)
-            if isinstance(bad, web.Response):
-                self._count(label, bad.status, t0)
-                return bad
-            self._count(label, 502, t0)
-            return error_response(502, f"no worker pair could serve the request: {bad}")
-        out = web.StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-            },
-        )
-        events: asyncio.Queue = asyncio.Queue()
-        usage: list[dict] = []
-
-        async def pump(i: int, up: Upstream) -> None:
-            buf, chunk = b"", up.first
-            try:
-                while chunk:
-                    buf += chunk
-                    *whole, buf = buf.split(b"\n\n")
-                    for ev in whole:
-                        fwd = _choice_event(ev, i, usage)
-                        if fwd is not None:
-                            await events.put(fwd)
-                    chunk = await up.resp.content.readany()
-                up.drained = True
-            except (
-                TimeoutError,
-                aiohttp.ClientPayloadError,
-                aiohttp.ClientConnectionError,
-                ConnectionError,
-            ) as e:
-                why = f"choice {i}: decode worker {up.d.url} failed mid-stream: {type(e).__name__}"
-                logger.warning("%s", why)
-                self.metrics.stream_errors.inc()
-                if not isinstance(e, asyncio.TimeoutError):
-                    self._fail(up.d, why)
-                await events.put(b"data: " + error_body(502, why))
-            finally:
-                up.finish(drained=up.drained)
-
-        tasks = [asyncio.create_task(pump(i, u)) for i, u in enumerate(ups)]
-        done = asyncio.gather(*tasks)
-        try:
-            await out.prepare(request)
-            self.metrics.ttfb_seconds.labels(label).observe(time.perf_counter() - t0)
-            while not (done.done() and events.empty()):
-                get = asyncio.ensure_future(events.get())
-                await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
-                    get.cancel()
-                    continue
-                await out.write(get.result() + b"\n\n")
-            if usage:
-                await out.write(b"data: " + orjson.dumps(_summed_usage(usage)) + b"\n\n")
-            await out.write(b"data: [DONE]\n\n")
-            await out.write_eof()
-        except (ConnectionResetError, asyncio.CancelledError):
-            logger.info("client went away; aborting its %d choices", n)
-            for u in ups:
-                u.p_task.cancel()
-            raise
-        finally:
-            for t in tasks:
-                t.cancel()
-            for u in ups:
-                u.finish(drained=u.drained)
-        self._count(label, 200, t0)
-        return out
-
     # ------------------------------------------------------------------ /generate
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -612,46 +478,6 @@ class Router(PDDispatchMixin, ContinuationMixin):
     def _count(self, label: str, status: int, t0: float) -> None:
         self.metrics.requests.labels(label, str(status)).inc()
         self.metrics.e2e_seconds.labels(label).observe(time.perf_counter() - t0)
-
-
-def _choice_event(ev: bytes, i: int, usage: list[dict]) -> bytes | None:
-    """One event of choice ``i``'s stream as the client of an ``n > 1`` stream reads it:
-    its choices numbered ``i``; a usage-only event kept back (summed at the end); its
-    ``[DONE]`` dropped (one comes at the end)."""
-    ev = ev.strip()
-    if not ev or ev.startswith(b"data: [DONE]"):
-        return None
-    if not ev.startswith(b"data:"):
-        return ev
-    try:
-        obj = orjson.loads(ev[5:])
-    except orjson.JSONDecodeError:
-        return ev
-    if not isinstance(obj, dict):
-        return ev
-    choices = obj.get("choices")
-    if isinstance(obj.get("usage"), dict):
-        usage.append(dict(obj, choices=[]))
-        del obj["usage"]
-        if not choices:
-            return None
-    if isinstance(choices, list):
-        for c in choices:
-            if isinstance(c, dict):
-                c["index"] = i
-    return b"data: " + orjson.dumps(obj)
-
-
-def _summed_usage(events: list[dict]) -> dict:
-    """The usage event of an ``n > 1`` stream: the first choice's, with the prompt
-    counted once and the completions summed (as OpenAI counts ``n`` choices)."""
-    usage = [e["usage"] for e in events]
-    completion = sum(int(u.get("completion_tokens") or 0) for u in usage)
-    prompt_tokens = int(usage[0].get("prompt_tokens") or 0)
-    return dict(
-        events[0],
-        usage=dict(usage[0], completion_tokens=completion, total_tokens=prompt_tokens + completion),
-    )
 
 
 #: texts shorter than this are tokenized on the event loop (a thread hop costs more)
