@@ -6,10 +6,12 @@ it) and first takes every prompt's tokens from the healthy cluster (greedy; the
 cluster's tokens equal a plain worker's, the suite's core test). Then, for each
 fault in ``--faults``:
 
-- ``--requests`` streamed greedy ``/generate`` requests start, spaced a little;
-- once a stream has tokens, the fault: SIGKILL of a whole process (a worker is
-  its HTTP server and every child), or ``stop-prefill`` (SIGSTOP of a prefill
-  worker for ``--stop-seconds``, then SIGCONT);
+- half of ``--requests`` streamed greedy ``/generate`` requests start, spaced a
+  little;
+- once they all stream (a decode fault) or the first has tokens (the others),
+  the fault: SIGKILL of a whole process (a worker is its HTTP server and every
+  child), or ``stop-prefill`` (SIGSTOP of a prefill worker for
+  ``--stop-seconds``, then SIGCONT); the other half is sent after it;
 - every stream is read to its end.
 
 Per fault: requests, failed (not 200, an error event, or no ``[DONE]``), wrong
@@ -126,6 +128,18 @@ def plain_tokens(url: str, ids: list[int], n: int) -> list[int]:
     return r.json()["output_ids"]
 
 
+def router_counts(url: str) -> dict[str, float]:
+    """The router's counters this benchmark reports: resumed streams, retried requests."""
+    text = httpx.get(url + "/metrics", headers=H, timeout=10).text
+    out = {"resumed": 0.0, "retried": 0.0}
+    for line in text.splitlines():
+        if line.startswith('bana_router_stream_resumes_total{result="resumed"}'):
+            out["resumed"] += float(line.split()[-1])
+        elif line.startswith("bana_router_retries_total{"):
+            out["retried"] += float(line.split()[-1])
+    return out
+
+
 def health(url: str) -> dict:
     try:
         return httpx.get(url + "/health", headers=H, timeout=5).json()
@@ -204,6 +218,7 @@ def run_fault(
     whole_timeout: float,
 ) -> dict:
     mark = len(launcher.lines)
+    counts0 = router_counts(url)
     role = "decode" if fault == "decode" else "prefill"
     half = max(1, len(prompts) // 2)
     streams = []
@@ -280,6 +295,7 @@ def run_fault(
         time.sleep(0.5)
     # and it serves the healthy cluster's tokens again
     after_ok = plain_tokens(url, prompts[0], n) == want[0]
+    counts = router_counts(url)
     return {
         "fault": fault,
         "victim": victim,
@@ -287,6 +303,8 @@ def run_fault(
         "failed": len(failed),
         "wrong": len(wrong),
         "errors": [s.error for s in failed][:3],
+        "resumed": int(counts["resumed"] - counts0["resumed"]),
+        "retried": int(counts["retried"] - counts0["retried"]),
         "slowest_s": round(slowest, 2),
         "whole_again_s": None if whole_s is None else round(whole_s, 1),
         "served_right_after": after_ok,
@@ -307,17 +325,22 @@ def report(rows: list[dict], args, when: str, machine: str) -> str:
         "",
         "2P2D, the global store, the bana router, the launcher's supervision on. Each row: a "
         f"burst of {args.requests} streamed greedy `/generate` requests ({args.tokens} tokens "
-        "each), the fault once every stream has tokens; *wrong* compares with the healthy "
-        "cluster's tokens; *whole again*: from the fault until `/health` is `ok` with every "
-        "worker healthy and the launcher restarted the part.",
+        "each); the fault once the first half of them are all streaming (a decode worker) or "
+        "once the first has tokens (the others), the second half sent after it; *wrong* "
+        "compares with the healthy cluster's tokens; *resumed* and *retried*: the router's "
+        "streams resumed on another decode worker and requests retried before their first "
+        "byte; *whole again*: from the fault until `/health` is `ok` with every worker "
+        "healthy and the launcher restarted what was killed.",
         "",
-        "| fault | requests | failed | wrong | slowest completion (s) | whole again (s) | right tokens after |",
-        "|---|---|---|---|---|---|---|",
+        "| fault | requests | failed | wrong | resumed | retried | slowest completion (s) "
+        "| whole again (s) | right tokens after |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         whole = "not within the timeout" if r["whole_again_s"] is None else f"{r['whole_again_s']}"
         lines.append(
             f"| {r['fault']} ({r['victim']}) | {r['requests']} | {r['failed']} | {r['wrong']} | "
+            f"{r['resumed']} | {r['retried']} | "
             f"{r['slowest_s']} | {whole} | {'yes' if r['served_right_after'] else 'NO'} |"
         )
     errs = [(r["fault"], e) for r in rows for e in r["errors"]]

@@ -217,7 +217,6 @@ class FakeWorker:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-
     async def _stream_ids(
         self, request: web.Request, resp: web.StreamResponse, body: dict
     ) -> web.StreamResponse:

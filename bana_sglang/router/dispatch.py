@@ -438,7 +438,7 @@ class PDDispatchMixin:
                     continue
                 culprit = await self._blame(p, p_task, e) if e.worker is d else e.worker
                 (tried_p if culprit is p else tried_d).add(culprit.id)
-                self._fail(culprit, culprit.down_reason if culprit is not d else e.reason)
+                self._fail(culprit, (culprit.down_reason if culprit is not d else "") or e.reason)
                 self.metrics.retries.labels(f"{culprit.tier.value}_failed").inc()
                 last = str(e)
                 d.end(d_tok)
