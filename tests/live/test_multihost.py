@@ -334,15 +334,19 @@ def test_layer_weights_move_between_hosts(hosts):
     )
     assert r.status_code == 202, r.text
     deadline = time.monotonic() + 120
-    while (w := httpx.get(hosts.router + "/bana/admin/migrations/cross-host", headers=AUTH, timeout=60).json())[
-        "kind"
-    ] == "progress":
+    while (
+        w := httpx.get(
+            hosts.router + "/bana/admin/migrations/cross-host", headers=AUTH, timeout=60
+        ).json()
+    )["kind"] == "progress":
         assert time.monotonic() < deadline, w
         time.sleep(0.2)
     assert w["kind"] == "done" and w["state"] == "staged", w
     agents = {
         a["worker"]: a
-        for a in httpx.get(hosts.router + "/bana/admin/agents", headers=AUTH, timeout=60).json()["agents"]
+        for a in httpx.get(hosts.router + "/bana/admin/agents", headers=AUTH, timeout=60).json()[
+            "agents"
+        ]
     }
     assert set(agents) == {"prefill-1", "decode-0"}  # prefill-0 has no agent_port in the spec
     src = next(x for x in agents["prefill-1"]["migrations"] if x["migration"] == "cross-host")
@@ -351,7 +355,9 @@ def test_layer_weights_move_between_hosts(hosts):
     assert agents["prefill-1"]["transfer_session"].startswith(hosts.addr["c"] + ":")
     assert agents["decode-0"]["transfer_session"].startswith(hosts.addr["b"] + ":")
     assert (
-        httpx.delete(hosts.router + "/bana/admin/migrations/cross-host", headers=AUTH, timeout=60).status_code
+        httpx.delete(
+            hosts.router + "/bana/admin/migrations/cross-host", headers=AUTH, timeout=60
+        ).status_code
         == 200
     )
 
