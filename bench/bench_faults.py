@@ -303,12 +303,19 @@ def run_fault(
         "failed": len(failed),
         "wrong": len(wrong),
         "errors": [s.error for s in failed][:3],
+        "wrong_detail": [_diff(s.tokens, want_of[tuple(s.ids)]) for s in wrong][:3],
         "resumed": int(counts["resumed"] - counts0["resumed"]),
         "retried": int(counts["retried"] - counts0["retried"]),
         "slowest_s": round(slowest, 2),
         "whole_again_s": None if whole_s is None else round(whole_s, 1),
         "served_right_after": after_ok,
     }
+
+
+def _diff(got: list[int], want: list[int]) -> dict:
+    """Where a wrong answer leaves the right one."""
+    k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return {"first_diff": k, "got_len": len(got), "want_len": len(want), "got": got[k : k + 8]}
 
 
 def report(rows: list[dict], args, when: str, machine: str) -> str:

@@ -17,7 +17,9 @@ They speak the part of the PD contract a router depends on:
   ``kv_lost_once`` (decode: the first request ends 503 "KV blocks lost", as a
   decode worker whose KV-block host died answers), ``store_load_503_once`` (the
   first request ends 503 "External KV cache load failed", as a prefill worker
-  whose global-store load failed answers);
+  whose global-store load failed answers), ``abort_once`` (with ``ids``: the first
+  stream ends at once with an abort finish reason and no token, as SGLang streams a
+  request aborted before its first token);
   ``loads_delay_s`` makes ``/v1/loads`` slow, as a CPU worker busy in a long
   prefill is;
 - ``ids=True``: streams carry SGLang's token ids (``/generate``: cumulative
@@ -227,6 +229,15 @@ class FakeWorker:
         else:
             n = body.get("max_tokens") or 16
         answer = fake_answer(prompt, n)
+        if self.mode == "abort_once" and len(self.bodies) == 1:
+            # what SGLang streams for a request aborted before its first token
+            if path == "/generate":
+                fr = {"type": "abort", "message": "Aborted by AbortReq."}
+                ev0: dict = {"text": "", "output_ids": [], "meta_info": {"finish_reason": fr}}
+            else:
+                ev0 = {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}
+            await resp.write(b"data: " + json.dumps(ev0).encode() + b"\n\ndata: [DONE]\n\n")
+            return resp
         for i, tok in enumerate(answer):
             last = i == len(answer) - 1
             if path == "/generate":

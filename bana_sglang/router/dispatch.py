@@ -361,9 +361,11 @@ class PDDispatchMixin:
         last = "no worker"
         for attempt, (p, d) in enumerate(self._pairs(route, tried_p, tried_d, prefer_d=prefer_d)):
             if attempt and str(body.get("rid", "")).startswith(MIGRATABLE):
-                # a retry may meet the same worker while it still holds the first try: SGLang refuses a
-                # duplicate rid
-                body = dict(body, rid=f"{body['rid'].split('~')[0]}~{attempt}")
+                # A retry gets a rid of its own, sharing no prefix with the first try's: the
+                # worker may still hold the first try (SGLang refuses a duplicate rid), and
+                # SGLang aborts every request whose rid *starts with* an aborted one, so the
+                # first try's late abort would end the retry with an empty answer.
+                body = mark(body, self._rooms)
             bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
             resp: aiohttp.ClientResponse | None = None
             try:
@@ -494,6 +496,7 @@ class PDDispatchMixin:
             await out.prepare(request)
             self.metrics.ttfb_seconds.labels(label).observe(time.perf_counter() - t0)
             while True:
+                why = None
                 if splice is None:
                     await out.write(chunk)
                 else:
@@ -507,20 +510,22 @@ class PDDispatchMixin:
                             break
                         up, chunk = nxt, nxt.first
                         continue
-                why = None
-                try:
-                    chunk = await up.resp.content.readany()
-                except (
-                    TimeoutError,
-                    aiohttp.ClientPayloadError,
-                    aiohttp.ClientConnectionError,
-                    ConnectionError,
-                ) as e:
-                    why = f"decode worker {up.d.url} failed mid-stream: {type(e).__name__}"
-                    if not isinstance(e, asyncio.TimeoutError):
-                        self._fail(up.d, why)
-                if why is None and not chunk and splice is not None and not splice.done:
-                    why = f"decode worker {up.d.url} ended the stream before its end"
+                    if splice.aborted:
+                        why = f"decode worker {up.d.url} aborted the request"
+                if why is None:
+                    try:
+                        chunk = await up.resp.content.readany()
+                    except (
+                        TimeoutError,
+                        aiohttp.ClientPayloadError,
+                        aiohttp.ClientConnectionError,
+                        ConnectionError,
+                    ) as e:
+                        why = f"decode worker {up.d.url} failed mid-stream: {type(e).__name__}"
+                        if not isinstance(e, asyncio.TimeoutError):
+                            self._fail(up.d, why)
+                    if why is None and not chunk and splice is not None and not splice.done:
+                        why = f"decode worker {up.d.url} ended the stream before its end"
                 if why is not None:
                     logger.warning("%s", why)
                     nxt = await self._resume(splice, up, route) if splice is not None else None

@@ -18,6 +18,7 @@ is itself migratable, so a request can move any number of times.
 from __future__ import annotations
 
 import random
+import secrets
 
 import orjson
 
@@ -42,6 +43,7 @@ _CHAT_ONLY = (
     "input_ids",
 )
 _GENERATE_DEFAULT_MAX_NEW = 128  # SGLang's SamplingParams default
+MAX_RESUMES = 3  # continuations of one stream after failures (handoffs do not count)
 
 
 # Sampling fields whose effect a continuation (prompt + the answer so far, the
@@ -131,6 +133,8 @@ class Splicer:
         self.prompt_ids: list[int] | None = None  # the client's prompt, in token ids
         self.answer_ids: list[int] = []  # /v1/completions: the answer's ids relayed so far
         self.done = False  # [DONE] relayed: the stream ended as it should
+        self.aborted = False  # the upstream aborted the request (not a handoff): resume it
+        self.resumes = 0
         self.resumable = label in ("generate", "completions")
         if label == "generate":
             if _int_list(body.get("input_ids")):
@@ -165,7 +169,7 @@ class Splicer:
         Once the upstream handed off (``migrated`` set), the rest of it is dropped."""
         self._buf += chunk
         out: list[bytes] = []
-        while self.migrated is None:
+        while self.migrated is None and not self.aborted:
             i = self._buf.find(b"\n\n")
             if i < 0:
                 break
@@ -193,6 +197,12 @@ class Splicer:
         if not isinstance(obj, dict) or "error" in obj:
             return ev
         migration = self._migration_of(obj) if MARK.encode() in ev else None
+        if migration is None and self._is_abort(obj):
+            # SGLang ended the request (a failed KV transfer, an abort by rid): the client
+            # would read an answer cut short, so the rest of this upstream is dropped and
+            # the router resumes the stream from what the client has seen
+            self.aborted = True
+            return None
         self._take_ids(obj)
         if self.label == "generate":
             obj = self._generate_event(obj)
@@ -210,6 +220,15 @@ class Splicer:
             if not any(_delta_text(c, self.label) for c in obj.get("choices") or []):
                 return None
         return b"data: " + orjson.dumps(obj)
+
+    def _is_abort(self, obj: dict) -> bool:
+        if self.label == "generate":
+            fr = (obj.get("meta_info") or {}).get("finish_reason")
+            return isinstance(fr, dict) and fr.get("type") == "abort"
+        choices = obj.get("choices")
+        return isinstance(choices, list) and any(
+            isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices
+        )
 
     def _take_ids(self, obj: dict) -> None:
         """Keep the prompt's and the answer's token ids of an event; take out the ones
@@ -237,10 +256,13 @@ class Splicer:
         this stream cannot be resumed exactly."""
         if not self.resumable or self.prompt_ids is None or self.done:
             return None
+        if self.resumes >= MAX_RESUMES:  # a request that keeps failing is not chased forever
+            return None
         left = self.tokens_left()
         if left is not None and left <= 0:
             return None  # every token is out; only the end was lost
         answer = self.seen_ids if self.label == "generate" else self.answer_ids
+        self.resumes += 1
         return self.continuation(self.prompt_ids, list(answer))
 
     def _migration_of(self, obj: dict) -> str | None:
@@ -319,11 +341,13 @@ class Splicer:
         self.done_tokens = len(input_ids) + len(output_ids) - self.prompt_len
         self.prefix_text, self.prefix_ids = self.seen_text, list(self.seen_ids)
         self.migrated = None
+        self.aborted = False
         self._buf = b""
         self._cont = True
         self.moves += 1
-        rid = self.body.get("rid")
-        rid = f"{rid}-c{self.moves}" if rid else None
+        # a fresh rid, not one that extends the stopped request's: SGLang aborts every
+        # request whose rid starts with an aborted one
+        rid = f"{PREFIX}{secrets.randbits(64):016x}" if self.body.get("rid") else None
         all_ids = list(input_ids) + list(output_ids)
         left = self.tokens_left()
         if self.label == "generate":

@@ -68,7 +68,9 @@ def test_a_generate_stream_reads_as_one_answer_across_a_handoff():
     assert sp.migrated == "m1"
     path, cont = sp.continuation([1, 2, 3, 4, 5], [10, 11, 12])
     assert path == "/generate" and cont["input_ids"] == [1, 2, 3, 4, 5, 10, 11, 12]
-    assert cont["sampling_params"] == {"max_new_tokens": 7} and cont["rid"] == body["rid"] + "-c1"
+    assert cont["sampling_params"] == {"max_new_tokens": 7} and cont["rid"].startswith(PREFIX)
+    # SGLang aborts by rid prefix: the continuation's rid must not extend the stopped one's
+    assert not cont["rid"].startswith(body["rid"])
     assert "text" not in cont and sp.migrated is None
     second = (
         sse(gen_event("d", [13], prompt=8, rid="x"))
@@ -222,12 +224,14 @@ def test_a_request_can_move_twice():
         mark({"input_ids": [1], "stream": True, "sampling_params": {}}, random.Random(3)),
     )
     run(sp, sse(gen_event("a", [5], {"type": "abort", "matched": MARK + "m"}, prompt=1)))
-    sp.continuation([1], [5])
+    _, first = sp.continuation([1], [5])
     seen = run(sp, sse(gen_event("b", [6], {"type": "abort", "matched": MARK + "n"}, prompt=2)))
     assert seen == [] and sp.migrated == "n"
     path, cont = sp.continuation([1, 5], [6])
     assert cont["input_ids"] == [1, 5, 6] and cont["sampling_params"]["max_new_tokens"] == 128 - 2
-    assert cont["rid"].endswith("-c2")
+    # every continuation has a rid of its own, none a prefix of another (SGLang aborts by prefix)
+    rids = [sp.body["rid"], first["rid"], cont["rid"]]
+    assert len(set(rids)) == 3 and not any(a != b and b.startswith(a) for a in rids for b in rids)
     (last,) = run(sp, sse(gen_event("c", [7], {"type": "stop"}, prompt=3)))
     assert (
         last["text"] == "abc"

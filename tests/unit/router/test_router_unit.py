@@ -440,6 +440,30 @@ def test_a_stream_whose_decode_worker_dies_resumes_on_another_with_the_same_toke
     run(go())
 
 
+def test_a_stream_its_decode_worker_aborts_before_a_token_is_resumed_not_relayed():
+    """SGLang ends a request with an ``abort`` finish reason and no token (its KV
+    transfer failed, or an abort by rid prefix reached it): relayed, the client would
+    read an empty answer that looks finished. The router resumes the stream instead."""
+
+    async def go():
+        aborting = FakeWorker("decode", "abort_once", ids=True)
+        async with running(
+            [FakeWorker("prefill", ids=True)], [aborting, FakeWorker("decode", ids=True)]
+        ) as (router, c):
+            body = {
+                "input_ids": [9, 8, 7],
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 5},
+            }
+            while not aborting.bodies:
+                async with c.post("/generate", json=body) as r:
+                    events = _events(await r.text())
+                assert events[-1]["output_ids"] == fake_answer([9, 8, 7], 5), events
+            assert router.metrics.stream_resumes.labels("resumed")._value.get() == 1
+
+    run(go())
+
+
 def test_a_chat_stream_whose_decode_worker_dies_ends_with_an_error_event():
     async def go():
         async with running(
