@@ -14,13 +14,13 @@ import asyncio
 import logging
 import time
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from bana_sglang.router.errors import error_body, error_response
 from bana_sglang.router.policy import RouteRequest
-from bana_sglang.router.upstream import Upstream
+from bana_sglang.router.splice import event_json
+from bana_sglang.router.upstream import BROKEN, Upstream
 
 logger = logging.getLogger("bana_sglang.router.server")  # one logger for the router's lines
 _JSON = "application/json"
@@ -123,12 +123,7 @@ class ChoicesMixin:
                             await events.put(fwd)
                     chunk = await up.resp.content.readany()
                 up.drained = True
-            except (
-                TimeoutError,
-                aiohttp.ClientPayloadError,
-                aiohttp.ClientConnectionError,
-                ConnectionError,
-            ) as e:
+            except BROKEN as e:
                 why = f"choice {i}: decode worker {up.d.url} failed mid-stream: {type(e).__name__}"
                 logger.warning("%s", why)
                 self.metrics.stream_errors.inc()
@@ -175,13 +170,8 @@ def _choice_event(ev: bytes, i: int, usage: list[dict]) -> bytes | None:
     ev = ev.strip()
     if not ev or ev.startswith(b"data: [DONE]"):
         return None
-    if not ev.startswith(b"data:"):
-        return ev
-    try:
-        obj = orjson.loads(ev[5:])
-    except orjson.JSONDecodeError:
-        return ev
-    if not isinstance(obj, dict):
+    obj = event_json(ev)
+    if obj is None:
         return ev
     choices = obj.get("choices")
     if isinstance(obj.get("usage"), dict):

@@ -33,7 +33,7 @@ from bana_sglang.router.errors import (
 from bana_sglang.router.generate import fix_logprob_window, merge_input_logprobs
 from bana_sglang.router.policy import RouteRequest, RoutingError
 from bana_sglang.router.splice import Splicer, mark, unmigratable_reason
-from bana_sglang.router.upstream import Upstream
+from bana_sglang.router.upstream import BROKEN, Upstream
 from bana_sglang.router.workers import Worker
 from bana_sglang.types import Tier
 from bana_sglang.wire.agent import PREFIX as MIGRATABLE
@@ -186,12 +186,7 @@ class PDDispatchMixin:
                 if resp.status >= 400:
                     raise ClientError(resp.status, data, resp.content_type)
                 return data
-        except (
-            TimeoutError,
-            aiohttp.ClientConnectionError,
-            aiohttp.ClientPayloadError,
-            ConnectionError,
-        ) as e:
+        except BROKEN as e:
             raise UpstreamError(w, f"{type(e).__name__}: {e}") from None
 
     def _fail(self, w: Worker, why: str) -> None:
@@ -419,12 +414,7 @@ class PDDispatchMixin:
                         )
                 try:
                     chunk = first.result()
-                except (
-                    TimeoutError,
-                    aiohttp.ClientPayloadError,
-                    aiohttp.ClientConnectionError,
-                    ConnectionError,
-                ) as e:
+                except BROKEN as e:
                     raise UpstreamError(
                         d, f"stream broke before the first byte: {type(e).__name__}"
                     ) from None
@@ -515,12 +505,7 @@ class PDDispatchMixin:
                 if why is None:
                     try:
                         chunk = await up.resp.content.readany()
-                    except (
-                        TimeoutError,
-                        aiohttp.ClientPayloadError,
-                        aiohttp.ClientConnectionError,
-                        ConnectionError,
-                    ) as e:
+                    except BROKEN as e:
                         why = f"decode worker {up.d.url} failed mid-stream: {type(e).__name__}"
                         if not isinstance(e, asyncio.TimeoutError):
                             self._fail(up.d, why)

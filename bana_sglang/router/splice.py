@@ -110,6 +110,18 @@ def mark(body: dict, rng: random.Random) -> dict:
     return dict(body, rid=f"{PREFIX}{rng.getrandbits(64):016x}")
 
 
+def event_json(ev: bytes) -> dict | None:
+    """The JSON object of an SSE ``data:`` event, or None (``[DONE]``, comments, other
+    lines, JSON that is not an object)."""
+    if not ev.startswith(b"data:") or ev.startswith(_DONE):
+        return None
+    try:
+        obj = orjson.loads(ev[5:])
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def _int_list(v: object) -> bool:
     return isinstance(v, list) and all(type(x) is int for x in v)
 
@@ -188,13 +200,8 @@ class Splicer:
         if ev.startswith(_DONE):
             self.done = True
             return ev
-        if not ev.startswith(b"data:"):
-            return ev
-        try:
-            obj = orjson.loads(ev[5:])
-        except orjson.JSONDecodeError:
-            return ev
-        if not isinstance(obj, dict) or "error" in obj:
+        obj = event_json(ev)
+        if obj is None or "error" in obj:
             return ev
         migration = self._migration_of(obj) if MARK.encode() in ev else None
         if migration is None and self._is_abort(obj):

@@ -8,6 +8,14 @@ import aiohttp
 
 from bana_sglang.router.workers import Worker
 
+#: what a broken connection to a worker raises while its answer is read
+BROKEN = (
+    TimeoutError,
+    aiohttp.ClientPayloadError,
+    aiohttp.ClientConnectionError,
+    ConnectionError,
+)
+
 
 class Upstream:
     """An open streamed PD request: its pair, the decode worker's response, its first bytes."""
