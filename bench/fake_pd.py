@@ -121,7 +121,8 @@ class FakeWorker:
     async def start(self) -> None:
         if self.mode == "refuse":
             return  # nothing listens on the port
-        app = web.Application()
+        # SGLang's HTTP server takes bodies of any size; aiohttp's default is 1 MiB
+        app = web.Application(client_max_size=1 << 26)
         app.router.add_get("/health", _answer({}))
         app.router.add_get("/v1/models", _answer({"object": "list", "data": [{"id": MODEL}]}))
         app.router.add_get("/v1/loads", self.loads)

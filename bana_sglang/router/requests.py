@@ -67,6 +67,7 @@ class PromptView:
             raise ValueError("page_tokens must be >= 1")
         self.page_tokens = page_tokens
         self._tok = None
+        self._longest_piece = BYTES_PER_TOKEN  # characters per token, at most
         if tokenizer_path is not None:
             path = Path(tokenizer_path)
             f = path / "tokenizer.json" if path.is_dir() else path
@@ -74,6 +75,8 @@ class PromptView:
                 from tokenizers import Tokenizer
 
                 self._tok = Tokenizer.from_file(str(f))
+                # characters of the longest piece (byte-level markers count as one)
+                self._longest_piece = max(map(len, self._tok.get_vocab()), default=1)
             else:
                 logger.warning("no tokenizer.json at %s: routing estimates tokens from bytes", path)
 
@@ -90,6 +93,25 @@ class PromptView:
             int.from_bytes(b[i : i + BYTES_PER_TOKEN], "little")
             for i in range(0, len(b), BYTES_PER_TOKEN)
         ]
+
+    def count_and_ids(self, text: str, max_ids: int) -> tuple[list[int], int]:
+        """(token ids, token count) of a long text, for a worker thread.
+
+        The tokenizer runs with the GIL released (``encode_batch`` releases it,
+        ``encode`` does not), so the event loop runs on meanwhile. Ids are made Python
+        ints (which holds the GIL) for at most ``max_ids`` tokens, else they come back
+        empty. A text too long to hold ``max_ids`` tokens or fewer (more characters
+        than ``max_ids`` of the vocabulary's longest piece) is not tokenized at all:
+        its count is the byte estimate, which is all routing needs of a prompt that
+        long (the worker measures it exactly, and refuses it past the context)."""
+        if len(text) > max_ids * self._longest_piece:
+            return [], -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
+        if self._tok is None:
+            n = -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
+            return (self.tokens(text) if n <= max_ids else []), n
+        enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
+        n = len(enc)
+        return (enc.ids if n <= max_ids else []), n
 
     def page_hashes(self, ids: Sequence[int]) -> tuple[PageHash, ...]:
         """Chained 64-bit hashes of full pages: hash i determines pages 0..i."""

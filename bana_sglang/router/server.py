@@ -58,7 +58,7 @@ from bana_sglang.router.errors import error_response
 from bana_sglang.router.generate import split_generate
 from bana_sglang.router.metrics import RouterMetrics
 from bana_sglang.router.monitor import WorkerMonitor
-from bana_sglang.router.policy import RouteRequest, get_policy
+from bana_sglang.router.policy import PageHash, RouteRequest, get_policy
 from bana_sglang.router.requests import BadRequest, PromptView
 from bana_sglang.router.workers import Worker
 from bana_sglang.types import RequestId, Tier
@@ -330,18 +330,31 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin):
                 code="model_not_found",
             )
 
-    async def _route_request(self, ids: Sequence[int], max_new: int | None) -> RouteRequest:
+    async def _route_request(
+        self, ids: Sequence[int], max_new: int | None, num_tokens: int | None = None
+    ) -> RouteRequest:
         """The request as the policy sees it. The global index lookup is started, not
         awaited: no policy's choice of worker depends on it (the bana policy's uncached
         term is the same for every worker), only the chosen prefill worker's in-flight
         count does, which the answer corrects when it comes (:meth:`_charge_prefill`).
         So the lookup's round trip is never on a request's critical path. A policy that
         does not read it (``reads_global_index``) gets no lookup, and one that does not
-        read page hashes gets none computed."""
+        read page hashes gets none computed (nor is a long prompt hashed on the event
+        loop). ``num_tokens``: the prompt's length where ``ids`` were not kept
+        (:meth:`_prompt`); such a prompt is routed by its length alone."""
+        if num_tokens is None:
+            num_tokens = len(ids)
+        hashes: tuple[PageHash, ...] = ()
+        if self.policy.reads_page_hashes:
+            hashes = (
+                self.prompts.page_hashes(ids)
+                if len(ids) < _INLINE_HASH_TOKENS
+                else await asyncio.to_thread(self.prompts.page_hashes, ids)
+            )
         route = RouteRequest(
             request_id=RequestId(f"r{self._rooms.getrandbits(32):08x}"),
-            num_tokens=max(1, len(ids)),
-            page_hashes=self.prompts.page_hashes(ids) if self.policy.reads_page_hashes else (),
+            num_tokens=max(1, num_tokens),
+            page_hashes=hashes,
             max_new_tokens=max_new or 0,
             page_size=self.prompts.page_tokens,
         )
@@ -364,12 +377,22 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin):
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, "/v1/completions", "completions")
 
-    async def _tokens(self, text: str) -> list[int]:
-        """Token ids of ``text``; a long text is tokenized off the event loop, so one
-        large prompt never stalls the other streams."""
+    async def _prompt(
+        self, ids: Sequence[int] | None, text: str | None
+    ) -> tuple[Sequence[int], int]:
+        """(token ids, token count) of a prompt given as ids or as text.
+
+        A long text is tokenized in a thread with the GIL released
+        (:meth:`PromptView.count_and_ids`), so one large prompt never stalls the other
+        streams; past ``_ROUTING_IDS_LIMIT`` tokens only its count is kept (routing by
+        length needs no more, and making millions of ids Python ints holds the GIL)."""
+        if ids is not None:
+            return ids, len(ids)
+        text = text or ""
         if len(text) < _INLINE_TOKENIZE_CHARS:
-            return self.prompts.tokens(text)
-        return await asyncio.to_thread(self.prompts.tokens, text)
+            toks = self.prompts.tokens(text)
+            return toks, len(toks)
+        return await asyncio.to_thread(self.prompts.count_and_ids, text, _ROUTING_IDS_LIMIT)
 
     async def _openai(self, request: web.Request, path: str, label: str) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -385,8 +408,8 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin):
                 )
         except BadRequest as e:
             return self._refuse(e, label)
-        ids = view.ids if view.ids is not None else await self._tokens(view.text or "")
-        route = await self._route_request(ids, view.max_new)
+        ids, n = await self._prompt(view.ids, view.text)
+        route = await self._route_request(ids, view.max_new, n)
         if view.n > 1 and view.stream:
             return await self._fan_out_stream(request, path, body, route, label, t0, view.n)
         if view.n > 1:
@@ -422,8 +445,8 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin):
         except BadRequest as e:
             return self._refuse(e, label)
         max_new = item.max_new
-        ids = item.ids if item.ids is not None else await self._tokens(item.text or "")
-        route = await self._route_request(ids, max_new)
+        ids, n = await self._prompt(item.ids, item.text)
+        route = await self._route_request(ids, max_new, n)
         if max_new == 0:
             status, payload = await self._prefill_only(body, route)
             self._count(label, status, t0)
@@ -443,8 +466,8 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin):
         self, request, items: list[tuple[dict, GenerateItem]], label: str, t0: float
     ) -> web.Response:
         async def one(item: dict, view: GenerateItem) -> tuple[int, bytes]:
-            ids = view.ids if view.ids is not None else await self._tokens(view.text or "")
-            route = await self._route_request(ids, view.max_new)
+            ids, n = await self._prompt(view.ids, view.text)
+            route = await self._route_request(ids, view.max_new, n)
             if view.max_new == 0:
                 return await self._prefill_only(item, route)
             return await self._pd_once_json(
@@ -482,6 +505,10 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin):
 
 #: texts shorter than this are tokenized on the event loop (a thread hop costs more)
 _INLINE_TOKENIZE_CHARS = 16384
+#: prompts shorter than this (in tokens) are page-hashed on the event loop
+_INLINE_HASH_TOKENS = 4096
+#: prompts longer than this (in tokens) are routed by their length only, no ids kept
+_ROUTING_IDS_LIMIT = 1 << 18
 _LOOKUPS_KEPT = 4096  # the newest requests' index lookups
 #: the most prompts of one /generate batch, and how many of them run at once
 MAX_BATCH = 256

@@ -10,61 +10,16 @@ a stream half way. The real workers are exercised in ``test_router_live.py``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
-import aiohttp
 import pytest
-from aiohttp import web
+from support.fake_router import run, running
 
 from bana_sglang.router.bodies import chat_messages
-from bana_sglang.router.config import RouterConfig
 from bana_sglang.router.requests import BadRequest, PromptView, check_max_tokens
-from bana_sglang.router.server import Router
 from bana_sglang.router.workers import Reported, Worker, parse_prefill_spec
 from bana_sglang.types import Tier, WorkerId, WorkerLoad
-from bench.fake_pd import MODEL, FakeWorker, fake_answer, free_port
-
-
-@contextlib.asynccontextmanager
-async def running(prefill: list[FakeWorker], decode: list[FakeWorker], **cfg_kw):
-    for f in prefill + decode:
-        await f.start()
-    port = free_port()
-    cfg = RouterConfig(
-        prefill=tuple((f.url, f.boot) for f in prefill),
-        decode=tuple(f.url for f in decode),
-        port=port,
-        poll_interval_s=0.05,
-        probe_min_s=0.05,
-        probe_max_s=0.2,
-        **cfg_kw,
-    )
-    router = Router(cfg)
-    runner = web.AppRunner(router.build_app())
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as client:
-        for _ in range(100):  # until it knows the model
-            async with client.get("/health", headers=_auth(cfg_kw)) as r:
-                if r.status == 200:
-                    break
-            await asyncio.sleep(0.05)
-        try:
-            yield router, client
-        finally:
-            await runner.cleanup()
-            for f in prefill + decode:
-                await f.stop()
-
-
-def _auth(kw) -> dict:
-    return {"Authorization": f"Bearer {kw['api_key']}"} if kw.get("api_key") else {}
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, timeout=60))
-
+from bench.fake_pd import MODEL, FakeWorker, fake_answer
 
 # ---------------------------------------------------------------- pure helpers
 
