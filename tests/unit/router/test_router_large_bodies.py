@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from support.fake_router import run, running
 
 from bana_sglang.router.requests import PromptView
 from bench.fake_pd import MODEL, FakeWorker
-from support.fake_router import run, running
 
 CHUNK_DELAY_S = 0.02
 STREAMS = 6
@@ -118,4 +118,6 @@ def test_a_huge_prompt_does_not_stall_other_streams(
     worst = max(p for p, _ in results)
     assert all(got == list(range(60)) for _, got in results)  # every chunk, in order
     # the big request took far longer than any pause it caused the others
-    assert worst < MAX_PAUSE_S, f"a stream paused {worst:.2f} s while a {big_s:.1f} s body was routed"
+    assert worst < MAX_PAUSE_S, (
+        f"a stream paused {worst:.2f} s while a {big_s:.1f} s body was routed"
+    )
