@@ -42,6 +42,7 @@ logger = logging.getLogger("bana_sglang.router.server")  # one logger for the ro
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST
 _JSON = "application/json"
+_JSON_HEADERS = {"Content-Type": _JSON}
 
 # SGLang 0.5.23's decode-side errors when its prefill peer cannot be reached or
 # its KV never arrives (disaggregation/mooncake/conn.py, decode.py).
@@ -132,10 +133,11 @@ class PDDispatchMixin:
 
     def _start_pair(
         self, p: Worker, d: Worker, path: str, body: dict, route: RouteRequest
-    ) -> tuple[dict, int, asyncio.Task]:
+    ) -> tuple[bytes, int, asyncio.Task]:
         """Count the pair, add the bootstrap fields and send the prefill half;
-        returns (body sent, decode tokens to release, prefill task)."""
-        bp = self._bootstrap(body, p)
+        returns (body sent, as JSON bytes for the decode half too: one serialisation
+        for both; decode tokens to release; prefill task)."""
+        bp = orjson.dumps(self._bootstrap(body, p))
         charge = self._charge_prefill(p, route)
         d_tok = self._begin(d, route.num_tokens + route.max_new_tokens)
         p_task = asyncio.create_task(self._post(p, path, bp))
@@ -173,11 +175,13 @@ class PDDispatchMixin:
             bootstrap_room=self._rooms.getrandbits(63),
         )
 
-    async def _post(self, w: Worker, path: str, body: dict) -> bytes:
-        """POST and read the whole answer; raises UpstreamError / ClientError."""
+    async def _post(self, w: Worker, path: str, body: dict | bytes) -> bytes:
+        """POST (``body``: a dict or its JSON bytes) and read the whole answer; raises
+        UpstreamError / ClientError."""
         assert self.session is not None
+        data = body if isinstance(body, bytes) else orjson.dumps(body)
         try:
-            async with self.session.post(w.url + path, json=body) as resp:
+            async with self.session.post(w.url + path, data=data, headers=_JSON_HEADERS) as resp:
                 data = await resp.read()
                 if resp.status >= 500:
                     raise UpstreamError(
@@ -364,7 +368,9 @@ class PDDispatchMixin:
             bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
             resp: aiohttp.ClientResponse | None = None
             try:
-                post = asyncio.ensure_future(self.session.post(d.url + path, json=bp))
+                post = asyncio.ensure_future(
+                    self.session.post(d.url + path, data=bp, headers=_JSON_HEADERS)
+                )
                 # a prefill that fails first leaves its decode waiting for KV: it decides
                 await asyncio.wait({post, p_task}, return_when=asyncio.FIRST_COMPLETED)
                 early = None if post.done() or p_task.cancelled() else p_task.exception()
@@ -490,8 +496,9 @@ class PDDispatchMixin:
                 if splice is None:
                     await out.write(chunk)
                 else:
-                    for ev in splice.feed(chunk):
-                        await out.write(ev)
+                    events = splice.feed(chunk)
+                    if events:  # one write for all the whole events of a chunk
+                        await out.write(b"".join(events))
                     if splice.migrated is not None:
                         up.finish(drained=False)
                         nxt = await self._continue(splice, up, route)
