@@ -8,7 +8,9 @@ Checks: greedy float32 tokens (``/generate``) and text (chat, moved twice)
 equal a plain run's, in one stream with one id and whole usage; the
 continuation's prefill loaded the handed-off pages from the store; both decode
 workers' pools are whole afterwards; bad commands are refused with the reason;
-and when no decode worker can take the request, the client gets the tokens
+requests whose sampling a continuation would not reproduce (seeded sampling,
+a grammar, penalties) are never offered for a move and keep a plain run's
+tokens beside a greedy one that moves; and when no decode worker can take the request, the client gets the tokens
 produced so far (a prefix of the plain run's) and an error event, never wrong
 tokens or a hang.
 """
@@ -236,6 +238,59 @@ def test_bad_request_migrations_are_refused_with_the_reason(cluster):
         out = cli(cluster, "request", busy, "--id", "req-plain", "--wait")
         t.join(300)
     assert out.returncode == 1 and "can move" in out.stdout, out.stdout + out.stderr
+
+
+#: sampling a continuation would not reproduce: never marked movable, each with the reason
+#: the router counts (``bana_router_unmigratable_total{reason}``)
+KEPT = {
+    "sampling_seed": {"temperature": 0.9, "top_p": 0.95, "sampling_seed": 1234},
+    "regex": {"temperature": 0, "regex": "[a-d ]{300}"},
+    "frequency_penalty": {"temperature": 0, "frequency_penalty": 0.7},
+}
+
+
+def test_sampled_and_constrained_requests_stay_put_and_keep_their_answers(cluster, single_server):
+    ids = prompts_of(57, 1, base=50)[0]
+    # the grammar ends the constrained answer (ignore_eos would fight it)
+    bodies = {
+        why: {
+            "input_ids": ids,
+            "sampling_params": dict(sp, max_new_tokens=300, ignore_eos="regex" not in sp),
+        }
+        for why, sp in KEPT.items()
+    }
+    bodies["greedy"] = gen_body(ids)
+
+    def plain(body: dict) -> list[int]:
+        r = httpx.post(single_server + "/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    want = {k: plain(b) for k, b in bodies.items()}
+    assert want["sampling_seed"] != want["greedy"][:300]  # it really sampled
+    before = {
+        why: router_counter(cluster, f'bana_router_unmigratable_total{{reason="{why}"}}')
+        for why in KEPT
+    }
+    streams = {k: Stream(cluster.url, "/generate", b) for k, b in bodies.items()}
+    src, _ = movable(cluster, n=1)
+    # of the four running requests, only the greedy one is offered for a move
+    assert sum(len(st["movable"]) for st in agents(cluster).values()) == 1
+    done = move(cluster, src, "req-mixed")
+    got = {k: s.join() for k, s in streams.items()}
+    assert done["state"] == "handed_off", done
+    for k, events in got.items():
+        assert events[-1] == "[DONE]", (k, events[-3:])
+        assert len({e["meta_info"]["id"] for e in events[:-1]}) == 1, k  # one response
+        if k == "sampling_seed":
+            # SGLang uses the seed only with --enable-deterministic-inference, so a sampled
+            # answer has no plain run to equal: it ran whole where it started
+            assert len(events[-2]["output_ids"]) == 300
+            continue
+        assert events[-2]["output_ids"] == want[k], k  # moved or kept: a plain run's tokens
+    for why in KEPT:
+        n = router_counter(cluster, f'bana_router_unmigratable_total{{reason="{why}"}}')
+        assert n - before[why] == 1, why
 
 
 def kill_worker(url: str) -> int:
