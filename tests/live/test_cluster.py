@@ -216,10 +216,10 @@ def test_memory_of_the_1p1d_cluster(cluster, capsys):
 
 @pytest.mark.stops_shared_cluster
 def test_killed_store_processes_are_restarted_and_the_cluster_serves_on(cluster, single_server):
-    """SIGKILL of the index service, then of the Mooncake master: requests keep getting
-    the plain run's tokens meanwhile (the store is off: misses), the launcher restarts
-    each, and the router's /health says ok again. (Before the SIGTERM test: it breaks
-    the cluster for a while.)"""
+    """SIGKILL of the index service, of the storage process, then of the Mooncake
+    master: requests keep getting the plain run's tokens meanwhile (the store is off:
+    misses), the launcher restarts each, and the router's /health says ok again.
+    (Before the SIGTERM test: it breaks the cluster for a while.)"""
     rng = random.Random(31)
     ids = [rng.randrange(10, 1000) for _ in range(120)]
     want = generate(single_server, ids, 8)
@@ -230,6 +230,7 @@ def test_killed_store_processes_are_restarted_and_the_cluster_serves_on(cluster,
 
     for marker, name in (
         ("bana_sglang.radix_global.service", "kv-index"),
+        ("bana_sglang.radix_global.storage_server", "kv-storage"),
         ("mooncake_master", "mooncake-master"),
     ):
         victim = next(p for p in root.children() if any(marker in a for a in p.cmdline()))
