@@ -21,7 +21,7 @@ Modules (one role each):
   layout digest, page hash, dtype, shape, length, an HMAC-SHA256 MAC; then the
   payload) and its verification.
 - ``store``: :class:`~store.PageStore`, framed and verified pages, zero-copy
-  multi-buffer puts/gets, and :class:`~store.LayerwiseRead`, ranged reads of
+  multi-buffer puts/gets, and :class:`~layerwise.LayerwiseRead`, ranged reads of
   groups of layers of many pages.
 - ``device``: the seam between CPU and CUDA pools (streams, events, pinned
   memory, indexed copies between host rows and pool pages, forward timers).

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
+from bana_sglang.radix_global.layerwise import LayerwiseRead
 from bana_sglang.radix_global.page_format import HEADER_SIZE, Miss
 from bana_sglang.radix_global.pool import Arena, KVPool
-from bana_sglang.radix_global.store import LayerwiseRead
 
 MODES = ("staged", "direct")
 DIRECT_CHUNK_PAGES = 256  # pages per native call in direct mode (bounds one call's slices)

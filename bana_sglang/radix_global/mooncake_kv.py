@@ -69,6 +69,12 @@ def describe(code: int) -> str:
     return MOONCAKE_CODES.get(code, f"unrecognised Mooncake code {code}")
 
 
+def miss_reason(e: StoreError) -> str:
+    """The miss reason a failed store call stands for: ``unavailable`` (the store or
+    its master cannot be reached) or ``store_error``."""
+    return "unavailable" if e.code in (UNAVAILABLE, RPC_FAIL) else "store_error"
+
+
 def page_key(page: PageHash) -> str:
     """The Mooncake key of a page. The hash already carries the layout namespace."""
     return f"bana/kv/{page}"

@@ -18,8 +18,9 @@ because every page loaded or published is hashed once: on CPUs with SHA
 instructions (the 2-core test VM, current EPYC and Xeon hosts) OpenSSL's
 SHA-256 ran at 1.47 GB/s against 0.61-0.79 GB/s for ``hashlib.blake2b``. It is
 computed incrementally (:meth:`PageFormat.mac` returns the running MAC), so a
-layer-by-layer read verifies the whole payload once its last layer has landed. The header's CRC32 only catches a torn or
-mangled header early (``bad_header``); it protects nothing.
+layer-by-layer read verifies the whole payload once its last layer has landed.
+The header's CRC32 only catches a torn or mangled header early (``bad_header``);
+it protects nothing.
 
 Pure: no I/O, no torch.
 """
