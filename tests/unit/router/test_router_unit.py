@@ -10,7 +10,6 @@ a stream half way. The real workers are exercised in ``test_router_live.py``.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 from support.fake_router import run, running
@@ -19,7 +18,7 @@ from bana_sglang.router.bodies import chat_messages
 from bana_sglang.router.requests import BadRequest, PromptView, check_max_tokens
 from bana_sglang.router.workers import Reported, Worker, parse_prefill_spec
 from bana_sglang.types import Tier, WorkerId, WorkerLoad
-from bench.fake_pd import MODEL, FakeWorker, fake_answer
+from bench.fake_pd import MODEL, FakeWorker
 
 # ---------------------------------------------------------------- pure helpers
 
@@ -313,152 +312,6 @@ def test_all_prefill_workers_failing_gives_502_not_a_hang():
             async with c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
                 assert r.status == 502
                 assert "no worker pair" in (await r.json())["error"]["message"]
-
-    run(go())
-
-
-def test_stream_is_relayed_and_a_mid_stream_failure_ends_with_an_error_event():
-    async def go():
-        async with running([FakeWorker("prefill")], [FakeWorker("decode")]) as (router, c):
-            async with c.post(
-                "/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True}
-            ) as r:
-                text = await r.text()
-            assert text.count("data: {") == 4 and text.endswith("data: [DONE]\n\n")
-        async with running([FakeWorker("prefill")], [FakeWorker("decode", "break_stream")]) as (
-            router,
-            c,
-        ):
-            async with c.post(
-                "/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True}
-            ) as r:
-                assert r.status == 200
-                text = await r.text()
-            events = [
-                json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")
-            ]
-            assert events[:2] == [{"i": 0}, {"i": 1}]
-            assert "failed mid-stream" in events[-1]["error"]["message"]
-            assert text.endswith("data: [DONE]\n\n")
-
-    run(go())
-
-
-def _events(text: str) -> list[dict]:
-    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
-
-
-def test_a_stream_whose_decode_worker_dies_resumes_on_another_with_the_same_tokens():
-    """The decode worker drops the connection after two tokens: the router resumes the
-    stream on the other decode worker from the prompt and the answer so far, and the
-    client reads one answer with exactly the tokens an unbroken run gives; the token
-    ids the router asked for on its own are not shown to the client. A chat stream
-    (no token ids in SGLang's streamed chat) ends with an error event instead."""
-
-    async def go():
-        breaking = FakeWorker("decode", "break_stream", ids=True, chunks=8)
-        ok = FakeWorker("decode", ids=True)
-        async with running(
-            [FakeWorker("prefill", ids=True)], [breaking, ok], policy="round_robin"
-        ) as (router, c):
-            prompt = [5, 17, 29, 41]
-            want = fake_answer(prompt, 6)
-            # /generate with input_ids, until the breaking worker has served one
-            while not breaking.bodies:
-                body = {"input_ids": prompt, "stream": True}
-                body["sampling_params"] = {"max_new_tokens": 6}
-                async with c.post("/generate", json=body) as r:
-                    assert r.status == 200
-                    events = _events(await r.text())
-                assert events[-1]["output_ids"] == want, events
-                assert "error" not in events[-1]
-                assert "prompt_token_ids" not in events[-1]
-            # /v1/completions with a text prompt: ids only from SGLang's events
-            breaking.bodies.clear()
-            next(w for w in router.decode if w.url == breaking.url).mark_up()
-            text_want = fake_answer([1, *b"hello"], 5)
-            while not breaking.bodies:
-                body = {"prompt": "hello", "max_tokens": 5, "stream": True}
-                async with c.post("/v1/completions", json=body) as r:
-                    raw = await r.text()
-                events = _events(raw)
-                got = "".join(ch["text"] for e in events for ch in e.get("choices", []))
-                assert got == "".join(f" {t}" for t in text_want), raw
-                assert raw.endswith("data: [DONE]\n\n") and '"error"' not in raw
-                assert "token_ids" not in raw  # asked for by the router, not by the client
-            resumed = router.metrics.stream_resumes.labels("resumed")._value.get()
-            assert resumed == 2
-            # the continuations went to the healthy worker with prompt + answer so far
-            cont = [b for b in ok.bodies if b.get("prompt") == [1, *b"hello", *text_want[:2]]]
-            assert cont and cont[-1]["max_tokens"] == 3
-
-    run(go())
-
-
-def test_a_stream_its_decode_worker_aborts_before_a_token_is_resumed_not_relayed():
-    """SGLang ends a request with an ``abort`` finish reason and no token (its KV
-    transfer failed, or an abort by rid prefix reached it): relayed, the client would
-    read an empty answer that looks finished. The router resumes the stream instead."""
-
-    async def go():
-        aborting = FakeWorker("decode", "abort_once", ids=True)
-        async with running(
-            [FakeWorker("prefill", ids=True)], [aborting, FakeWorker("decode", ids=True)]
-        ) as (router, c):
-            body = {
-                "input_ids": [9, 8, 7],
-                "stream": True,
-                "sampling_params": {"max_new_tokens": 5},
-            }
-            while not aborting.bodies:
-                async with c.post("/generate", json=body) as r:
-                    events = _events(await r.text())
-                assert events[-1]["output_ids"] == fake_answer([9, 8, 7], 5), events
-            assert router.metrics.stream_resumes.labels("resumed")._value.get() == 1
-
-    run(go())
-
-
-def test_a_chat_stream_whose_decode_worker_dies_ends_with_an_error_event():
-    async def go():
-        async with running(
-            [FakeWorker("prefill", ids=True)],
-            [FakeWorker("decode", "break_stream", ids=True, chunks=8)],
-        ) as (router, c):
-            body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
-            async with c.post("/v1/chat/completions", json=dict(body, max_tokens=6)) as r:
-                raw = await r.text()
-            assert "failed mid-stream" in _events(raw)[-1]["error"]["message"]
-            assert router.metrics.stream_resumes.labels("not_resumable")._value.get() == 1
-
-    run(go())
-
-
-def test_a_streamed_n_gives_n_numbered_choices_in_one_stream():
-    """``n: 3`` streamed: three PD requests of one choice (seed + i each), their events
-    interleaved in one stream with choice indexes 0..2, one ``[DONE]``; a chat stream too."""
-
-    async def go():
-        decode = FakeWorker("decode", ids=True)
-        async with running([FakeWorker("prefill", ids=True)], [decode]) as (router, c):
-            body = {"prompt": [3, 4, 5], "max_tokens": 4, "stream": True, "n": 3, "seed": 7}
-            async with c.post("/v1/completions", json=body) as r:
-                assert r.status == 200
-                raw = await r.text()
-            assert raw.count("data: [DONE]") == 1 and raw.endswith("data: [DONE]\n\n")
-            texts: dict[int, str] = {}
-            for e in _events(raw):
-                for ch in e["choices"]:
-                    texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
-            want = "".join(f" {t}" for t in fake_answer([3, 4, 5], 4))
-            assert texts == {0: want, 1: want, 2: want}
-            assert sorted(b["seed"] for b in decode.bodies) == [7, 8, 9]
-            assert all(b["n"] == 1 for b in decode.bodies)
-            chat = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2}
-            async with c.post("/v1/chat/completions", json=chat) as r:
-                raw = await r.text()
-            idx = {ch["index"] for e in _events(raw) for ch in e["choices"]}
-            assert r.status == 200 and idx == {0, 1} and raw.count("data: [DONE]") == 1
 
     run(go())
 
