@@ -113,6 +113,7 @@ class FakeWorker:
         self.kv_wait_s = kv_wait_s  # decode: how long to wait for the prefill's KV before a 500
         self.ids = ids  # streams carry token ids (see the module doc)
         self.bodies: list[dict] = []
+        self.in_flight = self.most_in_flight = 0  # requests being answered, now and at most
         self.runner: web.AppRunner | None = None
 
     def _room(self, r: int) -> asyncio.Event:
@@ -149,6 +150,14 @@ class FakeWorker:
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            return await self._handle(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
         if self.mode == "error500":

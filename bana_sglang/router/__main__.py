@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between load polls of each worker",
     )
     p.add_argument(
+        "--max-upstream-connections",
+        type=int,
+        default=1024,
+        help="open connections to one worker at most; more requests wait for one to free "
+        "(per worker, so that decode streams can never starve their prefills)",
+    )
+    p.add_argument(
         "--max-attempts",
         type=int,
         default=3,
@@ -193,6 +200,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_tokens_limit=args.max_tokens_limit,
         poll_interval_s=args.poll_interval,
         max_attempts=args.max_attempts,
+        max_upstream_connections=args.max_upstream_connections,
         read_timeout_s=args.read_timeout,
         global_index=args.global_index,
         model_path=args.model_path,
@@ -204,8 +212,36 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
+def raise_open_files_limit(want: int) -> int:
+    """Raise this process's soft limit of open files towards ``want`` (at most the hard
+    limit), as SGLang's own servers do; returns the soft limit now in force. Each
+    stream holds a client socket and an upstream one, so 1024, a common default,
+    caps a router at a few hundred streams."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft
+
+
 def main(argv: list[str] | None = None) -> int:
     _, cfg = _cli.parse(build_parser(), argv, config_from_args)
+    # client sockets, plus every worker's upstream connections, plus some spare
+    workers = len(cfg.prefill) + len(cfg.decode)
+    want = 2 * workers * cfg.max_upstream_connections + 1024
+    got = raise_open_files_limit(want)
+    if got < want:
+        logging.getLogger("bana_sglang.router").warning(
+            "open files are limited to %d (ulimit -n), below the %d that %d workers x "
+            "--max-upstream-connections %d can use: past it new connections fail",
+            got,
+            want,
+            workers,
+            cfg.max_upstream_connections,
+        )
     try:
         import uvloop
 

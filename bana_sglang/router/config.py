@@ -23,6 +23,7 @@ class RouterConfig:
     max_tokens_limit: int = 1 << 20
     poll_interval_s: float = 0.25
     max_attempts: int = 3
+    max_upstream_connections: int = 1024  # per worker (a limit per host cannot deadlock PD)
     connect_timeout_s: float = 3.0
     read_timeout_s: float = 600.0
     probe_min_s: float = 0.5
@@ -40,6 +41,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("the router needs at least one prefill and one decode worker")
+        if self.max_upstream_connections < 1:
+            raise ValueError("max_upstream_connections must be >= 1")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if self.poll_interval_s <= 0:

@@ -146,7 +146,12 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin):
 
     async def _on_startup(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
+            # bounded per worker, not in total: with one pool for all, decode requests
+            # waiting for their prefill's KV could hold every connection and starve the
+            # prefills they wait for
+            connector=aiohttp.TCPConnector(
+                limit=0, limit_per_host=self.cfg.max_upstream_connections, ttl_dns_cache=None
+            ),
             timeout=aiohttp.ClientTimeout(
                 total=None,
                 sock_connect=self.cfg.connect_timeout_s,

@@ -316,6 +316,27 @@ def test_all_prefill_workers_failing_gives_502_not_a_hang():
     run(go())
 
 
+def test_upstream_connections_are_bounded_per_worker_and_requests_wait_for_one():
+    async def go():
+        prefill = [FakeWorker("prefill", prefill_delay_s=0.02)]
+        decode = [FakeWorker("decode", chunks=5, chunk_delay_s=0.02)]
+        async with running(prefill, decode, max_upstream_connections=2) as (_, client):
+
+            async def one() -> list[bytes]:
+                body = {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 5}
+                async with client.post("/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    return [ln async for ln in r.content if ln.startswith(b"data:")]
+
+            got = await asyncio.gather(*(one() for _ in range(6)))
+            return got, prefill[0].most_in_flight, decode[0].most_in_flight
+
+    got, most_p, most_d = run(go())
+    assert all(len(events) == 6 for events in got)  # 5 chunks and [DONE] each: none lost
+    # two streams at a time reached each worker, and never more
+    assert most_d == 2 and 1 <= most_p <= 2, (most_p, most_d)
+
+
 def test_prompt_only_requests_skip_decode_and_logprob_windows_are_all_numbers():
     async def go():
         p, d = FakeWorker("prefill"), FakeWorker("decode")
@@ -467,3 +488,16 @@ def test_prefill_speeds_come_from_the_agents_placements_while_layers_are_away():
     assert applied[0]["http://p0"] == pytest.approx(2.0)
     assert applied[-1] == {"http://p0": 1.0, "http://d0": 1.0, "http://p1": 1.0}
     admin.close()
+
+
+def test_the_router_raises_its_open_files_limit_within_the_hard_one():
+    import resource
+
+    from bana_sglang.router.__main__ import raise_open_files_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert raise_open_files_limit(1) == soft  # never lowered
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        want = soft + 1
+        assert raise_open_files_limit(want) == want == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert raise_open_files_limit(1 << 40) <= hard or hard == resource.RLIM_INFINITY
