@@ -4,8 +4,9 @@ processes with the baseline policies share the same workers.
 
 Covers: identical greedy tokens through every policy, the SGLang frontend's
 ``select`` against HF transformers, the shared-prefix hotspot (cache_aware
-concentrates, bana spreads), the API key, and a prefill worker killed while
-requests flow (last: it kills a worker).
+concentrates, bana spreads), the API key, a prefill worker frozen (SIGSTOP) and
+thawed during a burst, and a prefill worker killed while requests flow (last: it
+kills a worker).
 """
 
 from __future__ import annotations
@@ -196,6 +197,76 @@ def test_hotspot_cache_aware_concentrates_and_bana_spreads(live):
     # load-aware, not round robin: it follows the workers' measured load, which differs on a shared
     # 2-core machine (a clean-clone CI run saw 16/8), but neither worker gets under a quarter
     assert shares["bana"] <= 1.5 and shares["bana"] <= shares["cache_aware"] - 0.4
+
+
+#: how long the frozen prefill worker stays stopped
+FROZEN_S = 8.0
+
+
+def test_a_frozen_prefill_worker_loses_no_request_and_serves_again(live):
+    """SIGSTOP of prefill-1's whole process tree while a burst is in flight, SIGCONT
+    after ``FROZEN_S``: every request ends with a plain run's tokens, none later than
+    the freeze plus a margin, and the worker serves again afterwards."""
+    cluster, _ = live
+    reqs = [
+        {
+            "text": f"Frozen request {i} waits for its worker. " * 6,
+            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+        }
+        for i in range(10)
+    ]
+    with httpx.Client(timeout=120, headers=AUTH) as c:
+        ref = [c.post(cluster.url + "/generate", json=r).json()["output_ids"] for r in reqs]
+    prefill_urls = sorted(routed(cluster.url, AUTH))
+    victim_port = prefill_urls[-1].rsplit(":", 1)[1]
+    leader = next(
+        p
+        for p in psutil.Process(cluster.proc.pid).children(recursive=False)
+        if "sglang.launch_server" in " ".join(p.cmdline()) and victim_port in p.cmdline()
+    )
+    tree = [leader, *leader.children(recursive=True)]
+
+    async def flow():
+        async with httpx.AsyncClient(timeout=180, headers=AUTH) as c:
+
+            async def one(r: dict) -> tuple[httpx.Response, float]:
+                t = time.monotonic()
+                resp = await c.post(cluster.url + "/generate", json=r)
+                return resp, time.monotonic() - t
+
+            tasks = [asyncio.create_task(one(r)) for r in reqs]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not any(t.done() for t in tasks):
+                ws = (await c.get(cluster.url + "/bana/router/workers")).json()["workers"]
+                if any(w["url"] == prefill_urls[-1] and w["inflight"] > 0 for w in ws):
+                    break
+                await asyncio.sleep(0.02)
+            for p in tree:
+                p.suspend()
+            try:
+                await asyncio.sleep(FROZEN_S)
+            finally:
+                for p in tree:
+                    p.resume()
+            return await asyncio.gather(*tasks)
+
+    answers = asyncio.run(asyncio.wait_for(flow(), timeout=240))
+    assert [a.status_code for a, _ in answers] == [200] * len(reqs), [
+        a.text[:200] for a, _ in answers
+    ]
+    assert [a.json()["output_ids"] for a, _ in answers] == ref
+    slowest = max(s for _, s in answers)
+    assert slowest < FROZEN_S + 60, slowest  # a frozen worker delays, it does not hang
+    # the thawed worker is routable again and answers with the plain tokens
+    deadline = time.monotonic() + 60
+    while True:
+        ws = httpx.get(cluster.url + "/bana/router/workers", headers=AUTH, timeout=30).json()
+        if next(w for w in ws["workers"] if w["url"] == prefill_urls[-1])["healthy"]:
+            break
+        assert time.monotonic() < deadline, ws
+        time.sleep(0.5)
+    ok = httpx.post(cluster.url + "/generate", json=reqs[0], headers=AUTH, timeout=120)
+    assert ok.status_code == 200 and ok.json()["output_ids"] == ref[0]
 
 
 def test_killed_prefill_worker_requests_are_retried_and_none_hangs(live):
