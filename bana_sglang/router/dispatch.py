@@ -467,7 +467,7 @@ class PDDispatchMixin:
         if why is None:
             if self.cfg.request_migration and self.admin.agents:
                 body = mark(body, self._rooms)
-            splice = Splicer(label, body)
+            splice = Splicer(label, body, decode=self.prompts.decoder)
             body = splice.body
         elif self.cfg.request_migration and self.admin.agents:
             self.metrics.unmigratable.labels(why.split(":", 1)[0]).inc()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bana_sglang.router.policy import PageHash
@@ -68,6 +68,7 @@ class PromptView:
         self.page_tokens = page_tokens
         self._tok = None
         self._longest_piece = BYTES_PER_TOKEN  # characters per token, at most
+        self._cleans_up = False  # transformers post-processes decoded text (clean-up)
         if tokenizer_path is not None:
             path = Path(tokenizer_path)
             f = path / "tokenizer.json" if path.is_dir() else path
@@ -77,12 +78,22 @@ class PromptView:
                 self._tok = Tokenizer.from_file(str(f))
                 # characters of the longest piece (byte-level markers count as one)
                 self._longest_piece = max(map(len, self._tok.get_vocab()), default=1)
+                self._cleans_up = _cleans_up_spaces(f.parent / "tokenizer_config.json")
             else:
                 logger.warning("no tokenizer.json at %s: routing estimates tokens from bytes", path)
 
     @property
     def exact(self) -> bool:
         return self._tok is not None
+
+    @property
+    def decoder(self) -> Callable[[list[int]], str] | None:
+        """Token ids -> text, skipping special tokens as SGLang does by default (None
+        without a tokenizer)."""
+        tok = self._tok
+        if tok is None or self._cleans_up:  # HF's space clean-up is not the tokenizer's
+            return None
+        return lambda ids: tok.decode(ids, skip_special_tokens=True)
 
     def tokens(self, text: str) -> list[int]:
         """Token ids (exact), or pseudo ids of ``BYTES_PER_TOKEN``-byte blocks."""
@@ -124,6 +135,17 @@ class PromptView:
             prev = h.digest()
             out.append(PageHash(int.from_bytes(prev, "little")))
         return tuple(out)
+
+
+def _cleans_up_spaces(config: Path) -> bool:
+    """Whether transformers cleans up tokenization spaces after decoding with this
+    tokenizer (its ``tokenizer_config.json``; transformers' default when unset is no)."""
+    try:
+        import json
+
+        return bool(json.loads(config.read_text()).get("clean_up_tokenization_spaces", False))
+    except (OSError, ValueError):
+        return False
 
 
 def check_max_tokens(value: object, *, name: str, limit: int, allow_zero: bool) -> int | None:

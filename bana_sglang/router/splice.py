@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import secrets
+from collections.abc import Callable
 
 import orjson
 
@@ -139,8 +140,15 @@ class Splicer:
     streamed chat answer, and ids re-made from its text need not be the ones sampled.
     """
 
-    def __init__(self, label: str, body: dict):
+    def __init__(self, label: str, body: dict, decode: Callable[[list[int]], str] | None = None):
         body = dict(body)
+        # the router's tokenizer (ids -> text), to make the text across a cut what one
+        # upstream would have written (see :meth:`_joined_text`); None: relay as it comes
+        self._decode = decode if _skips_special_tokens(label, body) else None
+        self.relayed_text = ""  # OpenAI: the answer's text the client has read so far
+        self._base_ids: list[int] | None = None  # the answer's ids before this upstream
+        self._mark = 0  # completions: len(answer_ids) when this upstream began
+        self._cont_ids: list[int] = []  # chat: this upstream's answer ids so far
         self._strip: tuple[str, ...] = ()
         self.prompt_ids: list[int] | None = None  # the client's prompt, in token ids
         self.answer_ids: list[int] = []  # /v1/completions: the answer's ids relayed so far
@@ -286,7 +294,20 @@ class Splicer:
     def _generate_event(self, obj: dict) -> dict:
         meta = obj.get("meta_info") or {}
         if self._cont:  # cumulative fields: what came before, then this upstream's
-            obj["text"] = self.prefix_text + (obj.get("text") or "")
+            joined = None
+            if self._base_ids is not None and _int_list(obj.get("output_ids")):
+                fr = meta.get("finish_reason")
+                handoff = isinstance(fr, dict) and str(fr.get("matched") or "").startswith(MARK)
+                joined = self._joined_text(
+                    self._base_ids + obj["output_ids"],
+                    finished=fr is not None and not handoff,
+                    relayed=self.seen_text,
+                )
+            obj["text"] = (
+                self.seen_text + joined
+                if joined is not None
+                else self.prefix_text + (obj.get("text") or "")
+            )
             if "output_ids" in obj:
                 obj["output_ids"] = self.prefix_ids + list(obj.get("output_ids") or [])
             if meta:
@@ -307,9 +328,14 @@ class Splicer:
     def _openai_event(self, obj: dict) -> dict:
         if self.first is None:
             self.first = {k: obj[k] for k in ("id", "created", "model") if k in obj}
-        if not self._cont:
-            return obj
         choices = obj.get("choices") or []
+        one = choices[0] if len(choices) == 1 and isinstance(choices[0], dict) else None
+        if not self._cont:
+            if one is not None:
+                self.relayed_text += _delta_text(one, self.label)
+            return obj
+        if one is not None:
+            self._join_openai(one)
         if self.label == "chat":
             new = {
                 **self.first,
@@ -347,6 +373,9 @@ class Splicer:
             self.prompt_len = len(input_ids)
         self.done_tokens = len(input_ids) + len(output_ids) - self.prompt_len
         self.prefix_text, self.prefix_ids = self.seen_text, list(self.seen_ids)
+        if self._decode is not None:
+            self._base_ids = (list(input_ids) + list(output_ids))[self.prompt_len :]
+            self._mark, self._cont_ids = len(self.answer_ids), []
         self.migrated = None
         self.aborted = False
         self._buf = b""
@@ -375,11 +404,59 @@ class Splicer:
         body.update(prompt=all_ids, stream=True)
         if rid:
             body["rid"] = rid
-        if self.resumable:  # a resumed stream stays resumable: its answer's ids keep coming
+        if self.resumable or self._decode is not None:
+            # a resumed stream stays resumable, and the text across the cut is made
+            # from the ids: the answer's ids keep coming (a chat client never sees them)
             body["return_token_ids"] = True
         if left is not None:
             body["max_tokens"] = max(1, left)
         return "/v1/completions", body
+
+    def _join_openai(self, choice: dict) -> None:
+        """Rewrite a continuation choice's text so that, with what the client read
+        before the cut, it is the text of the whole answer's ids."""
+        if self._base_ids is None:
+            return
+        if self.label == "completions":
+            ids = self.answer_ids[self._mark :]
+        else:  # chat: the continuation is a completions request asked for its ids
+            got = choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+            if _int_list(got):
+                self._cont_ids.extend(got)
+            ids = self._cont_ids
+        handoff = str(choice.get("matched_stop") or "").startswith(MARK)
+        joined = self._joined_text(
+            self._base_ids + ids,
+            finished=choice.get("finish_reason") is not None and not handoff,
+            relayed=self.relayed_text,
+        )
+        if joined is not None:
+            choice["text"] = joined
+        self.relayed_text += choice.get("text") or ""
+
+    def _joined_text(self, ids: list[int], *, finished: bool, relayed: str) -> str | None:
+        """The text still to send of the answer whose ids are ``ids``, given that the
+        client read ``relayed``; None when that cannot be told (fall back to the
+        upstream's own text).
+
+        A continuation's worker decodes only its own ids, so the bytes of a character
+        cut in two (a multi-byte character over two tokens, the first one relayed
+        before the cut as no text, since SGLang holds back an incomplete character)
+        would come out as replacement characters or be lost. Decoding the whole
+        answer instead gives what one upstream would have written. Like SGLang's
+        detokenizer, text that ends in an incomplete character is held back until
+        the answer finishes."""
+        assert self._decode is not None
+        try:
+            text = self._decode(ids)
+        except Exception:  # noqa: BLE001  (a tokenizer that cannot decode these ids)
+            return None
+        if not text.startswith(relayed):
+            return None
+        if not finished and text.endswith("\ufffd"):
+            return ""
+        return text[len(relayed) :]
 
     def _limit(self) -> int | None:
         """The client's answer budget in tokens (None: up to the context)."""
@@ -393,6 +470,13 @@ class Splicer:
     def tokens_left(self) -> int | None:
         limit = self._limit()
         return None if limit is None else limit - self.done_tokens
+
+
+def _skips_special_tokens(label: str, body: dict) -> bool:
+    """Whether the answer's text leaves special tokens out (SGLang's default), which is
+    how the router's tokenizer decodes a continuation's ids."""
+    sp = body.get("sampling_params") if label == "generate" else body
+    return not isinstance(sp, dict) or sp.get("skip_special_tokens") in (None, True)
 
 
 def _delta_text(choice: dict, label: str) -> str:

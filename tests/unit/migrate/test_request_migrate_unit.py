@@ -318,3 +318,112 @@ def test_the_worker_moves_the_marked_request_with_the_most_tokens_left():
     assert why_not_movable(req(PREFIX + "f", finished=True)) == "is finishing"
     r, why = pick([c])
     assert r is None and "none of the 1 running" in why
+
+
+# ---------------------------------------------------------------- text across a cut
+# A byte-level tokenizer: token i is byte i. "€" is three bytes (E2 82 AC), so three tokens.
+def byte_decode(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", "replace")
+
+
+EURO = [0xE2, 0x82, 0xAC]
+
+
+def completion_event(text, ids, done=None, prompt=None, matched=None):
+    choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": done}
+    if prompt is not None:
+        choice["prompt_token_ids"] = prompt
+    if matched is not None:
+        choice["matched_stop"] = matched
+    return {
+        "id": "c9",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [choice],
+    }
+
+
+def texts(events) -> str:
+    return "".join(
+        (c.get("text") or (c.get("delta") or {}).get("content") or "")
+        for e in events
+        if isinstance(e, dict)
+        for c in e.get("choices") or []
+    )
+
+
+def test_a_character_cut_by_a_resume_reads_whole():
+    sp = Splicer("completions", {"prompt": "x", "stream": True, "max_tokens": 8}, byte_decode)
+    # SGLang holds back the first byte of the euro sign: an event with its id, no text
+    first = sse(completion_event("A", [65], prompt=[1, 2])) + sse(completion_event("", EURO[:1]))
+    seen = run(sp, first)
+    path, body = sp.resume()  # the decode worker died here
+    assert path == "/v1/completions" and body["prompt"] == [1, 2, 65, 0xE2]
+    # the continuation's worker decodes only its own ids: two stray bytes, then "B"
+    cont = (
+        sse(completion_event("", EURO[1:2]))
+        + sse(completion_event("", EURO[2:]))
+        + sse(completion_event("\ufffd\ufffdB", [66], done="length"))
+        + b"data: [DONE]\n\n"
+    )
+    seen += run(sp, cont)
+    assert texts(seen) == "A€B"  # what one unbroken upstream writes
+    assert all("token_ids" not in c for e in seen if isinstance(e, dict) for c in e["choices"])
+
+
+def test_a_character_cut_by_a_generate_handoff_reads_whole():
+    body = mark(
+        {"input_ids": [1, 2], "stream": True, "sampling_params": {"max_new_tokens": 9}},
+        random.Random(5),
+    )
+    sp = Splicer("generate", body, byte_decode)
+    first = sse(gen_event("A", [65], prompt=2)) + sse(
+        gen_event("A", [65, 0xE2], {"type": "abort", "matched": MARK + "m9"}, prompt=2)
+    )
+    seen = run(sp, first)
+    assert sp.migrated == "m9"
+    sp.continuation([1, 2], [65, 0xE2])
+    cont = (
+        sse(gen_event("\ufffd", EURO[1:2], prompt=4))
+        + sse(
+            gen_event("\ufffd\ufffdB", [*EURO[1:], 66], {"type": "length", "length": 3}, prompt=4)
+        )
+        + b"data: [DONE]\n\n"
+    )
+    seen += run(sp, cont)
+    last = [e for e in seen if isinstance(e, dict)][-1]
+    assert last["text"] == "A€B" and last["output_ids"] == [65, *EURO, 66]
+    # cumulative text never shrinks and never shows a stray byte
+    shown = [e["text"] for e in seen if isinstance(e, dict)]
+    assert all(b.startswith(a) for a, b in zip(shown, shown[1:])) and "\ufffd" not in "".join(shown)
+
+
+def test_a_character_cut_by_a_chat_handoff_reads_whole():
+    body = mark({"messages": [{"role": "user", "content": "hi"}], "stream": True}, random.Random(6))
+    sp = Splicer("chat", body, byte_decode)
+    head = {"id": "h1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+    def chunk(content, done=None, matched=None):
+        c = {"index": 0, "delta": {"content": content}, "finish_reason": done}
+        if matched:
+            c["matched_stop"] = matched
+        return {**head, "choices": [c]}
+
+    seen = run(sp, sse(chunk("A")) + sse(chunk("", "abort", MARK + "m7")))
+    path, cont_body = sp.continuation([1, 2, 3], [65, 0xE2])
+    assert cont_body["return_token_ids"] is True  # the text across the cut is made from ids
+    cont = (
+        sse(completion_event("\ufffd\ufffdB", [*EURO[1:], 66], done="stop")) + b"data: [DONE]\n\n"
+    )
+    seen += run(sp, cont)
+    assert texts(seen) == "A€B"
+    assert all("token_ids" not in c for e in seen if isinstance(e, dict) for c in e["choices"])
+
+
+def test_without_a_tokenizer_the_continuation_text_is_relayed_as_it_comes():
+    sp = Splicer("completions", {"prompt": "x", "stream": True, "max_tokens": 8})
+    seen = run(sp, sse(completion_event("A", [65], prompt=[1])) + sse(completion_event("", [0xE2])))
+    sp.resume()
+    seen += run(sp, sse(completion_event("\ufffdB", [0x82, 66], done="length")))
+    assert texts(seen) == "A\ufffdB"
