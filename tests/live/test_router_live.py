@@ -199,6 +199,45 @@ def test_hotspot_cache_aware_concentrates_and_bana_spreads(live):
     assert shares["bana"] <= 1.5 and shares["bana"] <= shares["cache_aware"] - 0.4
 
 
+def burst(cluster, phrase: str, n: int) -> tuple[list[dict], list[list[int]]]:
+    """``n`` greedy /generate bodies and their tokens from the healthy cluster."""
+    reqs = [
+        {
+            "text": f"{phrase} {i}. " * 6,
+            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+        }
+        for i in range(n)
+    ]
+    with httpx.Client(timeout=120, headers=AUTH) as c:
+        ref = [c.post(cluster.url + "/generate", json=r).json()["output_ids"] for r in reqs]
+    return reqs, ref
+
+
+def last_prefill(cluster) -> tuple[str, psutil.Process]:
+    """The URL of the last prefill worker the router routes to, and its leader: the
+    launcher's own child (its scheduler subprocesses can carry the same command line,
+    and stopping only one of them leaves the leader to notice whenever it does)."""
+    url = sorted(routed(cluster.url, AUTH))[-1]
+    port = url.rsplit(":", 1)[1]
+    leader = next(
+        p
+        for p in psutil.Process(cluster.proc.pid).children(recursive=False)
+        if "sglang.launch_server" in " ".join(p.cmdline()) and port in p.cmdline()
+    )
+    return url, leader
+
+
+async def until_in_flight(c: httpx.AsyncClient, cluster, url: str, tasks: list) -> None:
+    """Until the router has a request in flight on ``url`` (or one of ``tasks`` ended,
+    or 30 s passed): a fixed sleep once landed after every prefill had finished."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(t.done() for t in tasks):
+        ws = (await c.get(cluster.url + "/bana/router/workers")).json()["workers"]
+        if any(w["url"] == url and w["inflight"] > 0 for w in ws):
+            return
+        await asyncio.sleep(0.02)
+
+
 #: how long the frozen prefill worker stays stopped
 FROZEN_S = 8.0
 
@@ -208,22 +247,8 @@ def test_a_frozen_prefill_worker_loses_no_request_and_serves_again(live):
     after ``FROZEN_S``: every request ends with a plain run's tokens, none later than
     the freeze plus a margin, and the worker serves again afterwards."""
     cluster, _ = live
-    reqs = [
-        {
-            "text": f"Frozen request {i} waits for its worker. " * 6,
-            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
-        }
-        for i in range(10)
-    ]
-    with httpx.Client(timeout=120, headers=AUTH) as c:
-        ref = [c.post(cluster.url + "/generate", json=r).json()["output_ids"] for r in reqs]
-    prefill_urls = sorted(routed(cluster.url, AUTH))
-    victim_port = prefill_urls[-1].rsplit(":", 1)[1]
-    leader = next(
-        p
-        for p in psutil.Process(cluster.proc.pid).children(recursive=False)
-        if "sglang.launch_server" in " ".join(p.cmdline()) and victim_port in p.cmdline()
-    )
+    reqs, ref = burst(cluster, "Frozen request waits for its worker", 10)
+    url, leader = last_prefill(cluster)
     tree = [leader, *leader.children(recursive=True)]
 
     async def flow():
@@ -235,12 +260,7 @@ def test_a_frozen_prefill_worker_loses_no_request_and_serves_again(live):
                 return resp, time.monotonic() - t
 
             tasks = [asyncio.create_task(one(r)) for r in reqs]
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not any(t.done() for t in tasks):
-                ws = (await c.get(cluster.url + "/bana/router/workers")).json()["workers"]
-                if any(w["url"] == prefill_urls[-1] and w["inflight"] > 0 for w in ws):
-                    break
-                await asyncio.sleep(0.02)
+            await until_in_flight(c, cluster, url, tasks)
             for p in tree:
                 p.suspend()
             try:
@@ -261,7 +281,7 @@ def test_a_frozen_prefill_worker_loses_no_request_and_serves_again(live):
     deadline = time.monotonic() + 60
     while True:
         ws = httpx.get(cluster.url + "/bana/router/workers", headers=AUTH, timeout=30).json()
-        if next(w for w in ws["workers"] if w["url"] == prefill_urls[-1])["healthy"]:
+        if next(w for w in ws["workers"] if w["url"] == url)["healthy"]:
             break
         assert time.monotonic() < deadline, ws
         time.sleep(0.5)
@@ -272,36 +292,14 @@ def test_a_frozen_prefill_worker_loses_no_request_and_serves_again(live):
 def test_killed_prefill_worker_requests_are_retried_and_none_hangs(live):
     """Last: kills prefill-1 while 12 requests are in flight."""
     cluster, _ = live
-    reqs = [
-        {
-            "text": f"Request {i} asks about caches and load. " * 6,
-            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
-        }
-        for i in range(12)
-    ]
-    with httpx.Client(timeout=120, headers=AUTH) as c:
-        ref = [c.post(cluster.url + "/generate", json=r).json()["output_ids"] for r in reqs]
-    prefill_urls = sorted(routed(cluster.url, AUTH))
-    victim_port = prefill_urls[-1].rsplit(":", 1)[1]
-    # the worker's leader: the launcher's own child (its scheduler subprocesses can carry the same
-    # command line, and killing only one of them leaves the leader to exit whenever it notices)
-    victim = next(
-        p
-        for p in psutil.Process(cluster.proc.pid).children(recursive=False)
-        if "sglang.launch_server" in " ".join(p.cmdline()) and victim_port in p.cmdline()
-    )
+    reqs, ref = burst(cluster, "Request asks about caches and load", 12)
+    url, victim = last_prefill(cluster)
 
     async def flow():
         async with httpx.AsyncClient(timeout=180, headers=AUTH) as c:
             tasks = [asyncio.create_task(c.post(cluster.url + "/generate", json=r)) for r in reqs]
-            # kill while the router has a request of the victim's in flight (a fixed sleep once
-            # landed after every prefill had finished, and then no request needed a retry)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not any(t.done() for t in tasks):
-                ws = (await c.get(cluster.url + "/bana/router/workers")).json()["workers"]
-                if any(w["url"] == prefill_urls[-1] and w["inflight"] > 0 for w in ws):
-                    break
-                await asyncio.sleep(0.02)
+            # kill while the router has a request of the victim's in flight (then one needs a retry)
+            await until_in_flight(c, cluster, url, tasks)
             for p in [victim, *victim.children(recursive=True)]:
                 p.kill()
             return await asyncio.gather(*tasks)
@@ -321,10 +319,10 @@ def test_killed_prefill_worker_requests_are_retried_and_none_hangs(live):
                 cluster.url + "/bana/router/workers", headers=AUTH, timeout=30
             ).json()["workers"]
         }
-        if not state[prefill_urls[-1]]["healthy"] or time.monotonic() > deadline:
+        if not state[url]["healthy"] or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert not state[prefill_urls[-1]]["healthy"], state[prefill_urls[-1]]
+    assert not state[url]["healthy"], state[url]
     # the launcher keeps serving on the surviving workers
     assert cluster.proc.poll() is None
     ok = httpx.post(cluster.url + "/generate", json=reqs[0], headers=AUTH, timeout=120)
