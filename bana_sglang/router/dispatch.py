@@ -179,9 +179,9 @@ class PDDispatchMixin:
         """POST (``body``: a dict or its JSON bytes) and read the whole answer; raises
         UpstreamError / ClientError."""
         assert self.session is not None
-        data = body if isinstance(body, bytes) else orjson.dumps(body)
+        payload = body if isinstance(body, bytes) else orjson.dumps(body)
         try:
-            async with self.session.post(w.url + path, data=data, headers=_JSON_HEADERS) as resp:
+            async with self.session.post(w.url + path, data=payload, headers=_JSON_HEADERS) as resp:
                 data = await resp.read()
                 if resp.status >= 500:
                     raise UpstreamError(

@@ -115,11 +115,9 @@ class PromptView:
         than ``max_ids`` of the vocabulary's longest piece) is not tokenized at all:
         its count is the byte estimate, which is all routing needs of a prompt that
         long (the worker measures it exactly, and refuses it past the context)."""
-        if len(text) > max_ids * self._longest_piece:
-            return [], -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
-        if self._tok is None:
+        if self._tok is None or len(text) > max_ids * self._longest_piece:
             n = -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
-            return (self.tokens(text) if n <= max_ids else []), n
+            return (self.tokens(text) if self._tok is None and n <= max_ids else []), n
         enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
         n = len(enc)
         return (enc.ids if n <= max_ids else []), n
