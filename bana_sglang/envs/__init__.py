@@ -109,6 +109,14 @@ BANA_IDLE_POLL_MS = _var(
     "idle wait of an SGLang scheduler on CPU, in ms (0: SGLang's busy spin)",
     minimum=0,
 )
+BANA_CPU_START_METHOD = _var(
+    "BANA_CPU_START_METHOD",
+    str,
+    "fork",
+    "how an SGLang worker on CPU starts its scheduler and detokenizer: `fork` (they inherit "
+    "the imported modules: the worker is up in half the time) or `spawn` (SGLang's own)",
+    choices=("fork", "spawn"),
+)
 BANA_MERGE_TRITON = _var(
     "BANA_MERGE_TRITON",
     bool,

@@ -79,6 +79,13 @@ def register() -> None:
         cpu = compat.cpu_mode()
     except compat.GpuUnusable:  # the launcher refuses this machine; never break SGLang here
         cpu = False
+    if cpu and compat.start_method() != "spawn":
+        # SGLang sets ``spawn`` here; on CPU its children are forked instead (see compat)
+        HookRegistry.register(
+            "sglang.srt.entrypoints.engine._set_envs_and_config",
+            _cpu_start_method,
+            HookType.AFTER,
+        )
     if cpu:
         # The CPU attention backend: its name must pass argparse and reach the model runner.
         try:
@@ -87,3 +94,10 @@ def register() -> None:
             register_backend()
         except Exception:  # never break an SGLang process over an optional backend
             logger.exception("bana_sglang: could not register the bana_cpu attention backend")
+
+
+def _cpu_start_method(_result, *args, **kwargs) -> None:
+    """AFTER hook on SGLang's ``_set_envs_and_config``, which set ``spawn``."""
+    from bana_sglang import compat
+
+    multiprocessing.set_start_method(compat.start_method(), force=True)
