@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import sys
 
 from bana_sglang import envs
 
@@ -38,12 +40,18 @@ def register() -> None:
     if applied:
         logger.info("bana_sglang: CPU fixes applied: %s", ", ".join(applied))
     if multiprocessing.parent_process() is None:
-        # The HTTP server's process (SGLang children are spawned, so they have a
+        # The HTTP server's process (SGLang's children, spawned or forked, have a
         # parent): add the extension's routes before uvicorn starts.
         HookRegistry.register(
             "sglang.srt.entrypoints.http_server.launch_server",
             server_routes.before_launch_server,
             HookType.BEFORE,
+        )
+        # SGLang picks the start method of its children and the metrics directory there
+        HookRegistry.register(
+            "sglang.srt.entrypoints.engine._set_envs_and_config",
+            after_sglang_env,
+            HookType.AFTER,
         )
         if envs.BANA_WORKER_AUTH.get():  # the cluster's worker key, once the config is out
             HookRegistry.register(
@@ -79,13 +87,6 @@ def register() -> None:
         cpu = compat.cpu_mode()
     except compat.GpuUnusable:  # the launcher refuses this machine; never break SGLang here
         cpu = False
-    if cpu and compat.start_method() != "spawn":
-        # SGLang sets ``spawn`` here; on CPU its children are forked instead (see compat)
-        HookRegistry.register(
-            "sglang.srt.entrypoints.engine._set_envs_and_config",
-            _cpu_start_method,
-            HookType.AFTER,
-        )
     if cpu:
         # The CPU attention backend: its name must pass argparse and reach the model runner.
         try:
@@ -96,8 +97,22 @@ def register() -> None:
             logger.exception("bana_sglang: could not register the bana_cpu attention backend")
 
 
-def _cpu_start_method(_result, *args, **kwargs) -> None:
-    """AFTER hook on SGLang's ``_set_envs_and_config``, which set ``spawn``."""
+def after_sglang_env(_result, *args, **kwargs) -> None:
+    """AFTER hook on SGLang's ``_set_envs_and_config`` (the server process), which
+    set the ``spawn`` start method and ``PROMETHEUS_MULTIPROC_DIR``."""
     from bana_sglang import compat
 
-    multiprocessing.set_start_method(compat.start_method(), force=True)
+    values = sys.modules.get("prometheus_client.values")
+    if values is not None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # prometheus_client picks its value class when it is first imported, which
+        # here was before SGLang set the directory (applying the plugin's hooks
+        # imports SGLang modules that import it): the server's own metrics (TTFT,
+        # e2e latency, tokens) stayed in memory, where /metrics never reads them.
+        # Metrics made from now on, here and in forked children, use the directory.
+        values.ValueClass = values.get_value_class()
+    try:
+        cpu = compat.cpu_mode()
+    except compat.GpuUnusable:
+        cpu = False
+    if cpu and compat.start_method() == "fork":  # see compat: "Start-up"
+        multiprocessing.set_start_method("fork", force=True)

@@ -205,6 +205,39 @@ def test_workers_refuse_calls_without_the_clusters_worker_key(cluster):
     assert post(cluster, "/generate", body).status_code == 200  # the router gets through
 
 
+def test_workers_are_forked_and_their_metrics_hold_every_process(cluster):
+    """On CPU a worker's scheduler and detokenizer are forked from its server process
+    (``BANA_CPU_START_METHOD``), and the worker's /metrics holds the server process's
+    own metrics (SGLang's token counters, once lost to an early import of
+    prometheus_client) next to the scheduler's, ours included."""
+    assert (
+        post(
+            cluster, "/generate", {"text": "count me", "sampling_params": {"max_new_tokens": 2}}
+        ).status_code
+        == 200
+    )
+    workers = httpx.get(cluster.url + "/bana/router/workers", headers=AUTH, timeout=30).json()[
+        "workers"
+    ]
+    prompt_tokens = 0.0
+    for w in workers:
+        text = httpx.get(w["url"] + "/metrics", timeout=30).text
+        samples = {
+            line.split(" ")[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+        # the migration agent's counters live in the scheduler process
+        assert "bana_migrate_rejected_requests_total" in samples, w["url"]
+        prompt_tokens += samples.get("sglang:prompt_tokens_total", 0.0)  # the server's
+    assert prompt_tokens > 0
+    root = psutil.Process(cluster.proc.pid)
+    spawned = [
+        p.cmdline() for p in root.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())
+    ]
+    assert not spawned, spawned
+
+
 def test_memory_of_the_1p1d_cluster(cluster, capsys):
     root = psutil.Process(cluster.proc.pid)
     procs = [root, *root.children(recursive=True)]
