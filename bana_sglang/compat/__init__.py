@@ -6,7 +6,7 @@ device is present (or ``BANA_DEVICE=cpu``); on a GPU machine every function
 here returns "nothing to do", so the CUDA path stays stock.
 
 Process-level (environment of every SGLang process, set by the launcher via
-:func:`child_env`, inherited by SGLang's ``spawn``-ed children):
+:func:`child_env`, inherited by SGLang's children):
 
 1. ``SGLANG_USE_CPU_ENGINE=1`` (with ``--device cpu``): else ``is_cpu()`` is
    false and rotary embedding tries to import vllm.
@@ -51,7 +51,10 @@ SGLang set it (:func:`start_method`, ``BANA_CPU_START_METHOD``): the children
 inherit the modules the server process imported, the CPU fixes included. At
 that point the server process runs no Python thread but its main one and has
 opened no ZMQ context (checked), and each child makes its own sockets, so
-nothing half-held is copied. ``BANA_CPU_START_METHOD=spawn`` keeps SGLang's.
+nothing half-held is copied. Serving speed is unchanged: a forked and a spawned
+server side by side, 12 greedy answers of 200 tokens after a 1500-token prompt
+each, sent alternately, took 2.62 and 2.56 s (medians; the runs overlap).
+``BANA_CPU_START_METHOD=spawn`` keeps SGLang's.
 """
 
 from __future__ import annotations
