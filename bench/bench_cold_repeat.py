@@ -2,13 +2,14 @@
 
 ``python -m bench.bench_cold_repeat`` starts a 2P1D cluster with round-robin
 routing, sends ``--prompts`` distinct prompts of ``--prompt-tokens`` tokens one
-at a time (cold: nothing to hit), then the same prompts again, each landing on
-the *other* prefill worker (a global-store hit with the store on; a recompute
-without it). Arms, one after the other on the same machine: ``store`` (the
-launcher's default) and ``nostore`` (``--no-global-store``); with ``--rounds 2``
-the order is store, nostore, nostore, store, so that the machine's drift falls
-on both. Every arm starts from an empty store (a cluster starts with a fresh
-master and storage process).
+at a time (cold: nothing to hit; ``--gap`` seconds apart, default back to
+back), then the same prompts again, each landing on the *other* prefill worker
+(a global-store hit with the store on; a recompute without it). Arms, one after
+the other on the same machine: ``store`` (the launcher's default) and
+``nostore`` (``--no-global-store``); with ``--rounds 2`` the order is store,
+nostore, nostore, store, so that the machine's drift falls on both. Every arm
+starts from an empty store (a cluster starts with a fresh master and storage
+process).
 
 It prints, per model: the median TTFT of cold prompts and of repeats per arm,
 and the ratios the store is held to (a miss costs nothing: cold store/nostore
@@ -130,6 +131,7 @@ def run_arm(model: str, arm: str, ids: list[list[int]], args, out: Path, port: i
                 s, cached = ttft(c, url, p, args.max_tokens)
                 ph.ttft_s.append(s)
                 ph.cached.append(cached)
+                time.sleep(args.gap)
             time.sleep(1.0)  # publishing is asynchronous: let it land in this phase
             ph.metrics = breakdown.delta(breakdown.scrape(workers), before)
             ph.router = {
@@ -153,14 +155,15 @@ def _p50(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def report(runs: Sequence[ArmRun], command: str, n: int, length: int) -> str:
+def report(runs: Sequence[ArmRun], command: str, n: int, length: int, gap: float = 0.0) -> str:
+    pace = f"{gap:g} s apart" if gap > 0 else "back to back"
     lines = [
         f"Command: `{command}`",
         "",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Machine: {machine_description()}",
         "",
-        f"2P1D, round-robin routing, {n} distinct prompts of {length} tokens sent one at a time "
-        "(cold), then the same prompts again, each on the other prefill worker (repeat). "
+        f"2P1D, round-robin routing, {n} distinct prompts of {length} tokens sent one at a time, "
+        f"{pace} (cold), then the same prompts again, each on the other prefill worker (repeat). "
         "TTFT medians in ms; each arm starts with an empty store.",
         "",
         "| model | arm | cold TTFT | repeat TTFT | prompt tokens loaded per repeat |",
@@ -228,7 +231,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sglang-args", default="", help="extra SGLang flags for every worker")
     p.add_argument("--decode-args", default="", help="extra SGLang flags for decode workers")
+    p.add_argument(
+        "--gap",
+        type=float,
+        default=0.0,
+        help="seconds between one request's end and the next one's start (default 0: back "
+        "to back); a gap lets the previous request's publishing finish first",
+    )
     args = parse_cluster_bench_args(p, argv, default_port=32000)
+    if args.gap < 0:
+        p.error(f"--gap must be >= 0, got {args.gap}")
     arms = [a for a in args.arms.split(",") if a]
     for a in arms:
         if a not in ARMS:
@@ -246,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m bench.bench_cold_repeat " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
-    text = report(runs, command.strip(), args.prompts, args.prompt_tokens)
+    text = report(runs, command.strip(), args.prompts, args.prompt_tokens, args.gap)
     (out / "report.md").write_text(text + "\n")
     (out / "summary.json").write_text(
         json.dumps(
