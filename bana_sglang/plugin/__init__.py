@@ -8,6 +8,7 @@ configuration that applies (CPU layer only without CUDA).
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
@@ -39,6 +40,10 @@ def register() -> None:
     server_routes.APPLIED_FIXES[:] = applied
     if applied:
         logger.info("bana_sglang: CPU fixes applied: %s", ", ".join(applied))
+    try:
+        cpu = compat.cpu_mode()
+    except compat.GpuUnusable:  # the launcher refuses this machine; never break SGLang here
+        cpu = False
     if multiprocessing.parent_process() is None:
         # The HTTP server's process (SGLang's children, spawned or forked, have a
         # parent): add the extension's routes before uvicorn starts.
@@ -50,7 +55,7 @@ def register() -> None:
         # SGLang picks the start method of its children and the metrics directory there
         HookRegistry.register(
             "sglang.srt.entrypoints.engine._set_envs_and_config",
-            after_sglang_env,
+            functools.partial(after_sglang_env, fork=cpu and compat.start_method() == "fork"),
             HookType.AFTER,
         )
         if envs.BANA_WORKER_AUTH.get():  # the cluster's worker key, once the config is out
@@ -83,10 +88,6 @@ def register() -> None:
         scheduler_hook,
         HookType.AROUND,
     )
-    try:
-        cpu = compat.cpu_mode()
-    except compat.GpuUnusable:  # the launcher refuses this machine; never break SGLang here
-        cpu = False
     if cpu:
         # The CPU attention backend: its name must pass argparse and reach the model runner.
         try:
@@ -97,11 +98,10 @@ def register() -> None:
             logger.exception("bana_sglang: could not register the bana_cpu attention backend")
 
 
-def after_sglang_env(_result, *args, **kwargs) -> None:
+def after_sglang_env(_result, *args, fork: bool, **kwargs) -> None:
     """AFTER hook on SGLang's ``_set_envs_and_config`` (the server process), which
-    set the ``spawn`` start method and ``PROMETHEUS_MULTIPROC_DIR``."""
-    from bana_sglang import compat
-
+    set the ``spawn`` start method and ``PROMETHEUS_MULTIPROC_DIR``; ``fork``: switch
+    to ``fork`` (CPU only, see compat: "Start-up")."""
     values = sys.modules.get("prometheus_client.values")
     if values is not None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # prometheus_client picks its value class when it is first imported, which
@@ -110,9 +110,5 @@ def after_sglang_env(_result, *args, **kwargs) -> None:
         # e2e latency, tokens) stayed in memory, where /metrics never reads them.
         # Metrics made from now on, here and in forked children, use the directory.
         values.ValueClass = values.get_value_class()
-    try:
-        cpu = compat.cpu_mode()
-    except compat.GpuUnusable:
-        cpu = False
-    if cpu and compat.start_method() == "fork":  # see compat: "Start-up"
+    if fork:
         multiprocessing.set_start_method("fork", force=True)
