@@ -6,10 +6,10 @@ at a time (cold: nothing to hit; ``--gap`` seconds apart, default back to
 back), then the same prompts again, each landing on the *other* prefill worker
 (a global-store hit with the store on; a recompute without it). Arms, one after
 the other on the same machine: ``store`` (the launcher's default) and
-``nostore`` (``--no-global-store``); with ``--rounds 2`` the order is store,
-nostore, nostore, store, so that the machine's drift falls on both. Every arm
-starts from an empty store (a cluster starts with a fresh master and storage
-process).
+``nostore`` (``--no-global-store``); ``--rounds N`` runs every arm N times,
+each round in the reverse order of the one before (store, nostore, nostore,
+store, ...), so that the machine's drift falls on both. Every arm starts from
+an empty store (a cluster starts with a fresh master and storage process).
 
 It prints, per model: the median TTFT of cold prompts and of repeats per arm,
 and the ratios the store is held to (a miss costs nothing: cold store/nostore
@@ -19,7 +19,11 @@ the workers' and the router's ``/metrics`` deltas over each phase: the router's
 global lookup, the linker's index round trip and header check, loads (time, the
 forward's wait, pages recomputed because loading was predicted slower), and
 publishing (wall and CPU time per request, and the prefill forward's time per
-token while a publish was written against without).
+token while a publish was written against without); with several rounds, the
+ratios of each round; and the loads of the repeats against the wire: their
+bandwidth (bytes over load-thread time), the fraction hidden under compute,
+and a raw batched get of whole pages through the same store, probed after the
+phases of each store arm (``--raw-mb``).
 
 Outputs: ``bench/runs/cold-repeat-<UTC time>/`` (``summary.json``,
 ``report.md``, logs); ``--write-results`` replaces the "Global KV store: cold
@@ -65,6 +69,9 @@ class ArmRun:
     arm: str
     cold: Phase
     repeat: Phase
+    raw_get_mbps: float | None = None  # store arm: whole-page batched gets, same store
+    raw_put_mbps: float | None = None
+    page_nbytes: int | None = None
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -148,7 +155,24 @@ def run_arm(model: str, arm: str, ids: list[list[int]], args, out: Path, port: i
                 1e3 * statistics.median(ph.ttft_s),
                 ph.cached,
             )
-    return ArmRun(model, arm, phases[0], phases[1])
+        run = ArmRun(model, arm, phases[0], phases[1])
+        if plan.store and plan.master is not None and args.raw_mb > 0:
+            # after the phases, so that it delays no request: the wire's speed in this run
+            run.page_nbytes = breakdown.page_nbytes(plan.model_path)
+            run.raw_put_mbps, run.raw_get_mbps = breakdown.raw_bandwidth(
+                breakdown.master_addr(plan), run.page_nbytes, args.raw_mb
+            )
+            logger.info("%s/%s raw get %.0f MB/s", model, arm, run.raw_get_mbps)
+    return run
+
+
+def order(arms: Sequence[str], rounds: int) -> list[str]:
+    """The arms of every round, each round in the reverse order of the one before
+    (A B, B A, A B, ...), so that a drift of the machine falls on every arm alike."""
+    out: list[str] = []
+    for r in range(max(1, rounds)):
+        out += list(arms) if r % 2 == 0 else list(arms)[::-1]
+    return out
 
 
 def _p50(xs: Sequence[float]) -> float:
@@ -197,6 +221,42 @@ def report(runs: Sequence[ArmRun], command: str, n: int, length: int, gap: float
             [x for r in off for x in r.repeat.ttft_s]
         )
         lines.append(f"| {model} | {cold:.2f} | {rep:.2f} |")
+    per_round = _round_ratios(runs)
+    if any(len(v) > 1 for v in per_round.values()):
+        lines += [
+            "",
+            "The same ratios per round (each round runs both arms, back to back; the machine "
+            "drifts between rounds):",
+            "",
+            "| model | round | cold: store / nostore | repeat: store hit / nostore recompute |",
+            "|---|---|---|---|",
+        ]
+        for model, rows_ in per_round.items():
+            for i, (c, rp) in enumerate(rows_, 1):
+                lines.append(f"| {model} | {i} | {c:.2f} | {rp:.2f} |")
+    loads = []
+    for model in dict.fromkeys(r.model for r in runs):
+        on = by.get((model, "store"), [])
+        figs = breakdown.load_figures(_merged([r.repeat.metrics for r in on]))
+        raw = [r.raw_get_mbps for r in on if r.raw_get_mbps]
+        if figs is None:
+            continue
+        mb, secs, hidden = figs
+        bw = mb / secs
+        line = (
+            f"- {model}: layer-wise loads of the repeats moved {mb:.1f} MB in {secs:.2f} s of "
+            f"load-thread time, {bw:.0f} MB/s; {hidden:.0%} of load time hidden under compute"
+        )
+        if raw:
+            g = statistics.median(raw)
+            line += (
+                f"; raw batched get of whole {on[-1].page_nbytes} B pages (batches of 16, "
+                f"zero copy) through the same store after the phases: {g:.0f} MB/s, "
+                f"ratio {bw / g:.2f}"
+            )
+        loads.append(line)
+    if loads:
+        lines += ["", "Loads (store arm, repeat phase, every round):", "", *loads]
     for model in dict.fromkeys(r.model for r in runs):
         on = by.get((model, "store"))
         if not on:
@@ -216,6 +276,28 @@ def report(runs: Sequence[ArmRun], command: str, n: int, length: int, gap: float
     return "\n".join(lines)
 
 
+def _merged(ms: Sequence[breakdown.Metrics]) -> dict[str, dict[str, float]]:
+    """Metrics of several runs as one: ``run index/worker`` -> counters."""
+    return {f"{i}/{w}": dict(m) for i, mm in enumerate(ms) for w, m in mm.items()}
+
+
+def _round_ratios(runs: Sequence[ArmRun]) -> dict[str, list[tuple[float, float]]]:
+    """model -> (cold, repeat) store/nostore median ratios of each round, a round being
+    the k-th run of each arm."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for model in dict.fromkeys(r.model for r in runs):
+        on = [r for r in runs if r.model == model and r.arm == "store"]
+        off = [r for r in runs if r.model == model and r.arm == "nostore"]
+        out[model] = [
+            (
+                _p50(a.cold.ttft_s) / _p50(b.cold.ttft_s),
+                _p50(a.repeat.ttft_s) / _p50(b.repeat.ttft_s),
+            )
+            for a, b in zip(on, off)
+        ]
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.bench_cold_repeat",
@@ -227,7 +309,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1400)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated, from: store, nostore")
-    p.add_argument("--rounds", type=int, default=1, help="2: store, nostore, nostore, store")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of every arm, each round in the reverse order of the one before "
+        "(2: store, nostore, nostore, store)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sglang-args", default="", help="extra SGLang flags for every worker")
     p.add_argument("--decode-args", default="", help="extra SGLang flags for decode workers")
@@ -237,6 +325,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="seconds between one request's end and the next one's start (default 0: back "
         "to back); a gap lets the previous request's publishing finish first",
+    )
+    p.add_argument(
+        "--raw-mb",
+        type=int,
+        default=32,
+        help="MB moved by the raw Mooncake get probe after each store arm (0: no probe)",
     )
     args = parse_cluster_bench_args(p, argv, default_port=32000)
     if args.gap < 0:
@@ -252,8 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ids = prompts(args.prompts, args.prompt_tokens, args.seed)
     runs: list[ArmRun] = []
     for model in [m for m in args.models.split(",") if m]:
-        order = arms if args.rounds < 2 else arms + arms[::-1]
-        for arm in order:
+        for arm in order(arms, args.rounds):
             runs.append(run_arm(model, arm, ids, args, out, args.port))
     command = "python -m bench.bench_cold_repeat " + " ".join(
         argv if argv is not None else sys.argv[1:]
@@ -263,7 +356,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "summary.json").write_text(
         json.dumps(
             [
-                dict(model=r.model, arm=r.arm, cold=r.cold.__dict__, repeat=r.repeat.__dict__)
+                dict(
+                    model=r.model,
+                    arm=r.arm,
+                    cold=r.cold.__dict__,
+                    repeat=r.repeat.__dict__,
+                    raw_get_mbps=r.raw_get_mbps,
+                    raw_put_mbps=r.raw_put_mbps,
+                    page_nbytes=r.page_nbytes,
+                )
                 for r in runs
             ],
             indent=1,

@@ -94,15 +94,6 @@ def conversation_slice(
     return path
 
 
-def raw_bandwidth(master: str, page_nbytes: int, total_mb: int) -> tuple[float, float]:
-    """Whole-page batched put/get MB/s through the same store (registered, zero copy)."""
-    from bana_sglang.radix_global import bench_store
-
-    rows = bench_store.run(master, [page_nbytes], total_mb << 20, batch=16)
-    reg = next(r for r in rows if r[0] == "registered")
-    return reg[2], reg[3]
-
-
 @dataclasses.dataclass
 class ArmResult:
     name: str
@@ -151,19 +142,11 @@ def run_arm(
         result = ArmResult(name, summ, {w: store_summary.scrape(u) for w, u in urls.items()})
         result.metrics, result.router, result.requests = deltas, rdelta, len(records)
         if plan.store and plan.master is not None:
-            rpc = next(a for a in plan.master.argv if a.startswith("-rpc_port=")).split("=")[1]
-            result.page_nbytes = _page_nbytes(plan.model_path)
-            result.raw_put_mbps, result.raw_get_mbps = raw_bandwidth(
-                f"{res.host}:{rpc}", result.page_nbytes, raw_mb
+            result.page_nbytes = breakdown.page_nbytes(plan.model_path)
+            result.raw_put_mbps, result.raw_get_mbps = breakdown.raw_bandwidth(
+                breakdown.master_addr(plan), result.page_nbytes, raw_mb
             )
     return result
-
-
-def _page_nbytes(model_path: str) -> int:
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * 2 * 16 * heads * head_dim * 4  # float32, 16-token pages
 
 
 def _sum(store: dict[str, dict[str, float] | None], key: str) -> float:

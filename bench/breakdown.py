@@ -9,7 +9,9 @@ phase's requests. :func:`scrape` and :func:`router_metrics` read them;
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 
 import httpx
 
@@ -36,6 +38,41 @@ def router_metrics(endpoint: str) -> dict[str, float]:
             if name.endswith(("_sum", "_count")):
                 out[name.removeprefix("bana_router_")] = float(value)
     return out
+
+
+def master_addr(plan) -> str:
+    """``host:port`` of a cluster plan's Mooncake master (its RPC port)."""
+    flags = dict(a.lstrip("-").split("=", 1) for a in plan.master.argv if a.startswith("-rpc_"))
+    return f"{flags.get('rpc_address', '127.0.0.1')}:{flags['rpc_port']}"
+
+
+def page_nbytes(model_path: str, page_size: int = 16) -> int:
+    """Bytes of one store page's payload (float32 K and V of every layer)."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * page_size * heads * head_dim * 4
+
+
+def raw_bandwidth(master: str, page_bytes: int, total_mb: int) -> tuple[float, float]:
+    """(put, get) MB/s of whole pages in batches of 16 through the same store
+    (registered buffers, zero copy): the wire's speed that loads are held to."""
+    from bana_sglang.radix_global import bench_store
+
+    rows = bench_store.run(master, [page_bytes], total_mb << 20, batch=16)
+    reg = next(r for r in rows if r[0] == "registered")
+    return reg[2], reg[3]
+
+
+def load_figures(metrics: Metrics) -> tuple[float, float, float] | None:
+    """(loaded MB, load-thread seconds, fraction hidden under compute) summed over
+    workers, or None if nothing was loaded."""
+    loaded = sum(m.get("loaded_bytes", 0.0) for m in metrics.values())
+    load_s = sum(m.get("load_seconds", 0.0) for m in metrics.values())
+    wait_s = sum(m.get("load_wait_seconds", 0.0) for m in metrics.values())
+    if not load_s or not loaded:
+        return None
+    return loaded / 1e6, load_s, 1.0 - wait_s / load_s
 
 
 def delta(after: Metrics, before: Metrics) -> dict[str, dict[str, float]]:

@@ -1,0 +1,54 @@
+"""The cold/repeat benchmark's round order, per-round ratios and load figures (no cluster)."""
+
+from __future__ import annotations
+
+from bench import bench_cold_repeat as cr
+from bench import breakdown
+
+
+def test_rounds_alternate_the_arm_order() -> None:
+    assert cr.order(["store", "nostore"], 1) == ["store", "nostore"]
+    assert cr.order(["store", "nostore"], 3) == [
+        "store",
+        "nostore",
+        "nostore",
+        "store",
+        "store",
+        "nostore",
+    ]
+
+
+def _run(arm: str, cold_ms: float, rep_ms: float, loaded=0.0, load_s=0.0, wait_s=0.0, raw=None):
+    m = {"prefill-0": {"loaded_bytes": loaded, "load_seconds": load_s, "load_wait_seconds": wait_s}}
+    return cr.ArmRun(
+        "tiny",
+        arm,
+        cr.Phase(ttft_s=[cold_ms / 1e3] * 3),
+        cr.Phase(ttft_s=[rep_ms / 1e3] * 3, metrics=m),
+        raw_get_mbps=raw,
+        page_nbytes=65536 if raw else None,
+    )
+
+
+def test_report_has_per_round_ratios_and_loads_against_the_wire() -> None:
+    runs = [
+        _run("store", 100, 50, loaded=40e6, load_s=0.2, wait_s=0.05, raw=400.0),
+        _run("nostore", 100, 100),
+        _run("nostore", 100, 100),
+        _run("store", 120, 60, loaded=40e6, load_s=0.2, wait_s=0.05, raw=400.0),
+    ]
+    assert cr._round_ratios(runs) == {"tiny": [(1.0, 0.5), (1.2, 0.6)]}
+    text = cr.report(runs, "cmd", 3, 1400)
+    assert "| tiny | 2 | 1.20 | 0.60 |" in text
+    # 80 MB over 0.4 s of loads: 200 MB/s, half the raw get; 75% hidden
+    assert "200 MB/s; 75% of load time hidden" in text
+    assert "ratio 0.50" in text
+
+
+def test_load_figures_none_without_loads() -> None:
+    assert breakdown.load_figures({"w": {"loaded_bytes": 0.0}}) is None
+    assert breakdown.load_figures({"w": {"loaded_bytes": 2e6, "load_seconds": 1.0}}) == (
+        2.0,
+        1.0,
+        1.0,
+    )
