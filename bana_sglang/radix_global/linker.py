@@ -269,6 +269,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
             target=self._serve, daemon=True, name="bana-store-load"
         )
         self._load_thread.start()
+        _warm_page_hashing(self.page_size)
         logger.info(
             "global KV store linker: index %s, master %s, layout %s (digest %s), %d-token pages "
             "of %d bytes, %s loads into a %s pool, load policy %s",
@@ -535,6 +536,18 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         for client in (self.index, self._loss_index, self.publisher.index):
             client.close()
         self.store.kv.close()
+
+
+def _warm_page_hashing(page_size: int) -> None:
+    """SGLang hashes the pages a lookup asks for with a C++ extension that it loads
+    (about 50 ms here; building it, on a machine without the cached build, takes
+    seconds) on its first use: the first request's lookup. Pay that at start-up."""
+    try:
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        get_storage_hash_str([0] * page_size, None, page_size=page_size)
+    except Exception:  # the first lookup pays it (or fails the same way) instead
+        logger.warning("could not load SGLang's page hashing at start-up", exc_info=True)
 
 
 # ---------------------------------------------------------------------- wrapper
