@@ -158,7 +158,7 @@ def run_arm(model: str, arm: str, ids: list[list[int]], args, out: Path, port: i
         run = ArmRun(model, arm, phases[0], phases[1])
         if plan.store and plan.master is not None and args.raw_mb > 0:
             # after the phases, so that it delays no request: the wire's speed in this run
-            run.page_nbytes = breakdown.page_nbytes(plan.model_path)
+            run.page_nbytes = breakdown.page_nbytes(plan)
             run.raw_put_mbps, run.raw_get_mbps = breakdown.raw_bandwidth(
                 breakdown.master_addr(plan), run.page_nbytes, args.raw_mb
             )

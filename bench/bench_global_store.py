@@ -142,7 +142,7 @@ def run_arm(
         result = ArmResult(name, summ, {w: store_summary.scrape(u) for w, u in urls.items()})
         result.metrics, result.router, result.requests = deltas, rdelta, len(records)
         if plan.store and plan.master is not None:
-            result.page_nbytes = breakdown.page_nbytes(plan.model_path)
+            result.page_nbytes = breakdown.page_nbytes(plan)
             result.raw_put_mbps, result.raw_get_mbps = breakdown.raw_bandwidth(
                 breakdown.master_addr(plan), result.page_nbytes, raw_mb
             )

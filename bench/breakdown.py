@@ -46,9 +46,13 @@ def master_addr(plan) -> str:
     return f"{flags.get('rpc_address', '127.0.0.1')}:{flags['rpc_port']}"
 
 
-def page_nbytes(model_path: str, page_size: int = 16) -> int:
-    """Bytes of one store page's payload (float32 K and V of every layer)."""
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
+def page_nbytes(plan) -> int:
+    """Bytes of one store page's payload in a cluster plan: float32 K and V of every
+    layer (the embedded models' dtype), at the workers' page size."""
+    from bana_sglang.launch import page_size_of
+
+    page_size = page_size_of(tuple(plan.workers[0].argv), 16)
+    cfg = json.loads((Path(plan.model_path) / "config.json").read_text())
     heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return cfg["num_hidden_layers"] * 2 * page_size * heads * head_dim * 4

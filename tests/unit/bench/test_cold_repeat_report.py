@@ -52,3 +52,14 @@ def test_load_figures_none_without_loads() -> None:
         1.0,
         1.0,
     )
+
+
+def test_page_bytes_and_master_come_from_the_plan(tiny_model) -> None:
+    from bana_sglang.launch import LaunchConfig, plan_cluster
+
+    def plan(*args: str):
+        return plan_cluster(LaunchConfig(model_path=str(tiny_model), port=24000, sglang_args=args))
+
+    p16, p64 = plan(), plan("--page-size", "64")
+    assert breakdown.page_nbytes(p64) == 4 * breakdown.page_nbytes(p16)
+    assert breakdown.master_addr(p16).startswith("127.0.0.1:")
