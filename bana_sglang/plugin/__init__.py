@@ -29,6 +29,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from bana_sglang import compat
+    from bana_sglang.compat import pd_fixes
     from bana_sglang.plugin import routes as server_routes
     from bana_sglang.radix_global.hooks import (
         decode_queue_hook,
@@ -37,9 +38,13 @@ def register() -> None:
     )
 
     applied = compat.apply_in_process_fixes()
-    server_routes.APPLIED_FIXES[:] = applied
     if applied:
         logger.info("bana_sglang: CPU fixes applied: %s", ", ".join(applied))
+    pd = pd_fixes.apply()  # every device
+    if pd:
+        logger.info("bana_sglang: PD transfer fixes applied: %s", ", ".join(pd))
+    server_routes.APPLIED_FIXES[:] = applied
+    server_routes.PD_FIXES[:] = pd
     try:
         cpu = compat.cpu_mode()
     except compat.GpuUnusable:  # the launcher refuses this machine; never break SGLang here

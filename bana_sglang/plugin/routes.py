@@ -16,7 +16,8 @@ from bana_sglang.wire import security
 
 logger = logging.getLogger(__name__)
 
-APPLIED_FIXES: list[str] = []  # filled by plugin.register() in this process
+APPLIED_FIXES: list[str] = []  # the CPU layer's, filled by plugin.register() in this process
+PD_FIXES: list[str] = []  # SGLang's PD transfer's, on every device (compat.pd_fixes)
 
 
 def info() -> dict:
@@ -29,6 +30,7 @@ def info() -> dict:
         "sglang": sglang.__version__,
         "cpu_layer": compat.in_cpu_sglang_process(),
         "cpu_fixes": list(APPLIED_FIXES),
+        "pd_fixes": list(PD_FIXES),
     }
 
 

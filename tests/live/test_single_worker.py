@@ -61,3 +61,4 @@ def test_extension_is_loaded_in_the_worker(single_server):
     assert info["sglang"] == "0.5.23"
     assert info["cpu_layer"] is True
     assert "MooncakeKVSender.supports_host_tensor_indices=False" in info["cpu_fixes"]
+    assert info["pd_fixes"] == ["MooncakeKVManager.transfer_worker survives a finished room"]
