@@ -109,6 +109,14 @@ BANA_IDLE_POLL_MS = _var(
     "idle wait of an SGLang scheduler on CPU, in ms (0: SGLang's busy spin)",
     minimum=0,
 )
+BANA_IDLE_SLEEP_MS = _var(
+    "BANA_IDLE_SLEEP_MS",
+    int,
+    100,
+    "idle wait of an SGLang scheduler on CPU that holds no request and no migration, in ms "
+    "(a request or an agent command wakes it at once; 0: BANA_IDLE_POLL_MS throughout)",
+    minimum=0,
+)
 BANA_CPU_START_METHOD = _var(
     "BANA_CPU_START_METHOD",
     str,

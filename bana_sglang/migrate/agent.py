@@ -48,6 +48,11 @@ __all__ = ["METRICS", "MigrationAgent", "TransferEngine", "WorkerHandles", "crc3
 
 logger = logging.getLogger(__name__)
 
+#: states in which a migration holds nothing on this worker and runs nothing
+AT_REST = frozenset(
+    {State.HOME, State.RESTORED, State.FAILED, State.CANCELLED, State.DROPPED, State.HANDED_OFF}
+)
+
 MAX_PER_POLL = 64  # requests answered per scheduler iteration
 
 METRICS = {
@@ -156,6 +161,16 @@ class MigrationAgent:
         MAX_PER_POLL); never blocks."""
         self._apply_pending()
         return self._server.poll(MAX_PER_POLL)
+
+    @property
+    def socket(self):
+        """The agent's listening socket: an idle scheduler waits on it with its own."""
+        return self._server.socket
+
+    def busy(self) -> bool:
+        """Whether a migration is under way or holds something here (its scheduler
+        then keeps its short idle wait: work lands between commands, not on a socket)."""
+        return any(mig.state not in AT_REST for mig in list(self.migrations.values()))
 
     def serve_forever(self, stop: threading.Event, interval_s: float = 0.005) -> None:
         """Run :meth:`poll` on the calling thread until ``stop`` (tests, tools)."""

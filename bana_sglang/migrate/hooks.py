@@ -21,6 +21,8 @@ import atexit
 import logging
 import os
 
+import zmq
+
 from bana_sglang import envs
 from bana_sglang.migrate.agent import MigrationAgent
 from bana_sglang.migrate.config import MigrateConfig
@@ -99,4 +101,14 @@ def _start(scheduler):
         logger.exception("migration agent disabled: could not start it on %s", endpoint)
         return _DISABLED
     atexit.register(agent.close)
+    _wake_on(scheduler, agent)
     return agent
+
+
+def _wake_on(scheduler, agent) -> None:
+    """Let an idle scheduler sleep longer (the CPU layer's idle wait) without making the
+    agent wait: its socket wakes the scheduler, and a busy agent keeps the wait short."""
+    poller = getattr(getattr(scheduler, "idle_sleeper", None), "poller", None)
+    if poller is not None:
+        poller.register(agent.socket, zmq.POLLIN)
+    scheduler._bana_keep_awake = (*getattr(scheduler, "_bana_keep_awake", ()), agent.busy)

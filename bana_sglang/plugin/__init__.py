@@ -38,6 +38,14 @@ def register() -> None:
     )
 
     applied = compat.apply_in_process_fixes()
+    short_ms, long_ms = compat.idle_poll_ms(), envs.BANA_IDLE_SLEEP_MS.get()
+    if applied and short_ms > 0 and long_ms > 0:
+        HookRegistry.register(
+            "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle",
+            functools.partial(compat.sleep_on_idle_hook, short_ms=short_ms, long_ms=long_ms),
+            HookType.AROUND,
+        )
+        applied.append(f"an idle scheduler with nothing under way waits {long_ms} ms")
     if applied:
         logger.info("bana_sglang: CPU fixes applied: %s", ", ".join(applied))
     pd = pd_fixes.apply()  # every device

@@ -133,6 +133,12 @@ class Server:
             self._answer(frames)
         return n
 
+    @property
+    def socket(self) -> zmq.Socket:
+        """The listening socket, for an owner that waits on it among others (a poller);
+        only :meth:`poll` receives from it."""
+        return self._sock
+
     def wait(self, timeout_ms: int) -> bool:
         """Block until a request is waiting (True) or ``timeout_ms`` passed (False):
         for an owner that answers with :meth:`poll` and has its own work between bursts."""

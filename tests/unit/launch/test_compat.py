@@ -155,3 +155,56 @@ def test_fixes_reach_spawned_children(on_cpu, tmp_path):
 def test_plugin_is_registered_with_sglang():
     names = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
     assert names.get("bana_sglang") == "bana_sglang.plugin:register"
+
+
+class _Sleeper:
+    def __init__(self):
+        import zmq
+
+        self.poller = zmq.Poller()
+
+
+class _Scheduler:
+    def __init__(self, fully_idle: bool, busy: bool = False):
+        self.idle_sleeper = _Sleeper()
+        self._fully_idle = fully_idle
+        self._bana_keep_awake = (lambda: busy,)
+
+    def is_fully_idle(self):
+        return self._fully_idle
+
+
+def _slept(scheduler, **kw) -> float:
+    import time
+
+    t0 = time.monotonic()
+    out = compat.sleep_on_idle_hook(lambda s: "stock", scheduler, **kw)
+    assert out is None  # the stock wait (1000 ms) is not taken
+    return time.monotonic() - t0
+
+
+def test_an_idle_scheduler_sleeps_long_only_with_nothing_under_way():
+    import threading
+
+    import zmq
+
+    kw = {"short_ms": 20, "long_ms": 3000}
+    assert _slept(_Scheduler(fully_idle=False), **kw) < 1  # PD work in flight: short
+    assert _slept(_Scheduler(fully_idle=True, busy=True), **kw) < 1  # a migration: short
+    # fully idle: long, but a message on a registered socket (the agent's) wakes it
+    ctx = zmq.Context.instance()
+    rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = rx.bind_to_random_port("tcp://127.0.0.1")
+    tx.connect(f"tcp://127.0.0.1:{port}")
+    s = _Scheduler(fully_idle=True)
+    s.idle_sleeper.poller.register(rx, zmq.POLLIN)
+    threading.Timer(0.2, lambda: tx.send(b"command")).start()
+    took = _slept(s, **kw)
+    assert 0.15 < took < 2, took
+    assert rx.recv(zmq.NOBLOCK) == b"command"  # left for its owner to receive
+    rx.close(0)
+    tx.close(0)
+    # a sleeper without a poller (SGLang's Rust-server one) keeps SGLang's own wait
+    s = _Scheduler(fully_idle=True)
+    s.idle_sleeper = object()
+    assert compat.sleep_on_idle_hook(lambda sch: "stock", s, **kw) == "stock"

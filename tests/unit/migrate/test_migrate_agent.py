@@ -31,6 +31,7 @@ def test_ping_and_status_say_who_executes_what(pair):
 
 def test_layers_are_staged_on_the_peer_with_equal_checksums(pair):
     x, y = pair
+    assert not x.agent.busy() and not y.agent.busy()  # their schedulers may sleep long
     r = x.client.call(m.MigrateLayers, migration="mig-1", start=1, stop=3, peer=y.agent.endpoint)
     assert r == m.Accepted(id=r.id, migration="mig-1")
     done = wait_state(x.client, "mig-1")
@@ -51,6 +52,7 @@ def test_layers_are_staged_on_the_peer_with_equal_checksums(pair):
         ("mig-1", "guest", "verified", "prefill-0")
     ]
     assert sy.guest_bytes == size
+    assert x.agent.busy() and y.agent.busy()  # staged: both hold a copy
     assert (
         x.agent.metrics.values["migrations_staged"] == 1
         and x.agent.metrics.values["sent_bytes"] == size
@@ -63,6 +65,7 @@ def test_layers_are_staged_on_the_peer_with_equal_checksums(pair):
         time.sleep(0.05)
     assert y.client.call(m.Status).guest_bytes == 0
     assert y.agent.migrations["mig-1"].state == "dropped"
+    assert not x.agent.busy() and not y.agent.busy()
 
 
 def test_invalid_commands_are_refused_with_the_reason(pair):
