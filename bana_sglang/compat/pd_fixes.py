@@ -27,8 +27,6 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-FIX = "MooncakeKVManager.transfer_worker survives a finished room"
-
 
 def _room_gone(manager, exc: BaseException) -> object | None:
     """The room whose removal from ``request_status`` made the transfer thread
@@ -80,6 +78,7 @@ def apply() -> list[str]:
     except ImportError:  # no Mooncake wheel: no Mooncake PD transfer to fix
         return []
     manager = mooncake_conn.MooncakeKVManager
-    if not getattr(manager.transfer_worker, "__bana_resilient__", False):
-        manager.transfer_worker = resilient_transfer_worker(manager.transfer_worker)
-    return [FIX]
+    if getattr(manager.transfer_worker, "__bana_resilient__", False):
+        return ["MooncakeKVManager.transfer_worker survives a finished room"]
+    manager.transfer_worker = resilient_transfer_worker(manager.transfer_worker)
+    return ["MooncakeKVManager.transfer_worker survives a finished room"]

@@ -94,7 +94,7 @@ def test_any_other_failure_still_ends_the_thread():
 def test_applied_to_sglangs_own_manager_once_with_its_signature():
     conn = pytest.importorskip("sglang.srt.disaggregation.mooncake.conn")
     before = inspect.signature(conn.MooncakeKVManager.transfer_worker)
-    assert pd_fixes.apply() == [pd_fixes.FIX]
+    assert pd_fixes.apply() == ["MooncakeKVManager.transfer_worker survives a finished room"]
     patched = conn.MooncakeKVManager.transfer_worker
     assert patched.__bana_resilient__ and inspect.signature(patched) == before
     pd_fixes.apply()  # idempotent: not wrapped twice
