@@ -187,39 +187,67 @@ def test_a_client_times_out_on_a_silent_endpoint():
     c.close()
 
 
-def test_the_admin_listing_is_not_held_by_a_silent_agent(pair, monkeypatch):
+class _SilentAgent:
+    """The client of an agent that does not answer: each call blocks until the test
+    releases it, then fails as a real client's timeout does. The test decides when a
+    probe ends, so what it asserts does not depend on the machine's speed."""
+
+    endpoint = "tcp://127.0.0.1:9"
+
+    def __init__(self):
+        import threading
+
+        self.release = threading.Event()
+        self.calls = 0
+
+    def call(self, make, *, timeout_s=None, **fields):
+        self.calls += 1
+        assert self.release.wait(30), "the test never released the probe"
+        raise AgentUnavailable(f"no reply from the agent at {self.endpoint} within {timeout_s}s")
+
+    def close(self):
+        self.release.set()
+
+
+def test_the_admin_listing_is_not_held_by_a_silent_agent(pair):
     """A dead worker's agent must not make every listing wait its timeout: the
-    listing answers at once with the live agents, reports the silent one as
-    unanswered while its probe runs, then with the probe's error."""
+    listing answers with the live agents while the silent one's probe is out and
+    reports it as unanswered, starts no second probe meanwhile, then reports the
+    probe's error and probes again."""
     import asyncio
 
     from bana_sglang.router import admin
 
-    monkeypatch.setattr(admin, "SILENT_AGENT_TIMEOUT_S", 0.6)
     x, _ = pair
     api = admin.AdminAPI(
-        (("http://live", x.agent.endpoint), ("http://dead", "tcp://127.0.0.1:9")),
+        (("http://live", x.agent.endpoint), ("http://dead", _SilentAgent.endpoint)),
         is_down=lambda url: url == "http://dead",
     )
+    api.agents["http://dead"].close()
+    silent = api.agents["http://dead"] = _SilentAgent()
 
-    async def listings() -> list[tuple[float, dict]]:
-        out = []
-        for _ in range(6):
-            t = time.monotonic()
-            st = await api._statuses()
-            out.append((time.monotonic() - t, st))
-            await asyncio.sleep(0.15)
-        return out
+    async def listing() -> dict:
+        # a listing that waited for the blocked probe would run into this bound
+        return await asyncio.wait_for(api._statuses(), admin.PROBE_WAIT_S + 10)
+
+    async def scenario() -> list[dict]:
+        got = [await listing(), await listing()]  # the probe is blocked throughout
+        silent.release.set()
+        probe = api._probes["http://dead"]
+        await asyncio.wait({probe}, timeout=10)
+        silent.release.clear()  # the next probe blocks again
+        got += [await listing(), await listing()]
+        return got
 
     try:
-        got = asyncio.run(listings())
+        got = asyncio.run(scenario())
     finally:
+        silent.release.set()
         api.close()
-    assert all(dt < 0.5 for dt, _ in got), [dt for dt, _ in got]  # never the probe's 0.6 s
-    assert all(isinstance(st["http://live"], m.StatusResult) for _, st in got)
-    dead = [st["http://dead"] for _, st in got]
-    assert all(isinstance(d, str) for d in dead)
-    assert "has not answered yet" in dead[0]
-    assert any("no reply" in d for d in dead), (
-        dead
-    )  # a finished probe's error is reported, then probed again
+    assert all(isinstance(st["http://live"], m.StatusResult) for st in got)
+    dead = [st["http://dead"] for st in got]
+    assert all(isinstance(d, str) for d in dead), dead
+    assert "has not answered yet" in dead[0] and "has not answered yet" in dead[1], dead
+    assert "no reply" in dead[2], dead  # the finished probe's error
+    assert "has not answered yet" in dead[3], dead  # probed again, not held
+    assert silent.calls == 2  # one probe at a time
