@@ -14,6 +14,9 @@ They speak the part of the PD contract a router depends on:
 - ``mode`` injects faults: ``refuse`` (nothing listens), ``hang`` (prefill:
   accepts, never answers, sends no KV: an unreachable host), ``error500``,
   ``break_stream`` (the connection drops after two stream chunks),
+  ``freeze_stream`` (after two stream chunks the whole worker stops answering,
+  streams, ``/health`` and ``/v1/loads`` alike, keeping its connections open, as a
+  SIGSTOPped process does, until :meth:`FakeWorker.stop`),
   ``kv_lost_once`` (decode: the first request ends 503 "KV blocks lost", as a
   decode worker whose KV-block host died answers), ``store_load_503_once`` (the
   first request ends 503 "External KV cache load failed", as a prefill worker
@@ -114,6 +117,8 @@ class FakeWorker:
         self.ids = ids  # streams carry token ids (see the module doc)
         self.bodies: list[dict] = []
         self.in_flight = self.most_in_flight = 0  # requests being answered, now and at most
+        self.frozen = False  # freeze_stream: the worker answers nothing, as if stopped
+        self._thaw = asyncio.Event()
         self.runner: web.AppRunner | None = None
 
     def _room(self, r: int) -> asyncio.Event:
@@ -124,7 +129,7 @@ class FakeWorker:
             return  # nothing listens on the port
         # SGLang's HTTP server takes bodies of any size; aiohttp's default is 1 MiB
         app = web.Application(client_max_size=1 << 26)
-        app.router.add_get("/health", _answer({}))
+        app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", _answer({"object": "list", "data": [{"id": MODEL}]}))
         app.router.add_get("/v1/loads", self.loads)
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
@@ -135,10 +140,22 @@ class FakeWorker:
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
 
     async def stop(self) -> None:
+        self._thaw.set()
         if self.runner:
             await self.runner.cleanup()
 
+    async def health(self, request: web.Request) -> web.Response:
+        if self.frozen:
+            await self._thaw.wait()
+        return web.json_response({})
+
+    async def _freeze(self) -> None:
+        self.frozen = True
+        await self._thaw.wait()
+
     async def loads(self, request: web.Request) -> web.Response:
+        if self.frozen:
+            await self._thaw.wait()
         if self.loads_delay_s:
             await asyncio.sleep(self.loads_delay_s)
         return web.json_response(
@@ -160,6 +177,8 @@ class FakeWorker:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.frozen:
+            await self._thaw.wait()
         if self.mode == "error500":
             return web.json_response({"error": "boom"}, status=500)
         room = body.get("bootstrap_room")
@@ -226,6 +245,9 @@ class FakeWorker:
             if self.mode == "break_stream" and i == 1:
                 request.transport.close()
                 return resp
+            if self.mode == "freeze_stream" and i == 1:
+                await self._freeze()
+                return resp
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -278,6 +300,9 @@ class FakeWorker:
             await asyncio.sleep(self.chunk_delay_s)
             if self.mode == "break_stream" and i == 1:
                 request.transport.close()
+                return resp
+            if self.mode == "freeze_stream" and i == 1:
+                await self._freeze()
                 return resp
         await resp.write(b"data: [DONE]\n\n")
         return resp

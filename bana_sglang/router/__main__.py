@@ -140,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds of silence from a worker before the request fails",
     )
     p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a decode stream may stay silent, after its first byte, while its "
+        "worker answers nothing else (load polls, /health) before the worker is marked "
+        "down and the stream resumed on another one",
+    )
+    p.add_argument(
         "--global-index",
         default=None,
         metavar="tcp://HOST:PORT",
@@ -202,6 +210,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_attempts=args.max_attempts,
         max_upstream_connections=args.max_upstream_connections,
         read_timeout_s=args.read_timeout,
+        stall_timeout_s=args.stall_timeout,
         global_index=args.global_index,
         model_path=args.model_path,
         store_page_size=args.store_page_size,

@@ -26,6 +26,9 @@ class RouterConfig:
     max_upstream_connections: int = 1024  # per worker (a limit per host cannot deadlock PD)
     connect_timeout_s: float = 3.0
     read_timeout_s: float = 600.0
+    # a decode stream silent this long after its first byte, from a worker that answered
+    # nothing else meanwhile (a hung or stopped process), is resumed elsewhere
+    stall_timeout_s: float = 30.0
     probe_min_s: float = 0.5
     probe_max_s: float = 10.0
     global_index: str | None = None  # tcp://host:port of the global store's index service
@@ -45,6 +48,8 @@ class RouterConfig:
             raise ValueError("max_upstream_connections must be >= 1")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if self.stall_timeout_s <= 0:
+            raise ValueError("stall_timeout_s must be positive")
         if self.poll_interval_s <= 0:
             raise ValueError("poll_interval_s must be positive")
         for name, addr in self.watch:

@@ -193,6 +193,34 @@ class PDDispatchMixin:
         except BROKEN as e:
             raise UpstreamError(w, f"{type(e).__name__}: {e}") from None
 
+    async def _stall_watch(self) -> None:
+        """End the streams of a decode worker that has gone silent altogether.
+
+        A stream silent for ``stall_timeout_s`` after its first byte, from a worker
+        that answered no load poll or health probe in that time either, is a hung or
+        stopped process (SIGSTOP, a wedged scheduler), not a busy one: the worker is
+        marked down (no new request goes there until it answers ``/health`` again) and
+        each such stream's connection is closed, so the relay resumes it on another
+        decode worker (or ends it with an error event when it cannot be resumed),
+        instead of holding the client until ``read_timeout_s``. The first byte is not
+        watched: a long prompt's prefill legitimately keeps it back."""
+        stall = self.cfg.stall_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, stall / 4))
+            now = time.monotonic()
+            for up in list(self._streams):
+                w = up.d
+                if up.stalled is not None or now - up.last_t < stall or now - w.answered_at < stall:
+                    continue
+                up.stalled = (
+                    f"decode worker {w.url} sent nothing for {now - up.last_t:.0f}s and answered "
+                    f"nothing else for {now - w.answered_at:.0f}s (hung or stopped)"
+                )
+                if w.healthy:
+                    self.metrics.stalls.labels(w.url).inc()
+                    self._fail(w, up.stalled)
+                up.resp.close()
+
     def _fail(self, w: Worker, why: str) -> None:
         self.metrics.worker_failures.labels(w.url, w.tier.value).inc()
         w.mark_down(why)
@@ -447,7 +475,16 @@ class PDDispatchMixin:
                 p_task.cancel()
                 d.end(d_tok)
                 raise
-            return Upstream(p, d, resp, chunk, p_task, d_tok, rid=str(body.get("rid", "")))
+            return Upstream(
+                p,
+                d,
+                resp,
+                chunk,
+                p_task,
+                d_tok,
+                rid=str(body.get("rid", "")),
+                open_streams=self._streams,
+            )
         return last
 
     async def _pd_stream(
@@ -512,12 +549,15 @@ class PDDispatchMixin:
                 if why is None:
                     try:
                         chunk = await up.resp.content.readany()
+                        up.last_t = time.monotonic()
                     except BROKEN as e:
                         why = f"decode worker {up.d.url} failed mid-stream: {type(e).__name__}"
-                        if not isinstance(e, asyncio.TimeoutError):
+                        if not isinstance(e, asyncio.TimeoutError) and up.stalled is None:
                             self._fail(up.d, why)
                     if why is None and not chunk and splice is not None and not splice.done:
                         why = f"decode worker {up.d.url} ended the stream before its end"
+                    if up.stalled is not None:  # ended by _stall_watch, whatever the read saw
+                        why = up.stalled
                 if why is not None:
                     logger.warning("%s", why)
                     nxt = await self._resume(splice, up, route) if splice is not None else None

@@ -46,6 +46,13 @@ class RouterMetrics:
             ["worker", "role"],
             registry=r,
         )
+        self.stalls = Counter(
+            "bana_router_decode_stalls_total",
+            "Decode workers marked down because their streams and load polls went silent "
+            "(hung or stopped); their streams were ended and resumed elsewhere",
+            ["worker"],
+            registry=r,
+        )
         self.stream_errors = Counter(
             "bana_router_stream_errors_total",
             "Streams ended with an error event after the first byte",

@@ -140,6 +140,7 @@ class WorkerMonitor:
                 params={"include": "core"},
                 timeout=aiohttp.ClientTimeout(total=LOADS_TIMEOUT_S),
             ) as resp:
+                w.answered_at = time.monotonic()
                 if resp.status != 200:
                     return  # an old worker without /v1/loads: the router's own counts remain
                 body = await resp.json(loads=orjson.loads)

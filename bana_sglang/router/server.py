@@ -26,7 +26,10 @@ request is retried on another pair (at most ``max_attempts`` times). After the
 first byte a decode worker's failure resumes a ``/generate`` or completions
 stream on another pair (:mod:`.continuation`); any other failure ends the stream
 with an OpenAI-style error event and ``[DONE]``; it never hangs
-(``read_timeout_s`` bounds silence). 4xx answers of
+(``read_timeout_s`` bounds silence). A decode worker that stops answering
+altogether (a hung or stopped process: its streams silent and its load polls
+unanswered for ``stall_timeout_s``) is marked down and its streams are ended
+there and resumed the same way (``_stall_watch``). 4xx answers of
 a worker are the client's problem and are passed through unchanged.
 
 **Requests are checked** before routing: JSON object bodies only (400), body
@@ -117,6 +120,7 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin):
         )
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
+        self._streams: set = set()  # open decode streams (Upstream), watched for stalls
         self._rooms = random.Random()
         self._routed: dict = {}  # worker id -> its prometheus counter child
         # request id -> its global index lookup (kept while a retry may still charge it)
@@ -163,6 +167,7 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin):
             headers=security.worker_headers(),
         )
         self._tasks += self.monitor.start(self.session)
+        self._tasks.append(asyncio.create_task(self._stall_watch(), name="bana-router-stalls"))
         if self.admin.agents:
             self._tasks.append(
                 asyncio.create_task(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 
@@ -29,6 +30,7 @@ class Upstream:
         p_task: asyncio.Task,
         d_tok: int,
         rid: str = "",
+        open_streams: set | None = None,
     ):
         self.p, self.d, self.resp, self.first, self.p_task, self.d_tok = (
             p,
@@ -41,12 +43,19 @@ class Upstream:
         self.rid = rid  # the request id it was sent with (a migratable request's, for its handoff)
         self.drained = False
         self._ended = False
+        self.last_t = time.monotonic()  # when its last bytes came (the relay keeps it fresh)
+        self.stalled: str | None = None  # why the router ended it for silence (see _stall_watch)
+        self._open = open_streams  # the router's open upstreams, while this one is
+        if open_streams is not None:
+            open_streams.add(self)
 
     def finish(self, drained: bool) -> None:
         """Give the connection back (read to the end) or abort it, and end the counts; idempotent."""
         if self._ended:
             return
         self._ended = True
+        if self._open is not None:
+            self._open.discard(self)
         (self.resp.release if drained else self.resp.close)()
         self.d.end(self.d_tok)
         if not self.p_task.done():

@@ -116,6 +116,9 @@ class Worker:
         self.routed = 0  # requests sent here, ever (the hotspot tests read these)
         self.errors = 0
         self.reported = Reported()
+        # time.monotonic() of the worker's last answer to a load poll or health probe
+        # (any status): a worker that answers nothing is hung or stopped, not busy
+        self.answered_at = time.monotonic()
         self.prefill_speed = 1.0  # from the agents' placements (AdminAPI.speed_loop)
 
     # ---------------------------------------------------------------- accounting
@@ -161,6 +164,7 @@ class Worker:
         self.healthy = True
         self.failures = 0
         self.down_reason = ""
+        self.answered_at = time.monotonic()
 
     def due_for_probe(self, now: float) -> bool:
         return not self.healthy and now >= self.next_probe

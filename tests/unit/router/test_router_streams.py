@@ -114,6 +114,73 @@ def test_a_stream_its_decode_worker_aborts_before_a_token_is_resumed_not_relayed
     run(go())
 
 
+def test_a_stream_whose_decode_worker_stops_answering_resumes_on_another():
+    """A decode worker stops after two tokens, as a SIGSTOPped process does: its
+    connections stay open but nothing comes, not on the stream, not on ``/v1/loads``,
+    not on ``/health``. Once the stream and the worker have been silent for the
+    stall timeout, the router marks the worker down and resumes the stream on the
+    other worker: the client reads the unbroken run's tokens, long before the read
+    timeout, and new requests avoid the stopped worker."""
+    import asyncio
+
+    async def go():
+        frozen = FakeWorker("decode", "freeze_stream", ids=True, chunks=8)
+        ok = FakeWorker("decode", ids=True)
+        async with running(
+            [FakeWorker("prefill", ids=True)],
+            [frozen, ok],
+            policy="round_robin",
+            stall_timeout_s=0.5,
+        ) as (router, c):
+            prompt = [3, 1, 4, 1, 5]
+            want = fake_answer(prompt, 6)
+            body = {"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 6}}
+
+            async def one() -> list[dict]:
+                async with c.post("/generate", json=body) as r:
+                    assert r.status == 200
+                    return _events(await r.text())
+
+            while not frozen.bodies:  # the read timeout is 600 s: a held stream fails here
+                events = await asyncio.wait_for(one(), 20)
+                assert events[-1]["output_ids"] == want, events
+                assert "error" not in events[-1]
+            w = next(w for w in router.decode if w.url == frozen.url)
+            assert not w.healthy and "hung or stopped" in w.down_reason, w.down_reason
+            assert router.metrics.stalls.labels(frozen.url)._value.get() == 1
+            assert router.metrics.stream_resumes.labels("resumed")._value.get() == 1
+            assert [b.get("input_ids") for b in ok.bodies][-1] == prompt + want[:2]
+            served = len(frozen.bodies)
+            for _ in range(3):  # the stopped worker gets no new request
+                events = await asyncio.wait_for(one(), 20)
+                assert events[-1]["output_ids"] == want
+            assert len(frozen.bodies) == served and not router._streams
+
+    run(go())
+
+
+def test_a_slow_stream_from_a_worker_that_answers_is_not_cut():
+    """Silence on a stream alone is not a stall: a decode worker whose tokens come
+    slower than the stall timeout but that answers its load polls keeps the stream."""
+    import asyncio
+
+    async def go():
+        slow = FakeWorker("decode", ids=True, chunk_delay_s=0.8)
+        async with running([FakeWorker("prefill", ids=True)], [slow], stall_timeout_s=0.3) as (
+            router,
+            c,
+        ):
+            prompt = [2, 7, 1, 8]
+            body = {"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 3}}
+            async with c.post("/generate", json=body) as r:
+                events = _events(await asyncio.wait_for(r.text(), 20))
+            assert events[-1]["output_ids"] == fake_answer(prompt, 3), events
+            assert len(slow.bodies) == 1 and router.decode[0].healthy
+            assert router.metrics.stalls.labels(slow.url)._value.get() == 0
+
+    run(go())
+
+
 def test_a_chat_stream_whose_decode_worker_dies_ends_with_an_error_event():
     async def go():
         async with running(
