@@ -16,7 +16,8 @@ They speak the part of the PD contract a router depends on:
   ``break_stream`` (the connection drops after two stream chunks),
   ``freeze_stream`` (after two stream chunks the whole worker stops answering,
   streams, ``/health`` and ``/v1/loads`` alike, keeping its connections open, as a
-  SIGSTOPped process does, until :meth:`FakeWorker.stop`),
+  SIGSTOPped process does, until :meth:`FakeWorker.stop`), ``frozen`` (the same
+  from the start: requests are taken in and never answered),
   ``kv_lost_once`` (decode: the first request ends 503 "KV blocks lost", as a
   decode worker whose KV-block host died answers), ``store_load_503_once`` (the
   first request ends 503 "External KV cache load failed", as a prefill worker
@@ -117,7 +118,7 @@ class FakeWorker:
         self.ids = ids  # streams carry token ids (see the module doc)
         self.bodies: list[dict] = []
         self.in_flight = self.most_in_flight = 0  # requests being answered, now and at most
-        self.frozen = False  # freeze_stream: the worker answers nothing, as if stopped
+        self.frozen = mode == "frozen"  # the worker answers nothing, as if stopped
         self._thaw = asyncio.Event()
         self.runner: web.AppRunner | None = None
 

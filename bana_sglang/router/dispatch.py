@@ -33,7 +33,7 @@ from bana_sglang.router.errors import (
 from bana_sglang.router.generate import fix_logprob_window, merge_input_logprobs
 from bana_sglang.router.policy import RouteRequest, RoutingError
 from bana_sglang.router.splice import Splicer, mark, unmigratable_reason
-from bana_sglang.router.upstream import BROKEN, Upstream
+from bana_sglang.router.upstream import BROKEN, Opening, Upstream
 from bana_sglang.router.workers import Worker
 from bana_sglang.types import Tier
 from bana_sglang.wire.agent import PREFIX as MIGRATABLE
@@ -202,8 +202,10 @@ class PDDispatchMixin:
         marked down (no new request goes there until it answers ``/health`` again) and
         each such stream's connection is closed, so the relay resumes it on another
         decode worker (or ends it with an error event when it cannot be resumed),
-        instead of holding the client until ``read_timeout_s``. The first byte is not
-        watched: a long prompt's prefill legitimately keeps it back."""
+        instead of holding the client until ``read_timeout_s``. A request whose decode
+        half has not begun its answer after as long, on such a worker, is retried on
+        another pair (a long prefill holds the first byte back too, but its decode
+        worker still answers load polls)."""
         stall = self.cfg.stall_timeout_s
         while True:
             await asyncio.sleep(min(1.0, stall / 4))
@@ -212,14 +214,24 @@ class PDDispatchMixin:
                 w = up.d
                 if up.stalled is not None or now - up.last_t < stall or now - w.answered_at < stall:
                     continue
-                up.stalled = (
-                    f"decode worker {w.url} sent nothing for {now - up.last_t:.0f}s and answered "
-                    f"nothing else for {now - w.answered_at:.0f}s (hung or stopped)"
-                )
-                if w.healthy:
-                    self.metrics.stalls.labels(w.url).inc()
-                    self._fail(w, up.stalled)
+                up.stalled = self._stalled(w, "sent nothing", now - up.last_t, now)
                 up.resp.close()
+            # requests still waiting for a decode half's first byte: retried on another pair
+            for op in list(self._opening):
+                w = op.d
+                if op.stalled is not None or now - op.t0 < stall or now - w.answered_at < stall:
+                    continue
+                op.stall(self._stalled(w, "has not begun an answer", now - op.t0, now))
+
+    def _stalled(self, w: Worker, what: str, silent_s: float, now: float) -> str:
+        why = (
+            f"decode worker {w.url} {what} for {silent_s:.0f}s and answered nothing else "
+            f"for {now - w.answered_at:.0f}s (hung or stopped)"
+        )
+        if w.healthy:
+            self.metrics.stalls.labels(w.url).inc()
+            self._fail(w, why)
+        return why
 
     def _fail(self, w: Worker, why: str) -> None:
         self.metrics.worker_failures.labels(w.url, w.tier.value).inc()
@@ -270,13 +282,17 @@ class PDDispatchMixin:
         for p, d in self._pairs(route, tried_p, tried_d):
             bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
             d_task = asyncio.create_task(self._post(d, path, bp))
+            opening = Opening(d, d_task, self._opening)
             try:
                 # A failed prefill leaves its decode waiting for KV that never comes:
                 # whichever fails first decides, and the other is cancelled.
                 await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
                 if p_task.done() and not d_task.done():
                     p_task.result()  # raises if the prefill failed
-                d_data = await d_task
+                try:
+                    d_data = await d_task
+                except asyncio.CancelledError:
+                    opening.reraise()
             except UpstreamError as e:
                 d_task.cancel()
                 if (
@@ -309,6 +325,7 @@ class PDDispatchMixin:
                 d_task.cancel()
                 raise
             finally:
+                opening.close()
                 d.end(d_tok)
             try:
                 p_data = await p_task
@@ -395,10 +412,11 @@ class PDDispatchMixin:
                 body = mark(body, self._rooms)
             bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
             resp: aiohttp.ClientResponse | None = None
+            post = asyncio.ensure_future(
+                self.session.post(d.url + path, data=bp, headers=_JSON_HEADERS)
+            )
+            opening = Opening(d, post, self._opening)
             try:
-                post = asyncio.ensure_future(
-                    self.session.post(d.url + path, data=bp, headers=_JSON_HEADERS)
-                )
                 # a prefill that fails first leaves its decode waiting for KV: it decides
                 await asyncio.wait({post, p_task}, return_when=asyncio.FIRST_COMPLETED)
                 early = None if post.done() or p_task.cancelled() else p_task.exception()
@@ -418,6 +436,8 @@ class PDDispatchMixin:
                     resp = await post
                 except (TimeoutError, aiohttp.ClientConnectionError, ConnectionError) as e:
                     raise UpstreamError(d, f"{type(e).__name__}: {e}") from None
+                except asyncio.CancelledError:
+                    opening.reraise()
                 if resp.status >= 400:
                     data = await resp.read()
                     if resp.status < 500:
@@ -429,7 +449,7 @@ class PDDispatchMixin:
                     raise UpstreamError(
                         d, f"answered {resp.status}: {data[:200]!r}", resp.status, data
                     )
-                first = asyncio.ensure_future(resp.content.readany())
+                first = opening.fut = asyncio.ensure_future(resp.content.readany())
                 while True:
                     waiting = {first} if p_task.done() else {first, p_task}
                     done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -452,6 +472,8 @@ class PDDispatchMixin:
                     raise UpstreamError(
                         d, f"stream broke before the first byte: {type(e).__name__}"
                     ) from None
+                except asyncio.CancelledError:
+                    opening.reraise()
                 if not chunk:
                     raise UpstreamError(d, "stream ended before the first byte")
             except UpstreamError as e:
@@ -475,6 +497,8 @@ class PDDispatchMixin:
                 p_task.cancel()
                 d.end(d_tok)
                 raise
+            finally:
+                opening.close()
             return Upstream(
                 p,
                 d,

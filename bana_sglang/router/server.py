@@ -121,6 +121,7 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin):
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         self._streams: set = set()  # open decode streams (Upstream), watched for stalls
+        self._opening: set = set()  # decode halves not answering yet (Opening), watched too
         self._rooms = random.Random()
         self._routed: dict = {}  # worker id -> its prometheus counter child
         # request id -> its global index lookup (kept while a retry may still charge it)

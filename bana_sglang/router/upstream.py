@@ -7,6 +7,7 @@ import time
 
 import aiohttp
 
+from bana_sglang.router.errors import UpstreamError
 from bana_sglang.router.workers import Worker
 
 #: what a broken connection to a worker raises while its answer is read
@@ -61,6 +62,33 @@ class Upstream:
         if not self.p_task.done():
             # the prefill answer is only bookkeeping once decode streams
             self.p_task.add_done_callback(_swallow)
+
+
+class Opening:
+    """A decode half sent whose answer has not begun (no first byte yet), watched by
+    the router for a hung worker: :meth:`stall` cancels what the request waits on
+    (``fut``), and the waiter raises the reason instead (:meth:`reraise`)."""
+
+    def __init__(self, d: Worker, fut: asyncio.Future, registry: set):
+        self.d, self.fut = d, fut
+        self.t0 = time.monotonic()
+        self.stalled: str | None = None
+        self._registry = registry
+        registry.add(self)
+
+    def stall(self, why: str) -> None:
+        self.stalled = why
+        self.fut.cancel()
+
+    def reraise(self) -> None:
+        """Inside ``except asyncio.CancelledError``: a stall becomes the worker's
+        failure (the request is retried elsewhere); anything else is re-raised."""
+        if self.stalled is None:
+            raise
+        raise UpstreamError(self.d, self.stalled) from None
+
+    def close(self) -> None:
+        self._registry.discard(self)
 
 
 def _swallow(task: asyncio.Task) -> None:

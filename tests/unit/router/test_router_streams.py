@@ -159,6 +159,41 @@ def test_a_stream_whose_decode_worker_stops_answering_resumes_on_another():
     run(go())
 
 
+def test_a_request_on_a_decode_worker_that_never_answers_is_retried_on_another():
+    """The decode worker is stopped before the request comes: it takes the connection
+    and answers nothing, load polls included. A streamed request sent to it, and a
+    non-streamed one, is retried on the other pair once the stall timeout has passed."""
+    import asyncio
+
+    prompt = [6, 2, 8, 3]
+    sp = {"max_new_tokens": 4}
+
+    async def go(stream: bool):
+        frozen = FakeWorker("decode", "frozen", ids=True)
+        async with running(
+            [FakeWorker("prefill", ids=True)],
+            [frozen, FakeWorker("decode", ids=True)],
+            policy="round_robin",
+            stall_timeout_s=0.5,
+        ) as (router, c):
+            while not frozen.bodies:
+                body = {"input_ids": prompt, "stream": stream, "sampling_params": sp}
+                async with c.post("/generate", json=body) as r:
+                    assert r.status == 200
+                    raw = await asyncio.wait_for(r.text(), 20)
+                got = _events(raw)[-1] if stream else json.loads(raw)
+                # (the fakes answer a non-streamed request with ids 0..chunks-1)
+                assert got["output_ids"] == (fake_answer(prompt, 4) if stream else [0, 1, 2, 3])
+            w = next(w for w in router.decode if w.url == frozen.url)
+            assert not w.healthy and "has not begun an answer" in w.down_reason, w.down_reason
+            assert router.metrics.stalls.labels(frozen.url)._value.get() == 1
+            assert router.metrics.retries.labels("decode_failed")._value.get() == 1
+            assert not router._opening and not router._streams
+
+    run(go(True))
+    run(go(False))
+
+
 def test_a_slow_stream_from_a_worker_that_answers_is_not_cut():
     """Silence on a stream alone is not a stall: a decode worker whose tokens come
     slower than the stall timeout but that answers its load polls keeps the stream."""
