@@ -280,7 +280,10 @@ class MooncakeKV:
             self._check("put", key, self._store.put(key, value))
 
     def get_bytes(self, key: str) -> bytes | None:
-        """The value, or None when the key is absent."""
+        """The value, or None when the key is absent; raises StoreError when the key
+        exists but its bytes cannot be read (Mooncake's ``get`` answers a failed read,
+        e.g. of a replica on a stopped storage process, with empty bytes: that is not
+        an absent key). Values are never empty here."""
         with self._lock:
             self._gate("get")
             rc = self._store.is_exist(key)
@@ -289,7 +292,11 @@ class MooncakeKV:
                 return None
             self._check("is_exist", key, rc)
             data = self._store.get(key)
-            return bytes(data) if data else None
+            if not data:
+                raise StoreError(
+                    "get", "the key exists but its bytes could not be read", target=key
+                )
+            return bytes(data)
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:

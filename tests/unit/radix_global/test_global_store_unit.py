@@ -94,3 +94,35 @@ def test_summary_parses_prometheus_text_and_formats_a_table():
     table = summary.table([("prefill-0", m), ("decode-0", None)])
     assert "75%" in table  # 1 - 0.5 / 2.0 hidden
     assert "decode-0     (no answer)" in table
+
+
+class _NativeStore:
+    """Mooncake's store binding as ``get_bytes`` sees it: a failed read of an existing
+    key (a replica on a stopped storage process) answers empty bytes."""
+
+    def __init__(self, exists: int, data: bytes):
+        self.exists, self.data = exists, data
+
+    def is_exist(self, key):
+        return self.exists
+
+    def get(self, key):
+        return self.data
+
+
+def test_an_existing_key_that_cannot_be_read_is_an_error_not_an_absent_key():
+    """The index's store-reset check reads a sentinel key: a read that fails while the
+    storage process is stopped must not look like a store that lost its contents (the
+    index would forget every page)."""
+    from bana_sglang.radix_global.errors import StoreError
+    from bana_sglang.radix_global.mooncake_kv import MooncakeKV, StoreConfig
+
+    kv = MooncakeKV(StoreConfig(master_addr="127.0.0.1:9"))
+    kv._ready = True  # as after a successful setup
+    kv._store = _NativeStore(1, b"")
+    with pytest.raises(StoreError, match="could not be read"):
+        kv.get_bytes("bana/epoch/x")
+    kv._store = _NativeStore(0, b"")
+    assert kv.get_bytes("bana/epoch/x") is None
+    kv._store = _NativeStore(1, b"bana-epoch")
+    assert kv.get_bytes("bana/epoch/x") == b"bana-epoch"
