@@ -21,7 +21,9 @@ They speak the part of the PD contract a router depends on:
   ``kv_lost_once`` (decode: the first request ends 503 "KV blocks lost", as a
   decode worker whose KV-block host died answers), ``store_load_503_once`` (the
   first request ends 503 "External KV cache load failed", as a prefill worker
-  whose global-store load failed answers), ``abort_once`` (with ``ids``: the first
+  whose global-store load failed answers), ``stream_abort_once`` (prefill: the first
+  *streamed* request is answered 200 with one event whose finish reason is that abort
+  and its KV is never sent, as SGLang 0.5.23 streams it), ``abort_once`` (with ``ids``: the first
   stream ends at once with an abort finish reason and no token, as SGLang streams a
   request aborted before its first token);
   ``loads_delay_s`` makes ``/v1/loads`` slow, as a CPU worker busy in a long
@@ -189,6 +191,17 @@ class FakeWorker:
                 {"object": "error", "message": "External KV cache load failed", "code": 503},
                 status=503,
             )
+        if self.mode == "stream_abort_once" and len(self.bodies) == 1 and body.get("stream"):
+            fr = {"type": "abort", "message": "External KV cache load failed", "status_code": 503}
+            if request.path == "/generate":
+                ev: dict = {"text": "", "output_ids": [], "meta_info": {"finish_reason": fr}}
+            else:
+                err = {"message": fr["message"], "type": "SERVICE_UNAVAILABLE", "code": 503}
+                ev = {"error": {"object": "error", "param": None, **err}}
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\ndata: [DONE]\n\n")
+            return resp
         if self.role == "prefill":
             if self.mode == "hang":  # an unreachable host: nothing comes back, no KV is sent
                 await asyncio.sleep(3600)

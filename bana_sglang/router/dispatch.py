@@ -29,6 +29,7 @@ from bana_sglang.router.errors import (
     error_body,
     error_response,
     sse_error,
+    streamed_failure,
 )
 from bana_sglang.router.generate import fix_logprob_window, merge_input_logprobs
 from bana_sglang.router.policy import RouteRequest, RoutingError
@@ -183,6 +184,20 @@ class PDDispatchMixin:
         try:
             async with self.session.post(w.url + path, data=payload, headers=_JSON_HEADERS) as resp:
                 data = await resp.read()
+                if resp.status < 400 and data.startswith(b"data:"):
+                    # a streamed answer read whole (a streamed request's prefill half): SGLang
+                    # streams an abort with a 200, and the decode half then never gets its KV
+                    failed = streamed_failure(data)
+                    if failed is not None:
+                        status, message = failed
+                        if status >= 500:
+                            raise UpstreamError(
+                                w,
+                                f"aborted the request ({status}): {message[:200]}",
+                                status,
+                                error_body(status, message),
+                            )
+                        raise ClientError(status, error_body(status, message), _JSON)
                 if resp.status >= 500:
                     raise UpstreamError(
                         w, f"answered {resp.status}: {data[:200]!r}", resp.status, data

@@ -10,6 +10,7 @@ a stream half way. The real workers are exercised in ``test_router_live.py``.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from support.fake_router import run, running
@@ -251,6 +252,52 @@ def test_a_failed_store_load_is_retried_and_the_prefill_worker_stays_up(stream):
             )
 
     run(go())
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_a_streamed_prefill_abort_is_retried_not_left_waiting_for_kv(path):
+    """SGLang answers a *streamed* request whose store load failed with 200 and an abort
+    event (seen live with the storage process stopped: the decode worker then waited
+    300 s for KV that never came). The router reads the abort in the prefill's answer,
+    drops that decode half and retries: the client gets the answer at once, the worker
+    stays up."""
+    import asyncio
+
+    async def go():
+        p = FakeWorker("prefill", "stream_abort_once", ids=True)
+        d = FakeWorker("decode", ids=True, kv_wait_s=60)
+        async with running([p], [d]) as (router, c):
+            if path == "/generate":
+                body = {"input_ids": [4, 4, 2], "sampling_params": {"max_new_tokens": 3}}
+            else:
+                body = {"prompt": [4, 4, 2], "max_tokens": 3}
+            async with c.post(path, json=dict(body, stream=True)) as r:
+                assert r.status == 200
+                text = await asyncio.wait_for(r.text(), 20)  # not the decode's 60 s
+            assert text.endswith("data: [DONE]\n\n") and '"error"' not in text, text
+            assert len(p.bodies) == 2 and len(d.bodies) == 2
+            assert all(w.healthy for w in router.workers)
+            assert (
+                'bana_router_retries_total{reason="store_load_failed"} 1.0'
+                in router.metrics.render().decode()
+            )
+
+    run(go())
+
+
+def test_streamed_failures_are_read_from_whole_answers():
+    from bana_sglang.router.errors import streamed_failure
+
+    fr = {"type": "abort", "message": "External KV cache load failed", "status_code": 503}
+    gen = b"data: " + json.dumps({"meta_info": {"finish_reason": fr}}).encode() + b"\n\n"
+    assert streamed_failure(gen + b"data: [DONE]\n\n") == (503, "External KV cache load failed")
+    err = {"error": {"message": "too long", "code": 400}}
+    assert streamed_failure(b"data: " + json.dumps(err).encode() + b"\n\n") == (400, "too long")
+    graceful = {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}
+    assert streamed_failure(b"data: " + json.dumps(graceful).encode()) == (503, "aborted")
+    ok = {"text": "abort", "meta_info": {"finish_reason": {"type": "length"}}}  # the word alone
+    assert streamed_failure(b"data: " + json.dumps(ok).encode() + b"\n\n") is None
+    assert streamed_failure(b'data: {"error": "not an object"}\n\n') is None
 
 
 def test_a_request_whose_kv_host_died_is_recomputed_and_the_decode_worker_stays_up():
