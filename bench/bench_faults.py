@@ -10,8 +10,9 @@ fault in ``--faults``:
   little;
 - once they all stream (a decode fault) or the first has tokens (the others),
   the fault: SIGKILL of a whole process (a worker is its HTTP server and every
-  child), or ``stop-prefill`` (SIGSTOP of a prefill worker for
-  ``--stop-seconds``, then SIGCONT); the other half is sent after it;
+  child), or ``stop-<part>`` (SIGSTOP of it for ``--stop-seconds``, then
+  SIGCONT: a hung process, which keeps its connections open and answers
+  nothing); the other half is sent after it;
 - every stream is read to its end.
 
 Per fault: requests, failed (not 200, an error event, or no ``[DONE]``), wrong
@@ -55,6 +56,10 @@ FAULTS = (
     "kv-index",
     "kv-storage",
     "mooncake-master",
+    "stop-decode",
+    "stop-kv-index",
+    "stop-kv-storage",
+    "stop-mooncake-master",
 )
 # how each non-worker part is found among the launcher's children
 MARKERS = {
@@ -219,7 +224,9 @@ def run_fault(
 ) -> dict:
     mark = len(launcher.lines)
     counts0 = router_counts(url)
-    role = "decode" if fault == "decode" else "prefill"
+    part = fault.removeprefix("stop-")
+    stop = fault != part
+    role = "decode" if part == "decode" else "prefill"
     half = max(1, len(prompts) // 2)
     streams = []
     for ids in prompts[:half]:
@@ -239,31 +246,29 @@ def run_fault(
             time.sleep(0.15)
 
     later = threading.Thread(target=second_half)
-    if fault in ("decode", "prefill", "stop-prefill"):
+    if part in ("decode", "prefill"):
         # the worker of that role with the most requests in flight
         w = max((x for x in ws if x["role"] == role), key=lambda x: x.get("inflight", 0))
         tree = worker_tree(w["url"])
         victim = w["url"]
-        if fault == "stop-prefill":
-            for p in tree:
-                p.suspend()
-            later.start()
-            time.sleep(stop_s)
-            for p in tree:
-                p.resume()
-        else:
-            for p in tree:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            restarted_name = "restart"  # any worker's restart line (the launcher names it)
-            later.start()
     else:
-        p = part_process(psutil.Process(launcher.proc.pid), MARKERS[fault])
-        p.kill()
-        victim = fault
-        restarted_name = fault
+        tree = [part_process(psutil.Process(launcher.proc.pid), MARKERS[part])]
+        victim = part
+    if stop:
+        for p in tree:
+            p.suspend()
+        later.start()
+        time.sleep(stop_s)
+        for p in tree:
+            p.resume()
+    else:
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        # a worker: any worker's restart line (the launcher names it); a part: its own
+        restarted_name = "restart" if part in ("decode", "prefill") else part
         later.start()
     later.join()
     for s in streams:
@@ -325,6 +330,8 @@ def report(rows: list[dict], args, when: str, machine: str) -> str:
             ("requests", args.requests),
             ("tokens", args.tokens),
             ("faults", args.faults),
+            ("stop-seconds", args.stop_seconds),
+            ("stall-timeout", args.stall_timeout),
         )
     )
     lines = [
@@ -337,7 +344,9 @@ def report(rows: list[dict], args, when: str, machine: str) -> str:
         "compares with the healthy cluster's tokens; *resumed* and *retried*: the router's "
         "streams resumed on another decode worker and requests retried before their first "
         "byte; *whole again*: from the fault until `/health` is `ok` with every worker "
-        "healthy and the launcher restarted what was killed.",
+        "healthy and the launcher restarted what was killed. A `stop-` fault is SIGSTOP "
+        f"for {args.stop_seconds:g} s, then SIGCONT; the router ran with "
+        f"`--stall-timeout {args.stall_timeout:g}`.",
         "",
         "| fault | requests | failed | wrong | resumed | retried | slowest completion (s) "
         "| whole again (s) | right tokens after |",
@@ -368,7 +377,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=160, help="tokens per stream")
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--faults", default=",".join(FAULTS), help=f"of {', '.join(FAULTS)}")
-    p.add_argument("--stop-seconds", type=float, default=10.0, help="stop-prefill: how long")
+    p.add_argument("--stop-seconds", type=float, default=10.0, help="stop-*: how long")
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=5.0,
+        help="the router's --stall-timeout (shorter than --stop-seconds, so that a stopped "
+        "decode worker's streams are resumed elsewhere, not only delayed)",
+    )
     p.add_argument("--whole-timeout", type=float, default=240.0)
     args = parse_cluster_bench_args(p, argv, default_port=31300)
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
@@ -394,6 +410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             KEY,
             "--log-dir",
             str(out / "logs"),
+            "--router-args",
+            f"--stall-timeout {args.stall_timeout}",
         ],
         out / "launcher.log",
     )
@@ -431,7 +449,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "report.md").write_text(text)
     print(text, flush=True)
     if args.write_results:
-        write_results_section("faults", "Faults: one process killed during a burst", text)
+        write_results_section(
+            "faults", "Faults: one process killed or stopped during a burst", text
+        )
     return 0
 
 
