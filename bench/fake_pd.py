@@ -133,7 +133,7 @@ class FakeWorker:
         # SGLang's HTTP server takes bodies of any size; aiohttp's default is 1 MiB
         app = web.Application(client_max_size=1 << 26)
         app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/models", _answer({"object": "list", "data": [{"id": MODEL}]}))
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/loads", self.loads)
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self.handle)
@@ -146,6 +146,11 @@ class FakeWorker:
         self._thaw.set()
         if self.runner:
             await self.runner.cleanup()
+
+    async def models(self, request: web.Request) -> web.Response:
+        if self.frozen:
+            await self._thaw.wait()
+        return web.json_response({"object": "list", "data": [{"id": MODEL}]})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.frozen:

@@ -209,18 +209,19 @@ class PDDispatchMixin:
             raise UpstreamError(w, f"{type(e).__name__}: {e}") from None
 
     async def _stall_watch(self) -> None:
-        """End the streams of a decode worker that has gone silent altogether.
+        """Take requests away from a worker that has gone silent altogether.
 
-        A stream silent for ``stall_timeout_s`` after its first byte, from a worker
-        that answered no load poll or health probe in that time either, is a hung or
-        stopped process (SIGSTOP, a wedged scheduler), not a busy one: the worker is
-        marked down (no new request goes there until it answers ``/health`` again) and
-        each such stream's connection is closed, so the relay resumes it on another
-        decode worker (or ends it with an error event when it cannot be resumed),
-        instead of holding the client until ``read_timeout_s``. A request whose decode
-        half has not begun its answer after as long, on such a worker, is retried on
-        another pair (a long prefill holds the first byte back too, but its decode
-        worker still answers load polls)."""
+        A worker whose HTTP server answered nothing for ``stall_timeout_s`` (no load
+        poll and no liveness probe, see :class:`WorkerMonitor`) is a hung or stopped
+        process (SIGSTOP), not a busy one: a busy worker's HTTP server still answers.
+        Once one of its requests has waited as long too (a stream since its last
+        bytes, a decode half for its first byte, a prefill half for its answer), the
+        worker is marked down (no new request goes there until it answers ``/health``
+        again); its streams' connections are closed, so the relay resumes them on
+        another decode worker (or ends them with an error event when they cannot be
+        resumed), and its unanswered halves are cancelled, so their requests are
+        retried on another pair, instead of holding the client until
+        ``read_timeout_s`` (or SGLang's 300 s KV timeout)."""
         stall = self.cfg.stall_timeout_s
         while True:
             await asyncio.sleep(min(1.0, stall / 4))
@@ -231,20 +232,21 @@ class PDDispatchMixin:
                     continue
                 up.stalled = self._stalled(w, "sent nothing", now - up.last_t, now)
                 up.resp.close()
-            # requests still waiting for a decode half's first byte: retried on another pair
+            # requests still waiting for a half's answer (a decode half's first byte, a
+            # prefill half's end): retried on another pair
             for op in list(self._opening):
                 w = op.d
                 if op.stalled is not None or now - op.t0 < stall or now - w.answered_at < stall:
                     continue
-                op.stall(self._stalled(w, "has not begun an answer", now - op.t0, now))
+                op.stall(self._stalled(w, "has not answered", now - op.t0, now))
 
     def _stalled(self, w: Worker, what: str, silent_s: float, now: float) -> str:
         why = (
-            f"decode worker {w.url} {what} for {silent_s:.0f}s and answered nothing else "
-            f"for {now - w.answered_at:.0f}s (hung or stopped)"
+            f"{w.tier.value} worker {w.url} {what} for {silent_s:.0f}s and answered nothing "
+            f"else for {now - w.answered_at:.0f}s (hung or stopped)"
         )
         if w.healthy:
-            self.metrics.stalls.labels(w.url).inc()
+            self.metrics.stalls.labels(w.url, w.tier.value).inc()
             self._fail(w, why)
         return why
 
@@ -298,10 +300,13 @@ class PDDispatchMixin:
             bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
             d_task = asyncio.create_task(self._post(d, path, bp))
             opening = Opening(d, d_task, self._opening)
+            p_open = Opening(p, p_task, self._opening)
             try:
                 # A failed prefill leaves its decode waiting for KV that never comes:
                 # whichever fails first decides, and the other is cancelled.
                 await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+                if p_open.stalled is not None:
+                    raise UpstreamError(p, p_open.stalled)
                 if p_task.done() and not d_task.done():
                     p_task.result()  # raises if the prefill failed
                 try:
@@ -341,6 +346,7 @@ class PDDispatchMixin:
                 raise
             finally:
                 opening.close()
+                p_open.close()
                 d.end(d_tok)
             try:
                 p_data = await p_task
@@ -431,9 +437,13 @@ class PDDispatchMixin:
                 self.session.post(d.url + path, data=bp, headers=_JSON_HEADERS)
             )
             opening = Opening(d, post, self._opening)
+            p_open = Opening(p, p_task, self._opening)
             try:
                 # a prefill that fails first leaves its decode waiting for KV: it decides
                 await asyncio.wait({post, p_task}, return_when=asyncio.FIRST_COMPLETED)
+                if p_open.stalled is not None:
+                    post.cancel()
+                    raise UpstreamError(p, p_open.stalled)
                 early = None if post.done() or p_task.cancelled() else p_task.exception()
                 if isinstance(early, (UpstreamError, ClientError)):
                     post.cancel()
@@ -470,6 +480,9 @@ class PDDispatchMixin:
                     done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                     if first in done:
                         break
+                    if p_open.stalled is not None:
+                        first.cancel()
+                        raise UpstreamError(p, p_open.stalled)
                     exc = p_task.exception()
                     if isinstance(exc, UpstreamError):
                         first.cancel()
@@ -514,6 +527,7 @@ class PDDispatchMixin:
                 raise
             finally:
                 opening.close()
+                p_open.close()
             return Upstream(
                 p,
                 d,

@@ -47,10 +47,11 @@ class RouterMetrics:
             registry=r,
         )
         self.stalls = Counter(
-            "bana_router_decode_stalls_total",
-            "Decode workers marked down because their streams and load polls went silent "
-            "(hung or stopped); their streams were ended and resumed elsewhere",
-            ["worker"],
+            "bana_router_worker_stalls_total",
+            "Workers marked down because they answered nothing (no load poll, no liveness "
+            "probe) while a request waited on them (hung or stopped); their streams were "
+            "resumed and their unanswered requests retried elsewhere",
+            ["worker", "role"],
             registry=r,
         )
         self.stream_errors = Counter(

@@ -26,6 +26,7 @@ WATCH_INTERVAL_S = 2.0  # TCP checks of watched parts
 WATCH_TIMEOUT_S = 1.0
 LOADS_TIMEOUT_S = 2.0  # a load poll answered later than this is skipped (the worker stays up)
 PROBE_TIMEOUT_S = 5.0  # /health of a worker marked down
+LIVENESS_TIMEOUT_S = 2.0  # /v1/models of a worker whose load poll timed out
 
 
 class WorkerMonitor:
@@ -149,11 +150,28 @@ class WorkerMonitor:
             # Slow is not dead: a CPU worker deep in a long prefill answers late.
             # (Caught before connection errors: aiohttp's socket timeouts are both.)
             logger.debug("load poll of %s timed out: %s", w.url, e)
+            await self._liveness(w)
         except (aiohttp.ClientConnectionError, ConnectionError) as e:
             if w.mark_down(f"load poll: {type(e).__name__}: {e}"):
                 self.metrics.worker_failures.labels(w.url, w.tier.value).inc()
         except (aiohttp.ClientError, ValueError) as e:
             logger.debug("load poll of %s failed: %s", w.url, e)
+
+    async def _liveness(self, w: Worker) -> None:
+        """Whether the worker's HTTP server answers at all, after a load poll timed out:
+        SGLang's ``/v1/models`` is answered by that process alone (``/v1/loads`` and
+        ``/health`` go through the scheduler), so a worker busy in a long forward still
+        answers it and a stopped one does not (the router's stall watch reads
+        ``answered_at``)."""
+        assert self.session is not None
+        try:
+            async with self.session.get(
+                w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=LIVENESS_TIMEOUT_S)
+            ) as resp:
+                await resp.read()
+                w.answered_at = time.monotonic()
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            logger.debug("liveness probe of %s failed: %s", w.url, e)
 
     async def _fetch_models(self) -> None:
         assert self.session is not None

@@ -65,9 +65,11 @@ class Upstream:
 
 
 class Opening:
-    """A decode half sent whose answer has not begun (no first byte yet), watched by
-    the router for a hung worker: :meth:`stall` cancels what the request waits on
-    (``fut``), and the waiter raises the reason instead (:meth:`reraise`)."""
+    """A half of a PD request sent to worker ``d`` (decode or prefill) whose answer has
+    not come (a decode half: no first byte yet; a prefill half: no answer), watched
+    by the router for a hung worker: :meth:`stall` cancels what the request waits on
+    (``fut``), and the waiter raises the reason (``stalled``) as the worker's failure
+    (:meth:`reraise`)."""
 
     def __init__(self, d: Worker, fut: asyncio.Future, registry: set):
         self.d, self.fut = d, fut

@@ -116,8 +116,8 @@ class Worker:
         self.routed = 0  # requests sent here, ever (the hotspot tests read these)
         self.errors = 0
         self.reported = Reported()
-        # time.monotonic() of the worker's last answer to a load poll or health probe
-        # (any status): a worker that answers nothing is hung or stopped, not busy
+        # time.monotonic() of the worker's last answer to a load poll, liveness or health
+        # probe (any status): a worker that answers nothing is hung or stopped, not busy
         self.answered_at = time.monotonic()
         self.prefill_speed = 1.0  # from the agents' placements (AdminAPI.speed_loop)
 

@@ -147,7 +147,7 @@ def test_a_stream_whose_decode_worker_stops_answering_resumes_on_another():
                 assert "error" not in events[-1]
             w = next(w for w in router.decode if w.url == frozen.url)
             assert not w.healthy and "hung or stopped" in w.down_reason, w.down_reason
-            assert router.metrics.stalls.labels(frozen.url)._value.get() == 1
+            assert router.metrics.stalls.labels(frozen.url, "decode")._value.get() == 1
             assert router.metrics.stream_resumes.labels("resumed")._value.get() == 1
             assert [b.get("input_ids") for b in ok.bodies][-1] == prompt + want[:2]
             served = len(frozen.bodies)
@@ -185,13 +185,74 @@ def test_a_request_on_a_decode_worker_that_never_answers_is_retried_on_another()
                 # (the fakes answer a non-streamed request with ids 0..chunks-1)
                 assert got["output_ids"] == (fake_answer(prompt, 4) if stream else [0, 1, 2, 3])
             w = next(w for w in router.decode if w.url == frozen.url)
-            assert not w.healthy and "has not begun an answer" in w.down_reason, w.down_reason
-            assert router.metrics.stalls.labels(frozen.url)._value.get() == 1
+            assert not w.healthy and "has not answered" in w.down_reason, w.down_reason
+            assert router.metrics.stalls.labels(frozen.url, "decode")._value.get() == 1
             assert router.metrics.retries.labels("decode_failed")._value.get() == 1
             assert not router._opening and not router._streams
 
     run(go(True))
     run(go(False))
+
+
+def test_a_request_on_a_prefill_worker_that_never_answers_is_retried_on_another():
+    """A stopped prefill worker: the request's prefill half gets no answer and the
+    worker answers nothing else either; once the stall timeout has passed the router
+    retries the request on the other prefill worker, streamed or not."""
+    import asyncio
+
+    prompt = [9, 1, 7]
+
+    async def go(stream: bool):
+        frozen = FakeWorker("prefill", "frozen", ids=True)
+        async with running(
+            [FakeWorker("prefill", ids=True), frozen],
+            [FakeWorker("decode", ids=True)],
+            policy="round_robin",
+            stall_timeout_s=0.5,
+        ) as (router, c):
+            while not frozen.bodies:
+                body = {"input_ids": prompt, "stream": stream}
+                body["sampling_params"] = {"max_new_tokens": 4}
+                async with c.post("/generate", json=body) as r:
+                    assert r.status == 200
+                    raw = await asyncio.wait_for(r.text(), 20)
+                got = _events(raw)[-1] if stream else json.loads(raw)
+                assert got["output_ids"] == (fake_answer(prompt, 4) if stream else [0, 1, 2, 3])
+            w = next(w for w in router.prefill if w.url == frozen.url)
+            assert not w.healthy and "has not answered" in w.down_reason, w.down_reason
+            assert router.metrics.retries.labels("prefill_failed")._value.get() == 1
+            assert router.metrics.stalls.labels(frozen.url, "prefill")._value.get() == 1
+            assert not router._opening
+
+    run(go(True))
+    run(go(False))
+
+
+def test_a_busy_prefill_worker_whose_http_server_answers_is_not_taken_for_stopped(monkeypatch):
+    """Load polls time out (a CPU worker deep in a long forward answers them late) and
+    the prefill takes longer than the stall timeout, but the worker's HTTP server
+    answers the liveness probe: the request is left where it is."""
+    import asyncio
+
+    from bana_sglang.router import monitor
+
+    monkeypatch.setattr(monitor, "LOADS_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(monitor, "LIVENESS_TIMEOUT_S", 0.5)
+
+    async def go():
+        busy = FakeWorker("prefill", ids=True, loads_delay_s=5.0, prefill_delay_s=2.0)
+        async with running([busy], [FakeWorker("decode", ids=True)], stall_timeout_s=0.8) as (
+            router,
+            c,
+        ):
+            body = {"input_ids": [5, 5], "stream": True, "sampling_params": {"max_new_tokens": 2}}
+            async with c.post("/generate", json=body) as r:
+                raw = await asyncio.wait_for(r.text(), 20)
+            assert _events(raw)[-1]["output_ids"] == fake_answer([5, 5], 2), raw
+            assert len(busy.bodies) == 1 and router.prefill[0].healthy
+            assert router.metrics.stalls.labels(busy.url, "prefill")._value.get() == 0
+
+    run(go())
 
 
 def test_a_slow_stream_from_a_worker_that_answers_is_not_cut():
@@ -211,7 +272,7 @@ def test_a_slow_stream_from_a_worker_that_answers_is_not_cut():
                 events = _events(await asyncio.wait_for(r.text(), 20))
             assert events[-1]["output_ids"] == fake_answer(prompt, 3), events
             assert len(slow.bodies) == 1 and router.decode[0].healthy
-            assert router.metrics.stalls.labels(slow.url)._value.get() == 0
+            assert router.metrics.stalls.labels(slow.url, "decode")._value.get() == 0
 
     run(go())
 
