@@ -61,6 +61,19 @@ _KV_BLOCKS_LOST = re.compile(r"KV blocks lost")
 _STORE_LOAD_FAILED = re.compile(r"External KV cache load failed")
 
 
+def _prefill_stream_failure(data: bytes) -> tuple[int, str] | None:
+    """The failure to act on in a streamed answer read whole (a streamed request's
+    prefill half), as (status, message), or None. SGLang streams an abort with a 200,
+    and after most aborts (a failed store load) the decode half never hears of it and
+    waits for KV that never comes (SGLang's 300 s timeout). A failed KV transfer is the
+    exception: the decode side learns of it through the transfer, its answer decides,
+    and the prefill worker is not to blame for a decode worker that died."""
+    failed = streamed_failure(data)
+    if failed is None or _KV_TRANSFER_FAILURE.search(failed[1]):
+        return None
+    return failed
+
+
 def _store_load_failed(e: UpstreamError, p: Worker) -> bool:
     return (
         e.worker is p
@@ -185,9 +198,7 @@ class PDDispatchMixin:
             async with self.session.post(w.url + path, data=payload, headers=_JSON_HEADERS) as resp:
                 data = await resp.read()
                 if resp.status < 400 and data.startswith(b"data:"):
-                    # a streamed answer read whole (a streamed request's prefill half): SGLang
-                    # streams an abort with a 200, and the decode half then never gets its KV
-                    failed = streamed_failure(data)
+                    failed = _prefill_stream_failure(data)
                     if failed is not None:
                         status, message = failed
                         if status >= 500:

@@ -548,3 +548,22 @@ def test_the_router_raises_its_open_files_limit_within_the_hard_one():
         want = soft + 1
         assert raise_open_files_limit(want) == want == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     assert raise_open_files_limit(1 << 40) <= hard or hard == resource.RLIM_INFINITY
+
+
+def test_a_streamed_kv_transfer_abort_of_the_prefill_is_left_to_the_decode_side():
+    """Seen live (a decode worker SIGKILLed, 1P2D): the prefill streamed "Prefill transfer
+    failed ... KVTransferError" (500) for a request paired with the dead decode worker.
+    Taken as the prefill's failure, it marked the only prefill worker down and the request
+    got a 502; the decode half's own failure decides instead, as before."""
+    from bana_sglang.router.dispatch import _prefill_stream_failure
+
+    def ev(message: str, code: int = 500) -> bytes:
+        fr = {"type": "abort", "message": message, "status_code": code}
+        return b"data: " + json.dumps({"meta_info": {"finish_reason": fr}}).encode() + b"\n\n"
+
+    transfer = "Prefill transfer failed for request rank=0 with exception KVTransferError(room=1)"
+    assert _prefill_stream_failure(ev(transfer)) is None
+    assert _prefill_stream_failure(ev("External KV cache load failed", 503)) == (
+        503,
+        "External KV cache load failed",
+    )
