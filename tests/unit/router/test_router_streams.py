@@ -1,12 +1,13 @@
 """Streams through the router over fake PD workers: relaying, a decode worker that dies
-or aborts mid-answer (the stream resumes on another with the same tokens), and
-``n > 1`` streamed as one response. The fakes are ``bench.fake_pd``'s; the helpers
+or aborts mid-answer (the stream resumes on another with the same tokens), a worker
+that stops answering (stall watch), and ``n > 1`` streamed as one response. The fakes are ``bench.fake_pd``'s; the helpers
 are ``tests/support/fake_router.py``'s."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from support.fake_router import run, running
 
 from bench.fake_pd import FakeWorker, fake_answer
@@ -159,73 +160,44 @@ def test_a_stream_whose_decode_worker_stops_answering_resumes_on_another():
     run(go())
 
 
-def test_a_request_on_a_decode_worker_that_never_answers_is_retried_on_another():
-    """The decode worker is stopped before the request comes: it takes the connection
-    and answers nothing, load polls included. A streamed request sent to it, and a
-    non-streamed one, is retried on the other pair once the stall timeout has passed."""
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_request_on_a_worker_that_never_answers_is_retried_on_another(role, stream):
+    """A worker is stopped before the request comes: it takes the connection and
+    answers nothing, load polls and liveness probes included. A request whose decode
+    half (no first byte) or prefill half (no answer) went to it is retried on another
+    pair once the stall timeout has passed, streamed or not, and the worker is marked
+    down."""
     import asyncio
 
     prompt = [6, 2, 8, 3]
-    sp = {"max_new_tokens": 4}
+    frozen = FakeWorker(role, "frozen", ids=True)
+    pair = {
+        "prefill": [FakeWorker("prefill", ids=True)],
+        "decode": [FakeWorker("decode", ids=True)],
+    }
+    pair[role].append(frozen)  # second: the router learns the model from the first
 
-    async def go(stream: bool):
-        frozen = FakeWorker("decode", "frozen", ids=True)
+    async def go():
         async with running(
-            [FakeWorker("prefill", ids=True)],
-            [frozen, FakeWorker("decode", ids=True)],
-            policy="round_robin",
-            stall_timeout_s=0.5,
-        ) as (router, c):
-            while not frozen.bodies:
-                body = {"input_ids": prompt, "stream": stream, "sampling_params": sp}
-                async with c.post("/generate", json=body) as r:
-                    assert r.status == 200
-                    raw = await asyncio.wait_for(r.text(), 20)
-                got = _events(raw)[-1] if stream else json.loads(raw)
-                # (the fakes answer a non-streamed request with ids 0..chunks-1)
-                assert got["output_ids"] == (fake_answer(prompt, 4) if stream else [0, 1, 2, 3])
-            w = next(w for w in router.decode if w.url == frozen.url)
-            assert not w.healthy and "has not answered" in w.down_reason, w.down_reason
-            assert router.metrics.stalls.labels(frozen.url, "decode")._value.get() == 1
-            assert router.metrics.retries.labels("decode_failed")._value.get() == 1
-            assert not router._opening and not router._streams
-
-    run(go(True))
-    run(go(False))
-
-
-def test_a_request_on_a_prefill_worker_that_never_answers_is_retried_on_another():
-    """A stopped prefill worker: the request's prefill half gets no answer and the
-    worker answers nothing else either; once the stall timeout has passed the router
-    retries the request on the other prefill worker, streamed or not."""
-    import asyncio
-
-    prompt = [9, 1, 7]
-
-    async def go(stream: bool):
-        frozen = FakeWorker("prefill", "frozen", ids=True)
-        async with running(
-            [FakeWorker("prefill", ids=True), frozen],
-            [FakeWorker("decode", ids=True)],
-            policy="round_robin",
-            stall_timeout_s=0.5,
+            pair["prefill"], pair["decode"], policy="round_robin", stall_timeout_s=0.5
         ) as (router, c):
             while not frozen.bodies:
                 body = {"input_ids": prompt, "stream": stream}
                 body["sampling_params"] = {"max_new_tokens": 4}
                 async with c.post("/generate", json=body) as r:
                     assert r.status == 200
-                    raw = await asyncio.wait_for(r.text(), 20)
+                    raw = await asyncio.wait_for(r.text(), 20)  # the read timeout is 600 s
                 got = _events(raw)[-1] if stream else json.loads(raw)
+                # (the fakes answer a non-streamed request with ids 0..chunks-1)
                 assert got["output_ids"] == (fake_answer(prompt, 4) if stream else [0, 1, 2, 3])
-            w = next(w for w in router.prefill if w.url == frozen.url)
+            w = next(w for w in router.workers if w.url == frozen.url)
             assert not w.healthy and "has not answered" in w.down_reason, w.down_reason
-            assert router.metrics.retries.labels("prefill_failed")._value.get() == 1
-            assert router.metrics.stalls.labels(frozen.url, "prefill")._value.get() == 1
-            assert not router._opening
+            assert router.metrics.stalls.labels(frozen.url, role)._value.get() == 1
+            assert router.metrics.retries.labels(f"{role}_failed")._value.get() == 1
+            assert not router._opening and not router._streams
 
-    run(go(True))
-    run(go(False))
+    run(go())
 
 
 def test_a_busy_prefill_worker_whose_http_server_answers_is_not_taken_for_stopped(monkeypatch):
