@@ -316,7 +316,7 @@ class PDDispatchMixin:
                 # A failed prefill leaves its decode waiting for KV that never comes:
                 # whichever fails first decides, and the other is cancelled.
                 await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-                if p_open.stalled is not None:
+                if p_open.stalled is not None and not d_task.done():
                     raise UpstreamError(p, p_open.stalled)
                 if p_task.done() and not d_task.done():
                     p_task.result()  # raises if the prefill failed
@@ -360,7 +360,8 @@ class PDDispatchMixin:
                 p_open.close()
                 d.end(d_tok)
             try:
-                p_data = await p_task
+                # (cancelled: the stall watch gave the prefill up just as the decode answered)
+                p_data = None if p_task.cancelled() else await p_task
             except UpstreamError as e:  # decode got its KV, so the answer stands
                 logger.warning("prefill answer lost after decode finished: %s", e)
                 p_data = None
