@@ -1,7 +1,7 @@
 """Streams through the router over fake PD workers: relaying, a decode worker that dies
 or aborts mid-answer (the stream resumes on another with the same tokens), a worker
-that stops answering (stall watch), and ``n > 1`` streamed as one response. The fakes are ``bench.fake_pd``'s; the helpers
-are ``tests/support/fake_router.py``'s."""
+that stops answering (stall watch), and ``n > 1`` streamed as one response. The fakes
+are ``bench.fake_pd``'s; the helpers are ``tests/support/fake_router.py``'s."""
 
 from __future__ import annotations
 
