@@ -13,7 +13,8 @@ the project.
   :mod:`.requests`: request validation, token counting and routing page hashes;
 - :mod:`.global_index`: how much of a prompt the global index holds;
 - :mod:`.workers`, :mod:`.monitor`: health, load snapshots and in-flight counts;
-  :mod:`.upstream`: one open streamed PD request;
+  :mod:`.upstream`: one open streamed PD request, one half awaiting its answer;
+  :mod:`.stalls`: requests taken away from a worker that hangs;
 - :mod:`.continuation`, :mod:`.splice`: live request migration: continue a
   handed-off stream on another decode worker in the same client stream;
 - :mod:`.admin`: the migration admin endpoints (forwarded to the agents);

@@ -219,48 +219,6 @@ class PDDispatchMixin:
         except BROKEN as e:
             raise UpstreamError(w, f"{type(e).__name__}: {e}") from None
 
-    async def _stall_watch(self) -> None:
-        """Take requests away from a worker that has gone silent altogether.
-
-        A worker whose HTTP server answered nothing for ``stall_timeout_s`` (no load
-        poll and no liveness probe, see :class:`WorkerMonitor`) is a hung or stopped
-        process (SIGSTOP), not a busy one: a busy worker's HTTP server still answers.
-        Once one of its requests has waited as long too (a stream since its last
-        bytes, a decode half for its first byte, a prefill half for its answer), the
-        worker is marked down (no new request goes there until it answers ``/health``
-        again); its streams' connections are closed, so the relay resumes them on
-        another decode worker (or ends them with an error event when they cannot be
-        resumed), and its unanswered halves are cancelled, so their requests are
-        retried on another pair, instead of holding the client until
-        ``read_timeout_s`` (or SGLang's 300 s KV timeout)."""
-        stall = self.cfg.stall_timeout_s
-        while True:
-            await asyncio.sleep(min(1.0, stall / 4))
-            now = time.monotonic()
-            for up in list(self._streams):
-                w = up.d
-                if up.stalled is not None or now - up.last_t < stall or now - w.answered_at < stall:
-                    continue
-                up.stalled = self._stalled(w, "sent nothing", now - up.last_t, now)
-                up.resp.close()
-            # requests still waiting for a half's answer (a decode half's first byte, a
-            # prefill half's end): retried on another pair
-            for op in list(self._opening):
-                w = op.d
-                if op.stalled is not None or now - op.t0 < stall or now - w.answered_at < stall:
-                    continue
-                op.stall(self._stalled(w, "has not answered", now - op.t0, now))
-
-    def _stalled(self, w: Worker, what: str, silent_s: float, now: float) -> str:
-        why = (
-            f"{w.tier.value} worker {w.url} {what} for {silent_s:.0f}s and answered nothing "
-            f"else for {now - w.answered_at:.0f}s (hung or stopped)"
-        )
-        if w.healthy:
-            self.metrics.stalls.labels(w.url, w.tier.value).inc()
-            self._fail(w, why)
-        return why
-
     def _fail(self, w: Worker, why: str) -> None:
         self.metrics.worker_failures.labels(w.url, w.tier.value).inc()
         w.mark_down(why)
@@ -310,14 +268,14 @@ class PDDispatchMixin:
         for p, d in self._pairs(route, tried_p, tried_d):
             bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
             d_task = asyncio.create_task(self._post(d, path, bp))
-            opening = Opening(d, d_task, self._opening)
-            p_open = Opening(p, p_task, self._opening)
+            opening = Opening(d, d_task, self._watched)
+            p_open = Opening(p, p_task, self._watched)
             try:
                 # A failed prefill leaves its decode waiting for KV that never comes:
                 # whichever fails first decides, and the other is cancelled.
                 await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-                if p_open.stalled is not None and not d_task.done():
-                    raise UpstreamError(p, p_open.stalled)
+                if not d_task.done():
+                    p_open.raise_if_stalled(d_task)
                 if p_task.done() and not d_task.done():
                     p_task.result()  # raises if the prefill failed
                 try:
@@ -448,14 +406,12 @@ class PDDispatchMixin:
             post = asyncio.ensure_future(
                 self.session.post(d.url + path, data=bp, headers=_JSON_HEADERS)
             )
-            opening = Opening(d, post, self._opening)
-            p_open = Opening(p, p_task, self._opening)
+            opening = Opening(d, post, self._watched)
+            p_open = Opening(p, p_task, self._watched)
             try:
                 # a prefill that fails first leaves its decode waiting for KV: it decides
                 await asyncio.wait({post, p_task}, return_when=asyncio.FIRST_COMPLETED)
-                if p_open.stalled is not None:
-                    post.cancel()
-                    raise UpstreamError(p, p_open.stalled)
+                p_open.raise_if_stalled(post)
                 early = None if post.done() or p_task.cancelled() else p_task.exception()
                 if isinstance(early, (UpstreamError, ClientError)):
                     post.cancel()
@@ -492,9 +448,7 @@ class PDDispatchMixin:
                     done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                     if first in done:
                         break
-                    if p_open.stalled is not None:
-                        first.cancel()
-                        raise UpstreamError(p, p_open.stalled)
+                    p_open.raise_if_stalled(first)
                     exc = p_task.exception()
                     if isinstance(exc, UpstreamError):
                         first.cancel()
@@ -548,7 +502,7 @@ class PDDispatchMixin:
                 p_task,
                 d_tok,
                 rid=str(body.get("rid", "")),
-                open_streams=self._streams,
+                watched=self._watched,
             )
         return last
 
@@ -614,14 +568,14 @@ class PDDispatchMixin:
                 if why is None:
                     try:
                         chunk = await up.resp.content.readany()
-                        up.last_t = time.monotonic()
+                        up.since = time.monotonic()
                     except BROKEN as e:
                         why = f"decode worker {up.d.url} failed mid-stream: {type(e).__name__}"
                         if not isinstance(e, asyncio.TimeoutError) and up.stalled is None:
                             self._fail(up.d, why)
                     if why is None and not chunk and splice is not None and not splice.done:
                         why = f"decode worker {up.d.url} ended the stream before its end"
-                    if up.stalled is not None:  # ended by _stall_watch, whatever the read saw
+                    if up.stalled is not None:  # ended by the stall watch, whatever the read saw
                         why = up.stalled
                 if why is not None:
                     logger.warning("%s", why)

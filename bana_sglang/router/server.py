@@ -29,7 +29,7 @@ with an OpenAI-style error event and ``[DONE]``; it never hangs
 (``read_timeout_s`` bounds silence). A decode worker that stops answering
 altogether (a hung or stopped process: its streams silent and its load polls
 unanswered for ``stall_timeout_s``) is marked down and its streams are ended
-there and resumed the same way (``_stall_watch``). 4xx answers of
+there and resumed the same way (:mod:`.stalls`). 4xx answers of
 a worker are the client's problem and are passed through unchanged.
 
 **Requests are checked** before routing: JSON object bodies only (400), body
@@ -63,6 +63,7 @@ from bana_sglang.router.metrics import RouterMetrics
 from bana_sglang.router.monitor import WorkerMonitor
 from bana_sglang.router.policy import PageHash, RouteRequest, get_policy
 from bana_sglang.router.requests import BadRequest, PromptView
+from bana_sglang.router.stalls import StallWatchMixin
 from bana_sglang.router.workers import Worker
 from bana_sglang.types import RequestId, Tier
 from bana_sglang.wire import security
@@ -72,7 +73,7 @@ logger = logging.getLogger(__name__)
 _JSON = "application/json"
 
 
-class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin):
+class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin, StallWatchMixin):
     """State and handlers of one router process."""
 
     def __init__(self, cfg: RouterConfig):
@@ -120,8 +121,8 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin):
         )
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
-        self._streams: set = set()  # open decode streams (Upstream), watched for stalls
-        self._opening: set = set()  # decode halves not answering yet (Opening), watched too
+        # open decode streams (Upstream) and unanswered halves (Opening): the stall watch's
+        self._watched: set = set()
         self._rooms = random.Random()
         self._routed: dict = {}  # worker id -> its prometheus counter child
         # request id -> its global index lookup (kept while a retry may still charge it)

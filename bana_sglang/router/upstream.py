@@ -31,7 +31,7 @@ class Upstream:
         p_task: asyncio.Task,
         d_tok: int,
         rid: str = "",
-        open_streams: set | None = None,
+        watched: set | None = None,
     ):
         self.p, self.d, self.resp, self.first, self.p_task, self.d_tok = (
             p,
@@ -44,19 +44,30 @@ class Upstream:
         self.rid = rid  # the request id it was sent with (a migratable request's, for its handoff)
         self.drained = False
         self._ended = False
-        self.last_t = time.monotonic()  # when its last bytes came (the relay keeps it fresh)
-        self.stalled: str | None = None  # why the router ended it for silence (see _stall_watch)
-        self._open = open_streams  # the router's open upstreams, while this one is
-        if open_streams is not None:
-            open_streams.add(self)
+        self.since = time.monotonic()  # when its last bytes came (the relay keeps it fresh)
+        self.stalled: str | None = None  # why the router ended it for silence (see stalls.py)
+        self._watched = watched  # the router's stall watch, while this stream is open
+        if watched is not None:
+            watched.add(self)
+
+    @property
+    def worker(self) -> Worker:
+        return self.d
+
+    silence = "sent nothing"  # what the stall watch says of a silent stream
+
+    def stall(self, why: str) -> None:
+        """Its decode worker hangs: close the connection, so the relay resumes it."""
+        self.stalled = why
+        self.resp.close()
 
     def finish(self, drained: bool) -> None:
         """Give the connection back (read to the end) or abort it, and end the counts; idempotent."""
         if self._ended:
             return
         self._ended = True
-        if self._open is not None:
-            self._open.discard(self)
+        if self._watched is not None:
+            self._watched.discard(self)
         (self.resp.release if drained else self.resp.close)()
         self.d.end(self.d_tok)
         if not self.p_task.done():
@@ -65,32 +76,41 @@ class Upstream:
 
 
 class Opening:
-    """A half of a PD request sent to worker ``d`` (decode or prefill) whose answer has
+    """A half of a PD request sent to ``worker`` (decode or prefill) whose answer has
     not come (a decode half: no first byte yet; a prefill half: no answer), watched
     by the router for a hung worker: :meth:`stall` cancels what the request waits on
     (``fut``), and the waiter raises the reason (``stalled``) as the worker's failure
     (:meth:`reraise`)."""
 
-    def __init__(self, d: Worker, fut: asyncio.Future, registry: set):
-        self.d, self.fut = d, fut
-        self.t0 = time.monotonic()
+    silence = "has not answered"  # what the stall watch says of it
+
+    def __init__(self, worker: Worker, fut: asyncio.Future, watched: set):
+        self.worker, self.fut = worker, fut
+        self.since = time.monotonic()
         self.stalled: str | None = None
-        self._registry = registry
-        registry.add(self)
+        self._watched = watched
+        watched.add(self)
 
     def stall(self, why: str) -> None:
         self.stalled = why
         self.fut.cancel()
+
+    def raise_if_stalled(self, cancel: asyncio.Future) -> None:
+        """After a wait that the stall may have ended: give ``cancel`` (the other half's
+        wait) up and raise the stall as the worker's failure."""
+        if self.stalled is not None:
+            cancel.cancel()
+            raise UpstreamError(self.worker, self.stalled)
 
     def reraise(self) -> None:
         """Inside ``except asyncio.CancelledError``: a stall becomes the worker's
         failure (the request is retried elsewhere); anything else is re-raised."""
         if self.stalled is None:
             raise
-        raise UpstreamError(self.d, self.stalled) from None
+        raise UpstreamError(self.worker, self.stalled) from None
 
     def close(self) -> None:
-        self._registry.discard(self)
+        self._watched.discard(self)
 
 
 def _swallow(task: asyncio.Task) -> None:

@@ -155,7 +155,7 @@ def test_a_stream_whose_decode_worker_stops_answering_resumes_on_another():
             for _ in range(3):  # the stopped worker gets no new request
                 events = await asyncio.wait_for(one(), 20)
                 assert events[-1]["output_ids"] == want
-            assert len(frozen.bodies) == served and not router._streams
+            assert len(frozen.bodies) == served and not router._watched
 
     run(go())
 
@@ -195,7 +195,7 @@ def test_a_request_on_a_worker_that_never_answers_is_retried_on_another(role, st
             assert not w.healthy and "has not answered" in w.down_reason, w.down_reason
             assert router.metrics.stalls.labels(frozen.url, role)._value.get() == 1
             assert router.metrics.retries.labels(f"{role}_failed")._value.get() == 1
-            assert not router._opening and not router._streams
+            assert not router._watched
 
     run(go())
 
