@@ -71,6 +71,19 @@ def register() -> None:
             functools.partial(after_sglang_env, fork=cpu and compat.start_method() == "fork"),
             HookType.AFTER,
         )
+        # A streamed chat answer's token ids, for the router's resume of the stream
+        from bana_sglang.plugin import chat_ids
+
+        HookRegistry.register(
+            "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._generate_chat_stream",
+            chat_ids.chat_stream_hook,
+            HookType.AROUND,
+        )
+        HookRegistry.register(
+            "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+            chat_ids.generate_request_hook,
+            HookType.AROUND,
+        )
         if envs.BANA_WORKER_AUTH.get():  # the cluster's worker key, once the config is out
             HookRegistry.register(
                 "sglang.srt.entrypoints.engine.Engine._launch_subprocesses",

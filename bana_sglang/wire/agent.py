@@ -41,6 +41,11 @@ PROTOCOL_VERSION = 1
 # finish reason whose ``matched`` value is MARK followed by the migration id.
 PREFIX = "bana-m-"
 MARK = "bana-migrated:"
+# A streamed chat answer's token ids, which SGLang 0.5.23 does not stream: a chat request
+# with this header gets them from bana's workers in SSE events of this name, for the
+# router's resume of the stream (bana_sglang.plugin.chat_ids).
+CHAT_IDS_HEADER = "x-bana-stream-ids"
+CHAT_IDS_EVENT = "bana_ids"
 
 MigrationId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 Endpoint = Annotated[str, msgspec.Meta(pattern=r"^tcp://[^:/\s]+:[0-9]{1,5}$")]
