@@ -31,7 +31,9 @@ They speak the part of the PD contract a router depends on:
 - ``ids=True``: streams carry SGLang's token ids (``/generate``: cumulative
   ``output_ids``, ``prompt_token_ids`` when asked; ``/v1/completions``: each
   chunk's ``token_ids``, the first one's ``prompt_token_ids`` when
-  ``return_token_ids``), and the answer is a pure function of the ids so far
+  ``return_token_ids``; ``/v1/chat/completions``: chat chunks, with ``bana_ids``
+  events when asked with the header bana's workers take, see
+  :mod:`bana_sglang.plugin.chat_ids`), and the answer is a pure function of the ids so far
   (:func:`next_token`), so a continuation from prompt + answer-so-far gives
   exactly the rest of the answer, as greedy decoding does.
 
@@ -48,6 +50,8 @@ import socket
 import sys
 
 from aiohttp import web
+
+from bana_sglang.wire.agent import CHAT_IDS_HEADER
 
 MODEL = "fake-model"
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
@@ -72,6 +76,9 @@ def fake_answer(prompt: list[int], n: int) -> list[int]:
 
 
 def _prompt_ids(body: dict, path: str) -> list[int]:
+    if path == "/v1/chat/completions":  # a "chat template": the messages' contents
+        msgs = body.get("messages") or []
+        return [1, *"".join(str(m.get("content", "")) for m in msgs).encode()]
     v = body.get("input_ids") if path == "/generate" else body.get("prompt")
     if isinstance(v, list) and all(type(x) is int for x in v):
         return list(v)
@@ -103,6 +110,7 @@ class FakeWorker:
         loads_delay_s: float = 0.0,
         kv_wait_s: float = 30.0,
         ids: bool = False,
+        chat_ids: bool = True,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
@@ -118,6 +126,7 @@ class FakeWorker:
         self.loads_delay_s = loads_delay_s  # a busy worker answers /v1/loads late
         self.kv_wait_s = kv_wait_s  # decode: how long to wait for the prefill's KV before a 500
         self.ids = ids  # streams carry token ids (see the module doc)
+        self.chat_ids = chat_ids  # chat streams carry them when asked (bana's workers; stock: no)
         self.bodies: list[dict] = []
         self.in_flight = self.most_in_flight = 0  # requests being answered, now and at most
         self.frozen = mode == "frozen"  # the worker answers nothing, as if stopped
@@ -278,8 +287,10 @@ class FakeWorker:
         if path == "/generate":
             n = (body.get("sampling_params") or {}).get("max_new_tokens", 128)
         else:
-            n = body.get("max_tokens") or 16
+            n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         answer = fake_answer(prompt, n)
+        chat = path == "/v1/chat/completions"
+        chat_ids = chat and self.chat_ids and request.headers.get(CHAT_IDS_HEADER) == "1"
         if self.mode == "abort_once" and len(self.bodies) == 1:
             # what SGLang streams for a request aborted before its first token
             if path == "/generate":
@@ -304,6 +315,15 @@ class FakeWorker:
                 }
                 if body.get("return_prompt_token_ids"):
                     ev["prompt_token_ids"] = prompt
+            elif chat:  # SGLang's streamed chat: no ids, unless asked as bana's workers are
+                fr = "length" if last else None
+                choice = {"index": 0, "delta": {"content": f" {tok}"}, "finish_reason": fr}
+                ev = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "choices": [choice]}
+                if chat_ids:
+                    ids: dict = {"prompt_ids": prompt, "ids": [tok]} if i == 0 else {"ids": [tok]}
+                    await resp.write(
+                        b"event: bana_ids\ndata: " + json.dumps(ids).encode() + b"\n\n"
+                    )
             else:
                 choice: dict = {
                     "index": 0,

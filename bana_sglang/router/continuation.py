@@ -87,8 +87,9 @@ class ContinuationMixin:
     async def _resume(self, splice: Splicer, up: Upstream, route: RouteRequest) -> Upstream | None:
         """The decode worker ``up.d`` died mid-stream: continue the stream on another
         pair from the prompt and the answer the client has seen (the prompt's pages
-        come from the global store). None when it cannot be resumed exactly (a chat
-        stream, say) or no pair could take it: the client then gets an error event."""
+        come from the global store). None when it cannot be resumed exactly (no token
+        ids: a chat stream from a worker without the extension) or no pair could take
+        it: the client then gets an error event."""
         cont = splice.resume()
         if cont is None:
             self.metrics.stream_resumes.labels("not_resumable").inc()

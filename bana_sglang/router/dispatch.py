@@ -386,13 +386,16 @@ class PDDispatchMixin:
         *,
         avoid_d: frozenset = frozenset(),
         prefer_d: Worker | None = None,
+        headers: dict | None = None,
     ) -> Upstream | web.Response | str:
         """Send a streamed PD request and wait for its first byte, retrying other
-        pairs on failures before it. Returns the open upstream, a worker's 4xx
-        answer (the client's problem), or why no pair could serve it."""
+        pairs on failures before it (``headers``: extra ones for the decode half).
+        Returns the open upstream, a worker's 4xx answer (the client's problem), or
+        why no pair could serve it."""
         assert self.session is not None
         tried_p: set = set()
         tried_d: set = {w.id for w in self.decode if w.url in avoid_d}
+        d_headers = dict(_JSON_HEADERS, **headers) if headers else _JSON_HEADERS
         last = "no worker"
         for attempt, (p, d) in enumerate(self._pairs(route, tried_p, tried_d, prefer_d=prefer_d)):
             if attempt and str(body.get("rid", "")).startswith(MIGRATABLE):
@@ -404,7 +407,7 @@ class PDDispatchMixin:
             bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
             resp: aiohttp.ClientResponse | None = None
             post = asyncio.ensure_future(
-                self.session.post(d.url + path, data=bp, headers=_JSON_HEADERS)
+                self.session.post(d.url + path, data=bp, headers=d_headers)
             )
             opening = Opening(d, post, self._watched)
             p_open = Opening(p, p_task, self._watched)
@@ -527,7 +530,9 @@ class PDDispatchMixin:
             body = splice.body
         elif self.cfg.request_migration and self.admin.agents:
             self.metrics.unmigratable.labels(why.split(":", 1)[0]).inc()
-        up = await self._open_stream(path, body, route)
+        up = await self._open_stream(
+            path, body, route, headers=splice.upstream_headers if splice is not None else None
+        )
         if isinstance(up, web.Response):
             self._count(label, up.status, t0)
             return up

@@ -109,8 +109,8 @@ class RouterMetrics:
         self.stream_resumes = Counter(
             "bana_router_stream_resumes_total",
             "Streams whose decode worker failed mid-answer, by result: resumed on another "
-            "pair, failed (no pair could take it), not_resumable (a chat stream, or nothing "
-            "left to resume)",
+            "pair, failed (no pair could take it), not_resumable (no token ids: a chat stream "
+            "from a worker without the extension; or nothing left to resume)",
             ["result"],
             registry=r,
         )

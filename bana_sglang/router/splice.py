@@ -23,9 +23,10 @@ from collections.abc import Callable
 
 import orjson
 
-from bana_sglang.wire.agent import MARK, PREFIX
+from bana_sglang.wire.agent import CHAT_IDS_EVENT, CHAT_IDS_HEADER, MARK, PREFIX
 
 _DONE = b"data: [DONE]"
+_IDS = b"event: " + CHAT_IDS_EVENT.encode()
 # chat-only fields a /v1/completions continuation cannot take
 _CHAT_ONLY = (
     "messages",
@@ -136,8 +137,11 @@ class Splicer:
     are resumable: their prompt ids are the body's ``input_ids``, or SGLang returns
     them (``return_prompt_token_ids`` / ``return_token_ids``, asked for here and
     taken out of the events unless the client asked), and the answer's ids come
-    with every event. A chat stream is not: SGLang 0.5.23 returns no token ids in a
-    streamed chat answer, and ids re-made from its text need not be the ones sampled.
+    with every event. SGLang 0.5.23 returns no token ids in a streamed chat answer
+    (and ids re-made from its text need not be the ones sampled): a chat stream is
+    resumable once its worker sends them in ``bana_ids`` events, which the extension's
+    workers do when asked with :attr:`upstream_headers` (:mod:`bana_sglang.plugin.chat_ids`);
+    on a worker without the extension it is not.
     """
 
     def __init__(self, label: str, body: dict, decode: Callable[[list[int]], str] | None = None):
@@ -151,11 +155,13 @@ class Splicer:
         self._cont_ids: list[int] = []  # chat: this upstream's answer ids so far
         self._strip: tuple[str, ...] = ()
         self.prompt_ids: list[int] | None = None  # the client's prompt, in token ids
-        self.answer_ids: list[int] = []  # /v1/completions: the answer's ids relayed so far
+        self.answer_ids: list[int] = []  # OpenAI: the answer's ids relayed so far
         self.done = False  # [DONE] relayed: the stream ended as it should
         self.aborted = False  # the upstream aborted the request (not a handoff): resume it
         self.resumes = 0
-        self.resumable = label in ("generate", "completions")
+        self.resumable = label in ("generate", "completions", "chat")
+        # extra headers for the first upstream: a chat stream asks for its token ids
+        self.upstream_headers: dict[str, str] = {CHAT_IDS_HEADER: "1"} if label == "chat" else {}
         if label == "generate":
             if _int_list(body.get("input_ids")):
                 self.prompt_ids = list(body["input_ids"])
@@ -205,6 +211,9 @@ class Splicer:
         return rest
 
     def _event(self, ev: bytes) -> bytes | None:
+        if ev.startswith(_IDS):
+            self._take_chat_ids(ev)
+            return None  # asked for by the router: the client never sees it
         if ev.startswith(_DONE):
             self.done = True
             return ev
@@ -253,6 +262,13 @@ class Splicer:
             if self.prompt_ids is None and _int_list(pt):
                 self.prompt_ids = list(pt)
             return
+        if self.label == "chat":
+            if self._cont:  # a continuation is a completions request asked for its ids
+                for c in obj.get("choices") or []:
+                    ids = c.get("token_ids") if isinstance(c, dict) else None
+                    if _int_list(ids):
+                        self.answer_ids.extend(ids)
+            return
         if self.label != "completions":
             return
         for c in obj.get("choices") or []:
@@ -264,6 +280,21 @@ class Splicer:
                 self.prompt_ids = list(pt)
             if _int_list(ids):
                 self.answer_ids.extend(ids)
+
+    def _take_chat_ids(self, ev: bytes) -> None:
+        """A ``bana_ids`` event of a chat upstream: the prompt's ids (once), the answer's new ones."""
+        _, _, data = ev.partition(b"data:")
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(obj, dict):
+            return
+        pt, ids = obj.get("prompt_ids"), obj.get("ids")
+        if self.prompt_ids is None and not self._cont and _int_list(pt):
+            self.prompt_ids = list(pt)
+        if _int_list(ids):
+            self.answer_ids.extend(ids)
 
     def resume(self) -> tuple[str, dict] | None:
         """The request that continues this stream after its decode worker died, from
@@ -373,6 +404,8 @@ class Splicer:
             self.prompt_len = len(input_ids)
         self.done_tokens = len(input_ids) + len(output_ids) - self.prompt_len
         self.prefix_text, self.prefix_ids = self.seen_text, list(self.seen_ids)
+        if self.label != "generate":  # the whole answer so far, as the stopped worker had it
+            self.answer_ids = (list(input_ids) + list(output_ids))[self.prompt_len :]
         if self._decode is not None:
             self._base_ids = (list(input_ids) + list(output_ids))[self.prompt_len :]
             self._mark, self._cont_ids = len(self.answer_ids), []

@@ -318,16 +318,45 @@ def completion_text(url: str, ids: list[int], n: int) -> str:
     return r.json()["choices"][0]["text"]
 
 
+def chat_body(topic: str) -> dict:
+    return {
+        "messages": [{"role": "user", "content": f"tell me about {topic} " * 4}],
+        "max_tokens": NEW,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+
+def chat_text(events: list) -> str:
+    return "".join(
+        (c["choices"][0]["delta"].get("content") or "")
+        for c in events
+        if isinstance(c, dict) and c.get("choices")
+    )
+
+
 def test_streams_of_a_decode_worker_that_dies_go_on_elsewhere(cluster, single_server):
     """SIGKILL of a whole decode worker while streams run on both: the router resumes
     each of its streams on the other decode worker from the prompt and the tokens it
     already relayed, so every client reads one unbroken answer with a plain run's
-    tokens (``/generate``) or text (``/v1/completions``). Then the next test, with
-    that worker still dead."""
+    tokens (``/generate``) or text (``/v1/completions``, and chat, whose ids the workers
+    stream to the router in ``bana_ids`` events). Then the next test, with that worker
+    still dead."""
     gens = prompts_of(61, 4, base=40, step=20)
     want = [generate(single_server, ids, NEW, ignore_eos=True) for ids in gens]
     comps = prompts_of(71, 2, base=50, step=20)
     want_text = [completion_text(single_server, ids, NEW) for ids in comps]
+    chats = [chat_body(t) for t in ("the sea", "the hills")]
+    want_chat = []
+    for body in chats:
+        r = httpx.post(single_server + "/v1/chat/completions", json=body, headers=H, timeout=300)
+        assert r.status_code == 200, r.text
+        want_chat.append(r.json()["choices"][0]["message"]["content"])
+    # the chat streams first, one on each decode worker (the load-aware policy spreads them):
+    # one of them is decoding on the worker about to die
+    victim = "decode-1"
+    chat_streams = [Stream(cluster.url, "/v1/chat/completions", body) for body in chats]
+    movable(cluster, worker=victim, n=1)
     streams = [Stream(cluster.url, "/generate", gen_body(ids)) for ids in gens]
     streams += [
         Stream(
@@ -337,7 +366,6 @@ def test_streams_of_a_decode_worker_that_dies_go_on_elsewhere(cluster, single_se
         )
         for ids in comps
     ]
-    victim = "decode-1"
     movable(cluster, worker=victim, n=1)  # it is decoding some of them
     url = agents(cluster)[victim]["url"]
     assert kill_worker(url) >= 2
@@ -351,6 +379,12 @@ def test_streams_of_a_decode_worker_that_dies_go_on_elsewhere(cluster, single_se
         text = "".join(c["text"] for e in events[:-1] for c in e.get("choices", []))
         assert text == w
         assert not any("token_ids" in c for e in events[:-1] for c in e.get("choices", []))
+    for s, w in zip(chat_streams, want_chat, strict=True):
+        events = s.join()
+        assert s.status == 200 and events[-1] == "[DONE]", events[-3:]
+        assert not any("error" in e for e in events[:-1]), events[-3:]
+        assert chat_text(events) == w
+        assert len({e["id"] for e in events[:-1]}) == 1
     assert router_counter(cluster, 'bana_router_stream_resumes_total{result="resumed"}') >= 1
     assert router_counter(cluster, "bana_router_stream_errors_total") == 0
 

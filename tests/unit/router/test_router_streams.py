@@ -48,8 +48,7 @@ def test_a_stream_whose_decode_worker_dies_resumes_on_another_with_the_same_toke
     """The decode worker drops the connection after two tokens: the router resumes the
     stream on the other decode worker from the prompt and the answer so far, and the
     client reads one answer with exactly the tokens an unbroken run gives; the token
-    ids the router asked for on its own are not shown to the client. A chat stream
-    (no token ids in SGLang's streamed chat) ends with an error event instead."""
+    ids the router asked for on its own are not shown to the client."""
 
     async def go():
         breaking = FakeWorker("decode", "break_stream", ids=True, chunks=8)
@@ -249,13 +248,41 @@ def test_a_slow_stream_from_a_worker_that_answers_is_not_cut():
     run(go())
 
 
-def test_a_chat_stream_whose_decode_worker_dies_ends_with_an_error_event():
+def test_a_chat_stream_whose_decode_worker_dies_resumes_with_the_same_tokens():
+    """A chat stream's ids come in the ``bana_ids`` events the router asks bana's workers
+    for (SGLang streams none in a chat answer): its decode worker drops the connection
+    after two tokens, and the client reads one chat answer with an unbroken run's tokens,
+    no ids events; the continuation went to the healthy worker from the templated prompt
+    plus the answer so far. A worker without the extension sends no ids: the stream cannot
+    be resumed exactly and ends with an error event."""
+
     async def go():
+        breaking = FakeWorker("decode", "break_stream", ids=True, chunks=8)
+        ok = FakeWorker("decode", ids=True)
+        async with running(
+            [FakeWorker("prefill", ids=True)], [breaking, ok], policy="round_robin"
+        ) as (router, c):
+            prompt = [1, *b"hi"]  # the fakes' chat template
+            want = "".join(f" {t}" for t in fake_answer(prompt, 6))
+            body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+            while not breaking.bodies:
+                async with c.post("/v1/chat/completions", json=dict(body, max_tokens=6)) as r:
+                    assert r.status == 200
+                    raw = await r.text()
+                events = _events(raw)
+                got = "".join(ch["delta"].get("content", "") for e in events for ch in e["choices"])
+                assert got == want, raw
+                assert raw.endswith("data: [DONE]\n\n") and '"error"' not in raw
+                assert "bana_ids" not in raw and "token_ids" not in raw
+                assert all(e["object"] == "chat.completion.chunk" for e in events)
+                assert len({e["id"] for e in events}) == 1
+            assert router.metrics.stream_resumes.labels("resumed")._value.get() == 1
+            cont = [b for b in ok.bodies if b.get("prompt") == [*prompt, *fake_answer(prompt, 2)]]
+            assert cont and cont[-1]["max_tokens"] == 4
         async with running(
             [FakeWorker("prefill", ids=True)],
-            [FakeWorker("decode", "break_stream", ids=True, chunks=8)],
+            [FakeWorker("decode", "break_stream", ids=True, chunks=8, chat_ids=False)],
         ) as (router, c):
-            body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
             async with c.post("/v1/chat/completions", json=dict(body, max_tokens=6)) as r:
                 raw = await r.text()
             assert "failed mid-stream" in _events(raw)[-1]["error"]["message"]
