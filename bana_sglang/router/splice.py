@@ -262,14 +262,9 @@ class Splicer:
             if self.prompt_ids is None and _int_list(pt):
                 self.prompt_ids = list(pt)
             return
-        if self.label == "chat":
-            if self._cont:  # a continuation is a completions request asked for its ids
-                for c in obj.get("choices") or []:
-                    ids = c.get("token_ids") if isinstance(c, dict) else None
-                    if _int_list(ids):
-                        self.answer_ids.extend(ids)
-            return
-        if self.label != "completions":
+        if self.label == "chat" and not self._cont:
+            return  # its ids come in bana_ids events; a continuation is a completions request
+        if self.label not in ("completions", "chat"):
             return
         for c in obj.get("choices") or []:
             if not isinstance(c, dict):
@@ -404,10 +399,11 @@ class Splicer:
             self.prompt_len = len(input_ids)
         self.done_tokens = len(input_ids) + len(output_ids) - self.prompt_len
         self.prefix_text, self.prefix_ids = self.seen_text, list(self.seen_ids)
+        answer = (list(input_ids) + list(output_ids))[self.prompt_len :]
         if self.label != "generate":  # the whole answer so far, as the stopped worker had it
-            self.answer_ids = (list(input_ids) + list(output_ids))[self.prompt_len :]
+            self.answer_ids = list(answer)
         if self._decode is not None:
-            self._base_ids = (list(input_ids) + list(output_ids))[self.prompt_len :]
+            self._base_ids = answer
             self._mark, self._cont_ids = len(self.answer_ids), []
         self.migrated = None
         self.aborted = False
