@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 
 import aiohttp
@@ -29,12 +28,19 @@ from bana_sglang.router.errors import (
     error_body,
     error_response,
     sse_error,
-    streamed_failure,
 )
 from bana_sglang.router.generate import fix_logprob_window, merge_input_logprobs
 from bana_sglang.router.policy import RouteRequest, RoutingError
 from bana_sglang.router.splice import Splicer, mark, unmigratable_reason
-from bana_sglang.router.upstream import BROKEN, Opening, Upstream
+from bana_sglang.router.upstream import (
+    BROKEN,
+    KV_BLOCKS_LOST,
+    KV_TRANSFER_FAILURE,
+    Opening,
+    Upstream,
+    prefill_stream_failure,
+    store_load_failed,
+)
 from bana_sglang.router.workers import Worker
 from bana_sglang.types import Tier
 from bana_sglang.wire.agent import PREFIX as MIGRATABLE
@@ -44,42 +50,6 @@ logger = logging.getLogger("bana_sglang.router.server")  # one logger for the ro
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST
 _JSON = "application/json"
 _JSON_HEADERS = {"Content-Type": _JSON}
-
-# SGLang 0.5.23's decode-side errors when its prefill peer cannot be reached or
-# its KV never arrives (disaggregation/mooncake/conn.py, decode.py).
-_KV_TRANSFER_FAILURE = re.compile(
-    r"KVTransferError|bootstrap|Prefill instance could be dead|"
-    r"remote mooncake session .* is not alive",
-    re.IGNORECASE,
-)
-# bana's decode-side error when the peer holding a request's KV pages (KV-block
-# migration) failed: the worker is fine, the request is recomputed elsewhere or there.
-_KV_BLOCKS_LOST = re.compile(r"KV blocks lost")
-# SGLang's answer when a load from the global store failed after it started (a page
-# lost or failing its MAC): the worker is fine and the bad pages are reported, so
-# the same request misses and recomputes on a retry (unified_radix_cache.py).
-_STORE_LOAD_FAILED = re.compile(r"External KV cache load failed")
-
-
-def _prefill_stream_failure(data: bytes) -> tuple[int, str] | None:
-    """The failure to act on in a streamed answer read whole (a streamed request's
-    prefill half), as (status, message), or None. SGLang streams an abort with a 200,
-    and after most aborts (a failed store load) the decode half never hears of it and
-    waits for KV that never comes (SGLang's 300 s timeout). A failed KV transfer is the
-    exception: the decode side learns of it through the transfer, its answer decides,
-    and the prefill worker is not to blame for a decode worker that died."""
-    failed = streamed_failure(data)
-    if failed is None or _KV_TRANSFER_FAILURE.search(failed[1]):
-        return None
-    return failed
-
-
-def _store_load_failed(e: UpstreamError, p: Worker) -> bool:
-    return (
-        e.worker is p
-        and e.status == 503
-        and bool(_STORE_LOAD_FAILED.search(e.body.decode(errors="replace")))
-    )
 
 
 class PrefillCharge:
@@ -198,7 +168,7 @@ class PDDispatchMixin:
             async with self.session.post(w.url + path, data=payload, headers=_JSON_HEADERS) as resp:
                 data = await resp.read()
                 if resp.status < 400 and data.startswith(b"data:"):
-                    failed = _prefill_stream_failure(data)
+                    failed = prefill_stream_failure(data)
                     if failed is not None:
                         status, message = failed
                         if status >= 500:
@@ -287,13 +257,13 @@ class PDDispatchMixin:
                 if (
                     e.worker is d
                     and e.status is not None
-                    and _KV_BLOCKS_LOST.search(e.body.decode(errors="replace"))
+                    and KV_BLOCKS_LOST.search(e.body.decode(errors="replace"))
                 ):
                     # the decode worker is healthy; nothing of this request was returned yet: recompute it
                     self.metrics.retries.labels("kv_blocks_lost").inc()
                     last = str(e)
                     continue
-                if _store_load_failed(e, p):  # retried, the worker stays routable
+                if store_load_failed(e, p):  # retried, the worker stays routable
                     self.metrics.retries.labels("store_load_failed").inc()
                     last = str(e)
                     continue
@@ -340,7 +310,7 @@ class PDDispatchMixin:
         if (
             err.worker is not p
             and err.status is not None
-            and _KV_TRANSFER_FAILURE.search(err.body.decode(errors="replace") or err.reason)
+            and KV_TRANSFER_FAILURE.search(err.body.decode(errors="replace") or err.reason)
         ):
             if not p_task.done():
                 p_task.cancel()
@@ -476,7 +446,7 @@ class PDDispatchMixin:
             except UpstreamError as e:
                 if resp is not None:
                     resp.close()
-                if _store_load_failed(e, p):  # retried, the worker stays routable
+                if store_load_failed(e, p):  # retried, the worker stays routable
                     self.metrics.retries.labels("store_load_failed").inc()
                     last = str(e)
                     d.end(d_tok)

@@ -1,13 +1,14 @@
-"""An open streamed PD request, as the router's relay holds it."""
+"""An open streamed PD request, as the router's relay holds it; what a worker's failed answer means."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import aiohttp
 
-from bana_sglang.router.errors import UpstreamError
+from bana_sglang.router.errors import UpstreamError, streamed_failure
 from bana_sglang.router.workers import Worker
 
 #: what a broken connection to a worker raises while its answer is read
@@ -17,6 +18,43 @@ BROKEN = (
     aiohttp.ClientConnectionError,
     ConnectionError,
 )
+
+
+# SGLang 0.5.23's decode-side errors when its prefill peer cannot be reached or
+# its KV never arrives (disaggregation/mooncake/conn.py, decode.py).
+KV_TRANSFER_FAILURE = re.compile(
+    r"KVTransferError|bootstrap|Prefill instance could be dead|"
+    r"remote mooncake session .* is not alive",
+    re.IGNORECASE,
+)
+# bana's decode-side error when the peer holding a request's KV pages (KV-block
+# migration) failed: the worker is fine, the request is recomputed elsewhere or there.
+KV_BLOCKS_LOST = re.compile(r"KV blocks lost")
+# SGLang's answer when a load from the global store failed after it started (a page
+# lost or failing its MAC): the worker is fine and the bad pages are reported, so
+# the same request misses and recomputes on a retry (unified_radix_cache.py).
+STORE_LOAD_FAILED = re.compile(r"External KV cache load failed")
+
+
+def prefill_stream_failure(data: bytes) -> tuple[int, str] | None:
+    """The failure to act on in a streamed answer read whole (a streamed request's
+    prefill half), as (status, message), or None. SGLang streams an abort with a 200,
+    and after most aborts (a failed store load) the decode half never hears of it and
+    waits for KV that never comes (SGLang's 300 s timeout). A failed KV transfer is the
+    exception: the decode side learns of it through the transfer, its answer decides,
+    and the prefill worker is not to blame for a decode worker that died."""
+    failed = streamed_failure(data)
+    if failed is None or KV_TRANSFER_FAILURE.search(failed[1]):
+        return None
+    return failed
+
+
+def store_load_failed(e: UpstreamError, p: Worker) -> bool:
+    return (
+        e.worker is p
+        and e.status == 503
+        and bool(STORE_LOAD_FAILED.search(e.body.decode(errors="replace")))
+    )
 
 
 class Upstream:

@@ -555,15 +555,15 @@ def test_a_streamed_kv_transfer_abort_of_the_prefill_is_left_to_the_decode_side(
     failed ... KVTransferError" (500) for a request paired with the dead decode worker.
     Taken as the prefill's failure, it marked the only prefill worker down and the request
     got a 502; the decode half's own failure decides instead, as before."""
-    from bana_sglang.router.dispatch import _prefill_stream_failure
+    from bana_sglang.router.upstream import prefill_stream_failure
 
     def ev(message: str, code: int = 500) -> bytes:
         fr = {"type": "abort", "message": message, "status_code": code}
         return b"data: " + json.dumps({"meta_info": {"finish_reason": fr}}).encode() + b"\n\n"
 
     transfer = "Prefill transfer failed for request rank=0 with exception KVTransferError(room=1)"
-    assert _prefill_stream_failure(ev(transfer)) is None
-    assert _prefill_stream_failure(ev("External KV cache load failed", 503)) == (
+    assert prefill_stream_failure(ev(transfer)) is None
+    assert prefill_stream_failure(ev("External KV cache load failed", 503)) == (
         503,
         "External KV cache load failed",
     )
