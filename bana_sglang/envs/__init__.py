@@ -290,14 +290,6 @@ BANA_STORE_PUBLISH_MAX_DELAY_MS = _var(
     "the longest a publish waits for such a quiet moment",
     minimum=0,
 )
-BANA_STORE_DECODE_PUBLISH_HOLD_MS = _var(
-    "BANA_STORE_DECODE_PUBLISH_HOLD_MS",
-    int,
-    1500,
-    "a decode worker publishes a finished request this long after it came, so that the "
-    "prefill worker publishes the prompt's pages and the decode worker only the answer's",
-    minimum=0,
-)
 BANA_STORE_PROBE_INTERVAL_S = _var(
     "BANA_STORE_PROBE_INTERVAL_S",
     float,

@@ -258,8 +258,6 @@ class BanaGlobalLinker(UnifiedCacheLinker):
             on_round=self._published,
             quiet=self._quiet if role == "prefill" else None,
             max_delay_s=envs.BANA_STORE_PUBLISH_MAX_DELAY_MS.get() / 1e3,
-            # the prompt's pages are the prefill worker's to publish (see publisher)
-            hold_s=envs.BANA_STORE_DECODE_PUBLISH_HOLD_MS.get() / 1e3 if role == "decode" else 0.0,
         )
 
         self.pending_loads: dict[str, _Load] = {}

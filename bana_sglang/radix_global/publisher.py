@@ -26,17 +26,6 @@ thread of its own:
   while after its last forward ended, when the request's KV has gone to its
   decode worker and the first token is being computed (a publish on the 2-core
   VM made exactly those slower); at most ``max_delay_s`` after the offload came;
-- **prompts from the prefill worker**: on a decode worker (``hold_s``,
-  ``BANA_STORE_DECODE_PUBLISH_HOLD_MS``), an offload whose first page the index
-  does not list yet is held back until ``hold_s`` after it came: the prefill
-  worker that computed the prompt, which asks the index within its
-  ``max_delay_s``, publishes the prompt's pages, and the decode worker's intent
-  then starts after them, so it writes only its answer's pages. Without the hold
-  the decode worker, whose offload comes while the prefill worker is still
-  settling, won every prompt: in the cold/repeat benchmark (2P1D tiny) it wrote
-  1056 of 1056 pages, framing them under its GIL while it served every request's
-  tokens. An offload whose start is indexed (a request migration's pre-copy: its
-  prompt was published long before) goes out at once;
 - **bounded**: every queued offload holds SGLang's lock on its pages; past
   ``max_pending_pages`` the linker declines new offloads (counted as skipped)
   instead of letting locked pages fill the pool.
@@ -118,7 +107,6 @@ class Publisher:
         on_round: Callable[[RoundStats], None] | None = None,
         quiet: Callable[[], float] | None = None,
         max_delay_s: float = 1.0,
-        hold_s: float = 0.0,
     ):
         self.pool = pool
         self.index = index
@@ -131,7 +119,6 @@ class Publisher:
         self._on_round = on_round
         self._quiet = quiet
         self._max_delay_s = max_delay_s
-        self._hold_s = hold_s
         self._queue: queue.Queue[Offload | None] = queue.Queue()
         self._lock = threading.Lock()
         self._pending = 0
@@ -186,7 +173,6 @@ class Publisher:
             if task is None:
                 self._queue.task_done()
                 return
-            self._hold(task)
             self._wait_quiet(task.submitted)
             tasks = [task]
             stop = False
@@ -212,19 +198,6 @@ class Publisher:
             if stop:
                 self._queue.task_done()
                 return
-
-    def _hold(self, task: Offload) -> None:
-        """Hold a round back until ``hold_s`` after its first offload came, unless the
-        index lists the page its chain starts after (its parent) or, below the root,
-        its first page: then its start was published, and no prefill worker is about
-        to publish what follows."""
-        left = task.submitted + self._hold_s - time.monotonic()
-        if left <= 0 or not task.chain:
-            return
-        first = task.parent if task.parent is not None else task.chain[0]
-        if self.index.lookup([first], touch=False, any_parent=True).length:
-            return
-        time.sleep(left)
 
     def _wait_quiet(self, since: float) -> None:
         """Hold a round back while the worker's forwards say so (``quiet()``: seconds

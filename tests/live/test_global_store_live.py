@@ -226,9 +226,11 @@ def test_next_turn_hits_the_answer_published_by_the_decode_worker(pd, single_ser
     answer = d1["output_ids"]
     assert len(answer) == 40
     full = (len(turn1) + len(answer) - 1) // PAGE  # pages the decode worker can publish
-    # the prefill worker publishes the prompt's pages; the decode worker, after its hold
-    # (BANA_STORE_DECODE_PUBLISH_HOLD_MS), the answer's
-    wait_indexed(pd, (turn1 + answer)[: full * PAGE])
+    poll_until(
+        lambda: pd.metrics(pd.decode[0]).get("published_pages", 0) > 0,
+        "the decode worker publishing",
+    )
+    time.sleep(1.0)
     turn2 = turn1 + answer + prompt(3, 30)
     d2, pre2 = pd.generate(1, turn2, n=8)
     cached = pre2["meta_info"]["cached_tokens"]

@@ -124,47 +124,6 @@ def test_queued_offloads_go_out_in_one_round_after_a_quiet_moment_results_in_ord
     pub2.close()
 
 
-def test_a_held_decode_publish_leaves_the_prompt_to_the_prefill_worker(kv):
-    """The decode worker's offload of a finished request (prompt + answer pages) comes
-    first; held back, it finds the prompt published by the prefill worker and writes
-    only the answer's pages. Without the hold it would have written them all."""
-    pool, index = make_pool(), FakeIndex()
-    chain = page_chain(range(N * LAYOUT.page_size), LAYOUT)  # 4 prompt pages + 2 answer pages
-    rounds: dict[str, list] = {"prefill": [], "decode": []}
-
-    def publisher(role: str, hold_s: float) -> Publisher:
-        return Publisher(
-            pool,
-            lambda: PageStore(LAYOUT, kv, mac_key=KEY),
-            index,
-            role,
-            arena_bytes=1 << 20,
-            hold_s=hold_s,
-            on_round=rounds[role].append,
-        )
-
-    decode, prefill = publisher("decode", 0.3), publisher("prefill", 0.0)
-    t0 = time.monotonic()
-    decode.submit(Offload(list(chain), None, torch.arange(1, N + 1)))
-    prefill.submit(Offload(list(chain[:4]), None, torch.arange(1, 5)))
-    prefill.join()
-    assert rounds["decode"] == []  # still held
-    decode.join()
-    assert time.monotonic() - t0 >= 0.3
-    assert [r.written for r in rounds["prefill"]] == [4]
-    assert [r.written for r in rounds["decode"]] == [2]
-    assert decode.results.get_nowait() is True and prefill.results.get_nowait() is True
-    assert index.present == set(chain) and kv.slices["put"] == N
-    # a request migration's pre-copy: its prompt is indexed, so nothing is held
-    longer = page_chain(range((N + 2) * LAYOUT.page_size), LAYOUT)
-    t1 = time.monotonic()
-    decode.submit(Offload(list(longer[N:]), chain[-1], torch.tensor([7, 8])))
-    decode.join()
-    assert time.monotonic() - t1 < 0.25 and [r.written for r in rounds["decode"]] == [2, 2]
-    decode.close()
-    prefill.close()
-
-
 def test_an_unavailable_index_publishes_nothing_and_says_so(kv):
     pool, index = make_pool(), FakeIndex()
     index.available = False
