@@ -20,7 +20,9 @@ global lookup, the linker's index round trip and header check, loads (time, the
 forward's wait, pages recomputed because loading was predicted slower), and
 publishing (wall and CPU time per request, and the prefill forward's time per
 token while a publish was written against without); with several rounds, the
-ratios of each round; and the loads of the repeats against the wire: their
+ratios of each round, and from three rounds on an interval of each ratio over
+rounds (a bootstrap of whole rounds: on the shared 2-core VM, clusters of one
+configuration differ by more than the 5% the cold ratio is held to); and the loads of the repeats against the wire: their
 bandwidth (bytes over load-thread time), the fraction hidden under compute,
 and a raw batched get of whole pages through the same store, probed after the
 phases of each store arm (``--raw-mb``).
@@ -210,17 +212,30 @@ def report(runs: Sequence[ArmRun], command: str, n: int, length: int, gap: float
         "| model | cold: store / nostore | repeat: store hit / nostore recompute |",
         "|---|---|---|",
     ]
+    intervals = False
     for model in dict.fromkeys(r.model for r in runs):
         on, off = by.get((model, "store")), by.get((model, "nostore"))
         if not on or not off:
             continue
-        cold = _p50([x for r in on for x in r.cold.ttft_s]) / _p50(
-            [x for r in off for x in r.cold.ttft_s]
-        )
-        rep = _p50([x for r in on for x in r.repeat.ttft_s]) / _p50(
-            [x for r in off for x in r.repeat.ttft_s]
-        )
-        lines.append(f"| {model} | {cold:.2f} | {rep:.2f} |")
+        cells = []
+        for phase in ("cold", "repeat"):
+            cell = f"{_pooled_ratio(on, off, phase):.2f}"
+            ci = round_interval(on, off, phase)
+            if ci is not None:
+                cell += f" ({ci[0]:.2f}-{ci[1]:.2f})"
+                intervals = True
+            cells.append(cell)
+        lines.append(f"| {model} | {cells[0]} | {cells[1]} |")
+    if intervals:
+        lines += [
+            "",
+            f"In brackets: a {ROUND_CI:.0%} interval of the ratio over rounds (bootstrap: "
+            f"{ROUND_DRAWS} draws of whole rounds with replacement, the ratio of pooled medians "
+            "of each draw). A round is one cluster per arm, and clusters of the same "
+            "configuration differ by more than requests within one do, so the round is the "
+            "unit resampled. It covers the spread between the rounds of this run, not the "
+            "machine's drift between runs.",
+        ]
     per_round = _round_ratios(runs)
     if any(len(v) > 1 for v in per_round.values()):
         lines += [
@@ -274,6 +289,43 @@ def report(runs: Sequence[ArmRun], command: str, n: int, length: int, gap: float
         for (what, a), (_, b) in zip(cold, rep):
             lines.append(f"| {what} | {a} | {b} |")
     return "\n".join(lines)
+
+
+ROUND_CI = 0.9
+ROUND_DRAWS = 2000
+
+
+def _pooled_ratio(on: Sequence[ArmRun], off: Sequence[ArmRun], phase: str) -> float:
+    """Median TTFT of ``phase`` over every request of ``on``, over that of ``off``."""
+    return _p50([x for r in on for x in getattr(r, phase).ttft_s]) / _p50(
+        [x for r in off for x in getattr(r, phase).ttft_s]
+    )
+
+
+def round_interval(
+    on: Sequence[ArmRun],
+    off: Sequence[ArmRun],
+    phase: str,
+    *,
+    level: float = ROUND_CI,
+    draws: int = ROUND_DRAWS,
+    seed: int = 0,
+) -> tuple[float, float] | None:
+    """A ``level`` percentile interval of :func:`_pooled_ratio` over rounds: each draw
+    takes as many rounds as there are, with replacement (round ``k`` is the k-th run
+    of each arm, which ran back to back), and pools their requests. None with fewer
+    than 3 rounds (too few to say anything)."""
+    pairs = list(zip(on, off))
+    if len(pairs) < 3:
+        return None
+    rng = random.Random(seed)
+    ratios = sorted(
+        _pooled_ratio(*zip(*(rng.choice(pairs) for _ in pairs)), phase)  # type: ignore[arg-type]
+        for _ in range(draws)
+    )
+    lo = ratios[int((1 - level) / 2 * (draws - 1))]
+    hi = ratios[int((1 + level) / 2 * (draws - 1))]
+    return lo, hi
 
 
 def _merged(ms: Sequence[breakdown.Metrics]) -> dict[str, dict[str, float]]:

@@ -45,6 +45,26 @@ def test_report_has_per_round_ratios_and_loads_against_the_wire() -> None:
     assert "ratio 0.50" in text
 
 
+def test_the_ratio_gets_an_interval_over_rounds_from_three_rounds_on() -> None:
+    two = [_run("store", 110, 50), _run("nostore", 100, 100)] * 2
+    assert cr.round_interval(two[::2], two[1::2], "cold") is None
+    assert "(" not in cr.report(two, "cmd", 3, 1400).split("repeat: store hit")[1].split("\n\n")[0]
+    # rounds at 1.0, 1.1, 1.2 and 1.3: the interval lies within them and is not a point
+    runs = [
+        r for c in (100, 110, 120, 130) for r in (_run("store", c, 50), _run("nostore", 100, 100))
+    ]
+    on, off = runs[::2], runs[1::2]
+    lo, hi = cr.round_interval(on, off, "cold")
+    assert 1.0 <= lo < hi <= 1.3
+    assert cr.round_interval(on, off, "repeat") == (0.5, 0.5)  # every round agrees
+    text = cr.report(runs, "cmd", 3, 1400)
+    assert (
+        f"| tiny | {cr._pooled_ratio(on, off, 'cold'):.2f} ({lo:.2f}-{hi:.2f}) | 0.50 (0.50-0.50) |"
+        in text
+    )
+    assert "bootstrap" in text
+
+
 def test_load_figures_none_without_loads() -> None:
     assert breakdown.load_figures({"w": {"loaded_bytes": 0.0}}) is None
     assert breakdown.load_figures({"w": {"loaded_bytes": 2e6, "load_seconds": 1.0}}) == (
