@@ -22,10 +22,11 @@ publishing (wall and CPU time per request, and the prefill forward's time per
 token while a publish was written against without); with several rounds, the
 ratios of each round, and from three rounds on an interval of each ratio over
 rounds (a bootstrap of whole rounds: on the shared 2-core VM, clusters of one
-configuration differ by more than the 5% the cold ratio is held to); and the loads of the repeats against the wire: their
-bandwidth (bytes over load-thread time), the fraction hidden under compute,
-and a raw batched get of whole pages through the same store, probed after the
-phases of each store arm (``--raw-mb``).
+configuration differ by more than the 5% the cold ratio is held to); and the
+loads of the repeats against the wire: their bandwidth (bytes over load-thread
+time), the fraction hidden under compute, and a raw batched get of whole pages
+through the same store, probed after the phases of each store arm
+(``--raw-mb``).
 
 Outputs: ``bench/runs/cold-repeat-<UTC time>/`` (``summary.json``,
 ``report.md``, logs); ``--write-results`` replaces the "Global KV store: cold
