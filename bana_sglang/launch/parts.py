@@ -170,6 +170,7 @@ def worker_part(
     cuda: bool = False,
     device_flags: tuple[str, ...] = (),
     worker_auth: bool = True,
+    nccl_port: int | None = None,
 ) -> Part:
     """One SGLang PD worker with the extension (and the global store's linker when there is one,
     and the migration agent on ``agent_port``). ``cuda``: a GPU worker (its float32
@@ -195,6 +196,11 @@ def worker_part(
     ]
     if bootstrap_port is not None:
         argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    if nccl_port is not None and not any(a.split("=", 1)[0] == "--nccl-port" for a in user_args):
+        # planned with the cluster's other ports: SGLang's own pick (a random port of
+        # 22000-29999, checked free when chosen, bound by the scheduler later) failed a
+        # start here with EADDRINUSE
+        argv += ["--nccl-port", str(nccl_port)]
     linker = (
         flags.linker_args(index_endpoint, master_addr, owner=name)
         if index_endpoint and master_addr

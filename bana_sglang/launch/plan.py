@@ -189,6 +189,7 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
             port = ports.take()
             boot = ports.take() if role == "prefill" else None
             agent_port = ports.take()
+            nccl_port = ports.take()
             workers.append(
                 worker_part(
                     f"{role}-{i}",
@@ -206,6 +207,7 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
                     cuda=cuda,
                     device_flags=device_flags,
                     worker_auth=cfg.router == "bana",
+                    nccl_port=nccl_port,
                 )
             )
             if boot is not None:

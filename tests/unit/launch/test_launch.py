@@ -36,6 +36,7 @@ def test_plan_2p1d_has_distinct_ports_and_pd_wiring(monkeypatch):
         assert part.name.startswith(role)
         if role == "prefill":
             ports.append(int(argv[argv.index("--disaggregation-bootstrap-port") + 1]))
+        ports.append(int(argv[argv.index("--nccl-port") + 1]))  # planned, not SGLang's pick
         assert argv[argv.index("--device") + 1] == "cpu"
     router = list(plan.router.argv)
     assert router.count("--prefill") == 2 and router.count("--decode") == 1
@@ -274,3 +275,13 @@ def test_without_restart_a_dead_part_stays_dead(tmp_path):
             why = c.check_parts()
             time.sleep(0.05)
         assert why == "no prefill worker is left" and c.restarts() == {"prefill-0": 0}
+
+
+def test_a_users_nccl_port_wins_over_the_planned_one(monkeypatch):
+    monkeypatch.setenv("BANA_DEVICE", "cpu")
+    plan = launch.plan_cluster(
+        launch.LaunchConfig(num_prefill=1, num_decode=1, sglang_args=("--nccl-port", "29001"))
+    )
+    for part in plan.workers:
+        argv = list(part.argv)
+        assert argv.count("--nccl-port") == 1 and argv[argv.index("--nccl-port") + 1] == "29001"
