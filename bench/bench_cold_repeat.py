@@ -320,10 +320,11 @@ def round_interval(
     if len(pairs) < 3:
         return None
     rng = random.Random(seed)
-    ratios = sorted(
-        _pooled_ratio(*zip(*(rng.choice(pairs) for _ in pairs)), phase)  # type: ignore[arg-type]
-        for _ in range(draws)
-    )
+    ratios = []
+    for _ in range(draws):
+        draw = [rng.choice(pairs) for _ in pairs]
+        ratios.append(_pooled_ratio([a for a, _ in draw], [b for _, b in draw], phase))
+    ratios.sort()
     lo = ratios[int((1 - level) / 2 * (draws - 1))]
     hi = ratios[int((1 + level) / 2 * (draws - 1))]
     return lo, hi
@@ -342,10 +343,7 @@ def _round_ratios(runs: Sequence[ArmRun]) -> dict[str, list[tuple[float, float]]
         on = [r for r in runs if r.model == model and r.arm == "store"]
         off = [r for r in runs if r.model == model and r.arm == "nostore"]
         out[model] = [
-            (
-                _p50(a.cold.ttft_s) / _p50(b.cold.ttft_s),
-                _p50(a.repeat.ttft_s) / _p50(b.repeat.ttft_s),
-            )
+            (_pooled_ratio([a], [b], "cold"), _pooled_ratio([a], [b], "repeat"))
             for a, b in zip(on, off)
         ]
     return out

@@ -85,15 +85,16 @@ def place(workers: int, gpus: int) -> list[tuple[int, float | None]]:
     return out
 
 
-def _given(user_args: Sequence[str], flag: str) -> bool:
+def given(user_args: Sequence[str], flag: str) -> bool:
+    """Whether the user's SGLang arguments carry ``flag`` (``--flag v`` or ``--flag=v``)."""
     return any(a == flag or a.startswith(flag + "=") for a in user_args)
 
 
 def worker_flags(gpu: int, fraction: float | None, user_args: Sequence[str]) -> list[str]:
     """``--base-gpu-id`` and ``--mem-fraction-static`` for one worker, unless the user gave them."""
     out: list[str] = []
-    if not _given(user_args, "--base-gpu-id"):
+    if not given(user_args, "--base-gpu-id"):
         out += ["--base-gpu-id", str(gpu)]
-    if fraction is not None and not _given(user_args, "--mem-fraction-static"):
+    if fraction is not None and not given(user_args, "--mem-fraction-static"):
         out += ["--mem-fraction-static", f"{fraction:g}"]
     return out

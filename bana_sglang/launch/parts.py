@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from bana_sglang import compat
+from bana_sglang.launch import gpus
 from bana_sglang.mooncake_env import master_binary
 
 logger = logging.getLogger("bana_sglang.launch")
@@ -196,10 +197,10 @@ def worker_part(
     ]
     if bootstrap_port is not None:
         argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
-    if nccl_port is not None and not any(a.split("=", 1)[0] == "--nccl-port" for a in user_args):
-        # planned with the cluster's other ports: SGLang's own pick (a random port of
-        # 22000-29999, checked free when chosen, bound by the scheduler later) failed a
-        # start here with EADDRINUSE
+    if nccl_port is not None and not gpus.given(user_args, "--nccl-port"):
+        # planned with the cluster's other ports: SGLang's own pick is a random port of
+        # 22000-29999, checked free when chosen and bound only later by the scheduler,
+        # so another process can take it meanwhile (EADDRINUSE at start-up)
         argv += ["--nccl-port", str(nccl_port)]
     linker = (
         flags.linker_args(index_endpoint, master_addr, owner=name)
