@@ -259,6 +259,15 @@ BANA_STORE_MIN_SLICE_BYTES = _var(
     "(over TCP a slice costs about as much as 64 KB of payload; 0: no floor)",
     minimum=0,
 )
+BANA_STORE_LOAD_TIMEOUT_S = _var(
+    "BANA_STORE_LOAD_TIMEOUT_S",
+    float,
+    5.0,
+    "the longest a forward waits for one layer of a staged load; then the load fails "
+    "(SGLang answers 503, the router retries) and lookups miss until the stuck read "
+    "returns (0: wait as long as the transfer takes; direct loads always do)",
+    minimum=0,
+)
 BANA_STORE_LOAD_POLICY = _var(
     "BANA_STORE_LOAD_POLICY",
     str,

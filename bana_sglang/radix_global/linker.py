@@ -44,7 +44,12 @@ raises into the scheduler. A load that fails *after* it started (store died
 mid-read, MAC mismatch) fails its batch's layer counter: SGLang then drops
 those requests' output with a 503 "External KV cache load failed" (never
 wrong tokens), the bad pages are reported to the index, and the router
-retries the request, which now misses and recomputes.
+retries the request, which now misses and recomputes. A staged load that hangs
+(its storage process stopped mid-transfer) fails the same way once the forward
+has waited ``BANA_STORE_LOAD_TIMEOUT_S`` for one layer; its late bytes never
+reach the pool (:class:`~layer_counter.LoadGate`), and lookups miss until the
+load thread is back from it, so that the retry recomputes instead of queueing
+behind the stuck read.
 
 Limits: MHA pools with K and V of the same head dim (no MLA/SWA/Mamba), TP size
 1 per layout (TP rank is part of the key).
@@ -74,7 +79,7 @@ from bana_sglang.radix_global.client import IndexClient
 from bana_sglang.radix_global.config import LINKER_NAME, LinkerConfig
 from bana_sglang.radix_global.cost import CostModel
 from bana_sglang.radix_global.keys import KVLayout, PageHash, model_identity, namespaced
-from bana_sglang.radix_global.layer_counter import LayerCounter
+from bana_sglang.radix_global.layer_counter import LayerCounter, LoadCancelled, LoadGate
 from bana_sglang.radix_global.loader import Loader
 from bana_sglang.radix_global.mooncake_kv import StoreConfig
 from bana_sglang.radix_global.pool import Arena, KVPool
@@ -103,6 +108,8 @@ class _Metrics(CounterSet):
         "load_read_seconds": "Time loads spent in Mooncake reads",
         "load_wait_seconds": "Time the forward pass waited for a layer to land",
         "load_failures": "Load batches that failed after starting",
+        "load_timeouts": "Load batches given up: a layer did not land within the deadline",
+        "stuck_lookups": "Lookups answered as misses while a given-up load was still stuck",
         "published_pages": "Pages this worker wrote and committed to the global store",
         "published_bytes": "Bytes this worker wrote to the global store",
         "publish_seconds": "Wall time of publishing rounds (intent, frame, write, commit)",
@@ -213,8 +220,17 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         self.metrics = _Metrics()
         self.durations = _Durations()
         self.pools = {PoolName.KV: kvcache}
-        self.layer_done_counter = LayerCounter(self.num_layers, self.device, self._waited)
         self.mode = envs.BANA_STORE_MODE.get()
+        timeout_s = envs.BANA_STORE_LOAD_TIMEOUT_S.get()
+        self.layer_done_counter = LayerCounter(
+            self.num_layers,
+            self.device,
+            self._waited,
+            # a direct load lands in the pool itself: a late transfer could not be stopped
+            timeout_s=timeout_s if timeout_s > 0 and self.mode == "staged" else None,
+            on_timeout=self._timed_out,
+        )
+        self._loading: LoadGate | None = None  # the gate of the load the load thread is in
         self.cost = CostModel(self.page_size, policy=envs.BANA_STORE_LOAD_POLICY.get())
         settle_ms = envs.BANA_STORE_PUBLISH_SETTLE_MS.get()
         if settle_ms < 0:  # auto: a CPU forward competes with publishing for the cores
@@ -296,10 +312,26 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         self.metrics.add("load_wait_seconds", seconds)
         self._wait_acc += seconds
 
+    def _timed_out(self, index: int, layer: int) -> None:
+        """The forward gave load ``index`` up at ``layer`` (scheduler thread)."""
+        self.metrics.add("load_timeouts")
+        logger.warning(
+            "global store load %d: layer %d did not land within %g s; its requests are "
+            "answered 503 (retried by the router) and lookups miss until the read returns",
+            index,
+            layer,
+            self.layer_done_counter.timeout_s,
+        )
+
     # -- lookup (scheduler thread)
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
         kv = self._kv(transfers)
         if kv is None or not kv.keys:
+            return []
+        loading = self._loading
+        if loading is not None and loading.timed_out:
+            # the load thread is still in a load given up on: a hit would wait behind it
+            self.metrics.add("stuck_lookups")
             return []
         chain = self._chain(kv.keys)
         self.metrics.add("lookups")
@@ -395,15 +427,21 @@ class BanaGlobalLinker(UnifiedCacheLinker):
                 if task is None:
                     return
                 index, loads, ready = task
+                gate = self._loading = self.layer_done_counter.gate(index)
                 try:
-                    self._load_batch(index, loads, ready)
+                    self._load_batch(index, loads, ready, gate)
+                except LoadCancelled:
+                    logger.info("global store load %d: stopped, the forward gave it up", index)
                 except BaseException as e:  # any failure fails the batch, never hangs it
                     logger.exception("global store load batch failed")
                     self.layer_done_counter.fail(index, e)
+                finally:
+                    self._loading = None
             finally:
                 self.load_queue.task_done()
 
-    def _load_batch(self, index: int, loads: list[_Load], ready) -> None:
+    def _load_batch(self, index: int, loads: list[_Load], ready, gate: LoadGate) -> None:
+        gate.check()  # given up while it was queued (behind a stuck one): nothing to do
         t0 = time.perf_counter()
         chain = [p for ld in loads for p in ld.chain]
         page_ids = torch.cat([ld.page_ids for ld in loads])
@@ -416,7 +454,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
             raise LoadFailed(f"page {miss.page}: {miss.reason} {miss.detail}")
         counter = self.layer_done_counter
         miss, stats = self.loader.load(
-            read, page_ids, lambda layer, ev: counter.complete(index, layer, ev), ready
+            read, page_ids, lambda layer, ev: counter.complete(index, layer, ev), ready, gate
         )
         if miss is not None:
             self._report(miss, self._loss_index)

@@ -35,12 +35,14 @@ No SGLang import.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from bana_sglang.radix_global.layer_counter import LoadGate
 from bana_sglang.radix_global.layerwise import LayerwiseRead
 from bana_sglang.radix_global.page_format import HEADER_SIZE, Miss
 from bana_sglang.radix_global.pool import Arena, KVPool
@@ -138,11 +140,14 @@ class Loader:
         page_ids: torch.Tensor,
         release: Release,
         ready=None,
+        gate: LoadGate | None = None,
     ) -> tuple[Miss | None, LoadStats]:
         """Load every page of the started ``read`` into pool pages ``page_ids`` (CPU int64,
         one per page). Layers ``0..L-2`` are released as they land; the caller releases
         the last one when this returns no miss (the MACs matched: :meth:`LayerwiseRead.finish`
-        has run). On a miss the pool pages hold garbage and the read is closed."""
+        has run). On a miss the pool pages hold garbage and the read is closed.
+        ``gate`` (staged): every copy into the pool passes through it; once it is
+        cancelled the load raises :class:`LoadCancelled` and writes nothing more."""
         if len(page_ids) != len(read.pages):
             raise ValueError(f"{len(read.pages)} pages but {len(page_ids)} pool pages")
         stats = LoadStats(pages=len(read.pages), bytes=len(read.pages) * read.layer_bytes)
@@ -151,7 +156,9 @@ class Loader:
             return read.finish(), stats
         run = self._staged if self.mode == "staged" else self._direct
         try:
-            miss = run(read, page_ids, release, ready, stats)
+            if gate is not None:
+                gate.check()  # given up before it began: read nothing
+            miss = run(read, page_ids, release, ready, stats, gate)
         except BaseException:
             read.close()
             raise
@@ -161,7 +168,7 @@ class Loader:
         return read.finish(), stats
 
     # -- staged
-    def _staged(self, read, page_ids, release, ready, stats: LoadStats) -> Miss | None:
+    def _staged(self, read, page_ids, release, ready, stats: LoadStats, gate) -> Miss | None:
         """Chunks (a group of layers of as many pages as half the arena holds) are read
         into alternating arena halves by the reader thread while this thread verifies
         and copies the chunk before: Mooncake's transfer, the MAC and the copy to the
@@ -215,7 +222,7 @@ class Loader:
                     read.feed(start + j, host[j, head:])
                 t2 = time.perf_counter()
                 stats.verify_s += t2 - t1
-                with dev.copy_stream():
+                with gate or contextlib.nullcontext(), dev.copy_stream():
                     src = dev.to_device(rows)[:, head:].view(pool.dtype)
                     src = src.view(m, hi - lo, 2, p, *pool.row_shape)
                     chunk_ids = ids[start : start + m]
@@ -223,6 +230,8 @@ class Loader:
                         dev.scatter_pages(pool.k[layer], chunk_ids, src[:, layer - lo, 0], p)
                         dev.scatter_pages(pool.v[layer], chunk_ids, src[:, layer - lo, 1], p)
                     self._busy[k % 2] = dev.record()
+                    if gate is not None:
+                        gate.event = self._busy[k % 2]
                 stats.copy_s += time.perf_counter() - t2
                 if start + m == n:  # the group is in the pool
                     stats.groups += 1
@@ -237,7 +246,10 @@ class Loader:
         return None
 
     # -- direct
-    def _direct(self, read, page_ids, release, ready, stats: LoadStats) -> Miss | None:
+    def _direct(self, read, page_ids, release, ready, stats: LoadStats, gate) -> Miss | None:
+        # Mooncake writes into the pool itself: no gate can stop a late transfer, so a
+        # direct load has no deadline (the linker sets none) and ``gate`` only skips
+        # a load given up before it began.
         pool, dev = self.pool, self.pool.device
         n, last, prn = len(read.pages), pool.num_layers - 1, pool.page_rows_nbytes
         dev.synchronize(ready)  # Mooncake writes outside any stream

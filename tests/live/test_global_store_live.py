@@ -19,6 +19,10 @@ Checks:
   and a byte flipped in a real page's last layer: the loading prefill worker
   answers 503 (never tokens from the bad page), and the retry gives the plain
   run's tokens from the pages before it;
+- the storage process stopped while prefill-0 loads from it: the forward gives the
+  load up after ``BANA_STORE_LOAD_TIMEOUT_S`` (503, never tokens), the retry misses
+  and recomputes the plain tokens while the storage is still stopped, and hits come
+  back once it runs again;
 - the router asks the index with SGLang's own page hashes (equal to SGLang's
   function's) and counts only globally uncached tokens as prefill work;
 - ``--no-global-store`` plans stock workers (no linker, no store parts).
@@ -29,7 +33,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import random
+import signal
 import time
 from collections.abc import Iterator
 
@@ -46,6 +52,7 @@ pytestmark = pytest.mark.slow
 
 PAGE = 16
 DECODE_KV = 4096
+LOAD_TIMEOUT_S = 3.0  # prefill-0's deadline for one layer of a load
 
 
 class PDCluster:
@@ -126,11 +133,12 @@ def pd(tmp_path_factory) -> Iterator[PDCluster]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BANA_STORE_LOAD_POLICY", "always")
         plan = plan_cluster(cfg)
+    extra = {
+        "prefill-0": (("BANA_STORE_LOAD_TIMEOUT_S", str(LOAD_TIMEOUT_S)),),
+        "prefill-1": (("BANA_STORE_MODE", "direct"),),
+    }
     workers = tuple(
-        dataclasses.replace(w, env=(*w.env, ("BANA_STORE_MODE", "direct")))
-        if w.name == "prefill-1"
-        else w
-        for w in plan.workers
+        dataclasses.replace(w, env=(*w.env, *extra.get(w.name, ()))) for w in plan.workers
     )
     plan = dataclasses.replace(plan, workers=workers)
     with Cluster(plan, log_dir=cfg.log_dir, startup_timeout=900) as cluster:
@@ -275,6 +283,46 @@ def test_decode_pool_is_released_after_publishing(pd):
 
     poll_until(lambda: offered() >= 18 * n, f"{18 * n} pages offered by decode")
     assert pd.metrics(pd.decode[0]).get("published_pages", 0) > 0
+
+
+def test_a_load_stuck_on_a_stopped_storage_process_is_given_up_and_recomputed(pd, single_server):
+    storage = next(p for p in pd.cluster.procs if p.name == "kv-storage")
+    p0 = pd.prefill[0][0]
+    ids = prompt(14, 260)
+    want = plain_tokens(single_server, ids, 6)
+    d1, _ = pd.generate(1, ids, n=6)  # computed and published by prefill-1
+    assert d1["output_ids"] == want
+    wait_indexed(pd, ids)
+    before = pd.metrics(p0)
+    os.kill(storage.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        d, p = pd.attempt(0, ids, n=6, timeout=120)  # a hit: its load hangs in the read
+        took = time.monotonic() - t0
+        assert p.status_code == 503, p.text  # given up, never tokens from the slots
+        assert d is None
+        assert LOAD_TIMEOUT_S <= took < LOAD_TIMEOUT_S + 30, took
+        t0 = time.monotonic()
+        d, p = pd.attempt(0, ids, n=6, timeout=120)  # the router's retry: a miss now
+        assert p.status_code == 200 and d is not None and d.status_code == 200, p.text
+        assert d.json()["output_ids"] == want
+        assert p.json()["meta_info"]["cached_tokens"] == 0
+        assert time.monotonic() - t0 < 30
+        during = pd.metrics(p0)
+        assert during.get("load_timeouts", 0) == before.get("load_timeouts", 0) + 1
+        assert during.get("stuck_lookups", 0) > before.get("stuck_lookups", 0)
+    finally:
+        os.kill(storage.pid, signal.SIGCONT)
+
+    def hit() -> bool:  # the stuck read returns, lookups hit again
+        d, p = pd.attempt(0, ids, n=6, timeout=120)
+        assert p.status_code in (200, 503), p.text
+        if p.status_code != 200:
+            return False
+        assert d is not None and d.json()["output_ids"] == want
+        return p.json()["meta_info"]["cached_tokens"] > 0
+
+    poll_until(hit, "a hit on prefill-0 after the storage process ran again", 90)
 
 
 def test_master_down_then_back_requests_stay_correct_and_hits_resume(pd, single_server):

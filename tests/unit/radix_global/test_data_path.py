@@ -15,7 +15,7 @@ from support.fake_mooncake import FakeIndex, FakeKV
 from bana_sglang.radix_global.cost import CostModel, LinearFit
 from bana_sglang.radix_global.device import Device
 from bana_sglang.radix_global.keys import KVLayout, page_chain
-from bana_sglang.radix_global.layer_counter import LayerCounter
+from bana_sglang.radix_global.layer_counter import LayerCounter, LoadCancelled
 from bana_sglang.radix_global.loader import Loader, layer_groups
 from bana_sglang.radix_global.mooncake_kv import page_key
 from bana_sglang.radix_global.page_format import HEADER_SIZE
@@ -267,6 +267,101 @@ def test_layer_counter_waits_per_layer_and_reports_a_failure_after_the_forward()
     assert c.finish(j) is True
     c.set_consumer(-1)
     c.wait_until(0)  # a batch without a load
+
+
+def test_a_layer_that_never_lands_is_given_up_after_the_deadline():
+    timeouts: list[tuple[int, int]] = []
+    c = LayerCounter(
+        3, Device("cpu"), timeout_s=0.05, on_timeout=lambda i, lr: timeouts.append((i, lr))
+    )
+    i = c.update_producer()
+    c.set_consumer(i)
+    c.complete(i, 0)
+    c.wait_until(0)
+    t0 = time.monotonic()
+    c.wait_until(1)  # never completes: the forward goes on after the deadline
+    assert 0.04 < time.monotonic() - t0 < 2.0
+    assert timeouts == [(i, 1)]
+    gate = c.gate(i)
+    assert gate.cancelled and gate.timed_out
+    with pytest.raises(LoadCancelled):
+        gate.check()
+    c.wait_until(2)  # failed with the rest: no second wait
+    assert timeouts == [(i, 1)]
+    c.complete(i, 1)  # the stuck load's late layer is ignored, not an error
+    assert c.finish(i) is False
+    assert c.gate(i).cancelled  # a finished load's gate stays shut
+    j = c.update_producer()  # the next load has its own deadline and gate
+    for layer in range(3):
+        c.complete(j, layer)
+    assert c.finish(j) is True and timeouts == [(i, 1)]
+
+
+class _StuckKV(FakeKV):
+    """Ranged reads block until ``go`` is set (a storage process stopped mid-transfer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.go = threading.Event()
+        self.reading = threading.Event()
+
+    def get_ranges(self, *a):
+        self.reading.set()
+        assert self.go.wait(10)
+        return super().get_ranges(*a)
+
+
+def test_a_stuck_staged_load_given_up_never_writes_into_the_pool():
+    kv = _StuckKV()
+    pool, index = make_pool(), FakeIndex()
+    chain = page_chain(range(N * LAYOUT.page_size), LAYOUT)
+    src, dst = torch.arange(1, N + 1), torch.arange(N + 1, 2 * N + 1)
+    kv.go.set()
+    publish(pool, kv, index, chain, src).close()
+    kv.go.clear()
+    store = PageStore(LAYOUT, kv, mac_key=KEY)
+    loader = Loader(pool, "staged", Arena(pool.device, 1 << 20, store.kv))
+    for b in pool.buffers():
+        Device.pages_view(b, pool.page_size)[dst] = 0
+    counter = LayerCounter(LAYOUT.num_layers, pool.device, timeout_s=0.05)
+    i = counter.update_producer()
+    counter.set_consumer(i)
+    read = store.layerwise(chain, headers_inline=True)
+    assert read.start() is None
+    outcome: list[object] = []
+
+    def load():
+        try:
+            outcome.append(
+                loader.load(
+                    read, dst, lambda lr, ev: counter.complete(i, lr, ev), None, counter.gate(i)
+                )
+            )
+        except LoadCancelled as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=load)
+    t.start()
+    assert kv.reading.wait(5)
+    counter.wait_until(0)  # the forward gives the load up
+    assert counter.finish(i) is False
+    kv.go.set()  # the transfer returns after all
+    t.join(5)
+    assert len(outcome) == 1 and isinstance(outcome[0], LoadCancelled)
+    for page in pages_of(pool, dst):
+        assert not page.any()  # none of its bytes reached the pool
+    assert kv.sessions == 0  # and its read session is closed
+    # with the store back, the same pages load in full
+    counter2 = LayerCounter(LAYOUT.num_layers, pool.device, timeout_s=5.0)
+    j = counter2.update_producer()
+    read = store.layerwise(chain, headers_inline=True)
+    assert read.start() is None
+    miss, _ = loader.load(
+        read, dst, lambda lr, ev: counter2.complete(j, lr, ev), None, counter2.gate(j)
+    )
+    assert miss is None
+    for a, b in zip(pages_of(pool, dst), pages_of(pool, src)):
+        assert torch.equal(a, b)
 
 
 def test_linear_fit_separates_fixed_and_per_unit_cost():
