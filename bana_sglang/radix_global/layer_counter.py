@@ -26,10 +26,11 @@ transfers land outside the pool can promise that: the linker sets no deadline fo
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from bana_sglang.radix_global.device import Device
@@ -116,10 +117,11 @@ class LayerCounter:
     def complete(self, index: int, layer: int, event=None) -> None:
         """Layer ``layer`` of load ``index`` is in the pool once ``event`` has happened."""
         futures = self.futures.get(index)
-        if futures is None or futures[layer].done():  # given up on (or finished) meanwhile
+        if futures is None:  # given up on and finished meanwhile
             return
         self.events[index][layer] = event
-        futures[layer].set_result(None)
+        with contextlib.suppress(InvalidStateError):  # given up on (failed) meanwhile
+            futures[layer].set_result(None)
 
     def fail(self, index: int, error: BaseException) -> None:
         for future in self.futures.get(index, ()):
@@ -151,7 +153,7 @@ class LayerCounter:
         gate = self.gates[index]
         gate.timed_out = True
         gate.cancel()  # from here on the loader leaves the pool alone
-        # a layer that landed while the gate closed still counts; the rest fail
+        # the layers not landed yet fail, and with them the load (finish says so)
         self.fail(index, LoadTimedOut(f"layer {layer} not loaded within {self.timeout_s:g} s"))
         if self.on_timeout is not None:
             self.on_timeout(index, layer)
