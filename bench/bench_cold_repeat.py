@@ -22,7 +22,9 @@ publishing (wall and CPU time per request, and the prefill forward's time per
 token while a publish was written against without); with several rounds, the
 ratios of each round, and from three rounds on an interval of each ratio over
 rounds (a bootstrap of whole rounds: on the shared 2-core VM, clusters of one
-configuration differ by more than the 5% the cold ratio is held to); and the
+configuration differ by more than the 5% the cold ratio is held to); the CPU
+time per request of each part of the cluster (workers, router, the store's
+processes) in each arm and phase, which ``/metrics`` cannot show; and the
 loads of the repeats against the wire: their bandwidth (bytes over load-thread
 time), the fraction hidden under compute, and a raw batched get of whole pages
 through the same store, probed after the phases of each store arm
@@ -64,6 +66,7 @@ class Phase:
     cached: list[int] = field(default_factory=list)  # usage's (the decode worker's) cached tokens
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # worker -> deltas
     router: dict[str, float] = field(default_factory=dict)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # part -> CPU seconds in the phase
 
 
 @dataclass
@@ -127,7 +130,10 @@ def run_arm(model: str, arm: str, ids: list[list[int]], args, out: Path, port: i
     plan = plan_cluster(cfg)
     workers = {p.name: p.health_url.removesuffix("/health") for p in plan.workers}
     t0 = time.monotonic()
-    with Cluster(plan, log_dir=cfg.log_dir, startup_timeout=900), httpx.Client(timeout=600) as c:
+    with (
+        Cluster(plan, log_dir=cfg.log_dir, startup_timeout=900) as cluster,
+        httpx.Client(timeout=600) as c,
+    ):
         logger.info("%s/%s up in %.0fs", model, arm, time.monotonic() - t0)
         url = plan.endpoint
         warm = prompts(3, 64, seed=10_000)
@@ -136,6 +142,7 @@ def run_arm(model: str, arm: str, ids: list[list[int]], args, out: Path, port: i
         phases = []
         for phase, fill in (("cold", len(ids) % 2 == 0), ("repeat", False)):
             before, rbefore = breakdown.scrape(workers), breakdown.router_metrics(url)
+            cpu0 = breakdown.cpu_of_parts(cluster.procs)
             ph = Phase()
             for p in ids:
                 s, cached = ttft(c, url, p, args.max_tokens)
@@ -143,6 +150,8 @@ def run_arm(model: str, arm: str, ids: list[list[int]], args, out: Path, port: i
                 ph.cached.append(cached)
                 time.sleep(args.gap)
             time.sleep(1.0)  # publishing is asynchronous: let it land in this phase
+            cpu1 = breakdown.cpu_of_parts(cluster.procs)
+            ph.cpu_s = {k: v - cpu0[k] for k, v in cpu1.items() if k in cpu0}
             ph.metrics = breakdown.delta(breakdown.scrape(workers), before)
             ph.router = {
                 k: v - rbefore.get(k, 0.0) for k, v in breakdown.router_metrics(url).items()
@@ -250,6 +259,7 @@ def report(runs: Sequence[ArmRun], command: str, n: int, length: int, gap: float
         for model, rows_ in per_round.items():
             for i, (c, rp) in enumerate(rows_, 1):
                 lines.append(f"| {model} | {i} | {c:.2f} | {rp:.2f} |")
+    lines += cpu_table(by)
     loads = []
     for model in dict.fromkeys(r.model for r in runs):
         on = by.get((model, "store"), [])
@@ -294,6 +304,55 @@ def report(runs: Sequence[ArmRun], command: str, n: int, length: int, gap: float
 
 ROUND_CI = 0.9
 ROUND_DRAWS = 2000
+# the columns of the CPU table: a cluster part's name starts with one of these
+CPU_PARTS = (
+    ("prefill", "prefill"),
+    ("decode", "decode"),
+    ("router", "router"),
+    ("mooncake-master", "master"),
+    ("kv-storage", "storage"),
+    ("kv-index", "index"),
+)
+
+
+def cpu_per_request(rs: Sequence[ArmRun], phase: str) -> dict[str, float] | None:
+    """CPU ms per request of ``phase`` by column of :data:`CPU_PARTS` (and ``total``),
+    pooled over the runs ``rs``; None when no run measured it."""
+    phases = [getattr(r, phase) for r in rs]
+    n = sum(len(ph.ttft_s) for ph in phases if ph.cpu_s)
+    if not n:
+        return None
+    out = {col: 0.0 for _, col in CPU_PARTS}
+    for ph in phases:
+        for part, secs in ph.cpu_s.items():
+            col = next((c for prefix, c in CPU_PARTS if part.startswith(prefix)), None)
+            if col is not None:
+                out[col] += 1e3 * secs / n
+    out["total"] = sum(out.values())
+    return out
+
+
+def cpu_table(by: dict[tuple[str, str], list[ArmRun]]) -> list[str]:
+    rows = []
+    for (model, arm), rs in by.items():
+        for phase in ("cold", "repeat"):
+            ms = cpu_per_request(rs, phase)
+            if ms is not None:
+                cells = " | ".join(f"{ms[c]:.1f}" for _, c in CPU_PARTS)
+                rows.append(f"| {model} | {arm} | {phase} | {cells} | {ms['total']:.1f} |")
+    if not rows:
+        return []
+    head = " | ".join(c for _, c in CPU_PARTS)
+    return [
+        "",
+        "CPU per request by part of the cluster (ms of user + system time, every process and "
+        "thread of the part, over each phase including its last second of publishing; all "
+        "rounds pooled; prefill: both workers):",
+        "",
+        f"| model | arm | phase | {head} | total |",
+        "|---|---|---|" + "---|" * (len(CPU_PARTS) + 1),
+        *rows,
+    ]
 
 
 def _pooled_ratio(on: Sequence[ArmRun], off: Sequence[ArmRun], phase: str) -> float:

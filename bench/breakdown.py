@@ -4,7 +4,9 @@ Every benchmark that runs the store prints it for its store arm: the
 workers' ``bana_store_*`` counters and histograms and the router's
 ``bana_router_global_lookup_seconds``, as deltas over a phase, divided by the
 phase's requests. :func:`scrape` and :func:`router_metrics` read them;
-:func:`rows` and :func:`markdown` lay them out.
+:func:`rows` and :func:`markdown` lay them out. :func:`cpu_of_parts` adds what
+``/metrics`` cannot see: the CPU time of each of the cluster's processes (a
+worker with its scheduler and detokenizer, the router, the store's three).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
+import psutil
 
 from bana_sglang.radix_global import summary as store_summary
 
@@ -37,6 +40,29 @@ def router_metrics(endpoint: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             if name.endswith(("_sum", "_count")):
                 out[name.removeprefix("bana_router_")] = float(value)
+    return out
+
+
+def cpu_of_parts(procs) -> dict[str, float]:
+    """CPU seconds so far (user + system, every thread) of each running part of a
+    cluster (``Cluster.procs``), its child processes included, by part name."""
+    out: dict[str, float] = {}
+    for proc in procs:
+        if proc.pid is None:
+            continue
+        try:
+            root = psutil.Process(proc.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        total = 0.0
+        for p in tree:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        out[proc.name] = total
     return out
 
 

@@ -83,3 +83,51 @@ def test_page_bytes_and_master_come_from_the_plan(tiny_model) -> None:
     p16, p64 = plan(), plan("--page-size", "64")
     assert breakdown.page_nbytes(p64) == 4 * breakdown.page_nbytes(p16)
     assert breakdown.master_addr(p16).startswith("127.0.0.1:")
+
+
+def test_cpu_per_request_pools_rounds_by_part() -> None:
+    cold = {"prefill-0": 0.3, "prefill-1": 0.3, "decode-0": 0.6, "kv-storage": 0.15, "router": 0.0}
+    a = _run("store", 100, 50)
+    a.cold.cpu_s = cold
+    b = _run("store", 100, 50)
+    b.cold.cpu_s = {k: 2 * v for k, v in cold.items()}
+    ms = cr.cpu_per_request([a, b], "cold")  # 3 requests each: CPU x3 over 6 requests
+    assert ms is not None
+    assert ms["prefill"] == 300.0 and ms["decode"] == 300.0 and ms["storage"] == 75.0
+    assert ms["total"] == 675.0 and ms["index"] == 0.0
+    assert cr.cpu_per_request([a, b], "repeat") is None  # not measured
+    text = cr.report([a, _run("nostore", 100, 100)], "cmd", 3, 1400)
+    assert "| tiny | store | cold | 200.0 | 200.0 | 0.0 | 0.0 | 50.0 | 0.0 | 450.0 |" in text
+
+
+def test_cpu_of_parts_counts_a_part_with_its_children() -> None:
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    import psutil
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 5: pass\n"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])",
+        ]
+    )
+    try:
+        time.sleep(0.5)  # the child is up and spinning
+        procs = [
+            SimpleNamespace(name="worker", pid=parent.pid),
+            SimpleNamespace(name="gone", pid=None),
+        ]
+        before = breakdown.cpu_of_parts(procs)
+        time.sleep(0.25)
+        after = breakdown.cpu_of_parts(procs)
+        assert set(after) == {"worker"}
+        assert after["worker"] - before["worker"] > 0.05  # the child's time counts
+    finally:
+        for p in psutil.Process(parent.pid).children(recursive=True):
+            p.kill()
+        parent.wait(10)
