@@ -46,6 +46,13 @@ def register() -> None:
             HookType.AROUND,
         )
         applied.append(f"an idle scheduler with nothing under way waits {long_ms} ms")
+    if applied and short_ms > 0:
+        HookRegistry.register(
+            "sglang.srt.managers.scheduler.Scheduler.on_idle",
+            functools.partial(compat.wait_while_waiting_hook, short_ms=short_ms),
+            HookType.AROUND,
+        )
+        applied.append(f"a scheduler whose requests wait for PD events polls every {short_ms} ms")
     if applied:
         logger.info("bana_sglang: CPU fixes applied: %s", ", ".join(applied))
     pd = pd_fixes.apply()  # every device

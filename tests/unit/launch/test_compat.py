@@ -208,3 +208,36 @@ def test_an_idle_scheduler_sleeps_long_only_with_nothing_under_way():
     s = _Scheduler(fully_idle=True)
     s.idle_sleeper = object()
     assert compat.sleep_on_idle_hook(lambda sch: "stock", s, **kw) == "stock"
+
+
+def test_a_scheduler_waiting_for_pd_events_polls_instead_of_spinning():
+    import time
+
+    calls: list[str] = []
+
+    def on_idle(s):
+        calls.append("stock")  # SGLang's: a time.sleep(0) when not fully idle
+        return "stock"
+
+    def waited(s) -> float:
+        t0 = time.monotonic()
+        assert compat.wait_while_waiting_hook(on_idle, s, short_ms=150) == "stock"
+        return time.monotonic() - t0
+
+    import zmq
+
+    rx = zmq.Context.instance().socket(zmq.PULL)  # SGLang's request socket, silent
+    rx.bind_to_random_port("tcp://127.0.0.1")
+
+    def sched(fully_idle: bool) -> _Scheduler:
+        s = _Scheduler(fully_idle=fully_idle)
+        s.idle_sleeper.poller.register(rx, zmq.POLLIN)
+        return s
+
+    assert waited(sched(False)) > 0.1  # PD requests waiting: a short wait
+    assert waited(sched(True)) < 0.1  # fully idle: SGLang's own sleep decides
+    rx.close(0)
+    s = _Scheduler(fully_idle=False)
+    s.idle_sleeper = object()  # no poller to wait on: stock behaviour
+    assert waited(s) < 0.1
+    assert calls == ["stock"] * 3  # SGLang's idle housekeeping always runs
