@@ -40,10 +40,11 @@ shortens SGLang's idle wait (``IdleSleeper``, a ZMQ poll of 1000 ms) to
 ``BANA_IDLE_POLL_MS`` (default 5 ms). SGLang sleeps only when fully idle; a
 scheduler whose requests wait for a bootstrap handshake or a KV transfer has no
 batch to run and still spins (``on_idle`` returns after a ``time.sleep(0)``):
-a decode worker spun a whole core through every request's prefill. It now waits
-the same short time on its sockets (:func:`wait_while_waiting_hook`). Those PD
-events do not arrive on the polled sockets, so a 1 s wait would add up to 1 s
-per step; 5 ms bounds the added latency per step while the spinning stops.
+a decode worker spins a whole core through every request's prefill. The CPU
+layer makes it wait the same short time on its sockets
+(:func:`wait_while_waiting_hook`). Those PD events do not arrive on the polled
+sockets, so a 1 s wait would add up to 1 s per step; 5 ms bounds the added
+latency per step while the spinning stops.
 ``BANA_IDLE_POLL_MS=0`` restores the stock spin.
 Those 200 wake-ups a second still cost an idle scheduler about 15% of a core
 (measured: three idle tiny-model schedulers of a 2P1D cluster, 150-160 ms of
@@ -115,7 +116,7 @@ def wait_while_waiting_hook(original, scheduler, *args, short_ms: int, **kwargs)
     ``time.sleep(0)`` and the loop comes straight back, spinning a core for as long
     as a request waits for its KV (on a decode worker: every request's whole
     prefill; measured, the decode scheduler's main thread took ~1 s of CPU per
-    1400-token prompt on ``small``). Such a scheduler now waits ``short_ms`` on its
+    1400-token prompt on ``small``). Such a scheduler waits ``short_ms`` on its
     sockets: a new request wakes it at once, a transfer's end (which SGLang polls)
     is seen at most ``short_ms`` late."""
     poller = getattr(getattr(scheduler, "idle_sleeper", None), "poller", None)
