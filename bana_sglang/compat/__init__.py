@@ -92,6 +92,11 @@ def idle_poll_ms() -> int:
     return envs.BANA_IDLE_POLL_MS.get()
 
 
+def _idle_poller(scheduler):
+    """The ZMQ poller over the scheduler's sockets (``--sleep-on-idle``), or None."""
+    return getattr(getattr(scheduler, "idle_sleeper", None), "poller", None)
+
+
 def sleep_on_idle_hook(original, scheduler, *args, short_ms: int, long_ms: int, **kwargs):
     """AROUND hook on ``Scheduler.maybe_sleep_on_idle`` (CPU layer): a scheduler that
     holds no request (SGLang's ``is_fully_idle``) and whose extension parts have
@@ -99,7 +104,7 @@ def sleep_on_idle_hook(original, scheduler, *args, short_ms: int, long_ms: int, 
     ``busy``) waits ``long_ms`` on its sockets; otherwise ``short_ms``, for PD events
     that do not arrive on them. New requests arrive on SGLang's polled sockets and
     agent commands on the agent's socket, registered with the same poller."""
-    poller = getattr(getattr(scheduler, "idle_sleeper", None), "poller", None)
+    poller = _idle_poller(scheduler)
     if poller is None:
         return original(scheduler, *args, **kwargs)
     rest = scheduler.is_fully_idle() and not any(
@@ -119,7 +124,7 @@ def wait_while_waiting_hook(original, scheduler, *args, short_ms: int, **kwargs)
     1400-token prompt on ``small``). Such a scheduler waits ``short_ms`` on its
     sockets: a new request wakes it at once, a transfer's end (which SGLang polls)
     is seen at most ``short_ms`` late."""
-    poller = getattr(getattr(scheduler, "idle_sleeper", None), "poller", None)
+    poller = _idle_poller(scheduler)
     if poller is None:
         return original(scheduler, *args, **kwargs)
     waiting = not scheduler.is_fully_idle()

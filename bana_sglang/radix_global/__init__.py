@@ -42,6 +42,7 @@ Modules (one role each):
   -> commit) that the store's tests and tools use.
 - ``linker``: :class:`~linker.BanaGlobalLinker`, the store behind SGLang's
   unified-cache external linker (imports SGLang and torch).
+- ``linker_metrics``: the linker's ``bana_store_*`` counters and histograms.
 - ``config``: the SGLang flags that attach the linker to a worker and the
   linker's parsed configuration (cheap: the launcher imports it).
 - ``hooks``: the SGLang hooks the plugin registers for the linker.

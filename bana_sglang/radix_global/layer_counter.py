@@ -144,12 +144,12 @@ class LayerCounter:
 
     def _wait(self, index: int, layer: int) -> None:
         """Block until the layer resolves, or give the load up after ``timeout_s``."""
-        future = self.futures[index][layer]
         try:
-            future.exception(timeout=self.timeout_s)
-            return
+            self.futures[index][layer].exception(timeout=self.timeout_s)
         except FutureTimeout:
-            pass
+            self._give_up(index, layer)
+
+    def _give_up(self, index: int, layer: int) -> None:
         gate = self.gates[index]
         gate.timed_out = True
         gate.cancel()  # from here on the loader leaves the pool alone
