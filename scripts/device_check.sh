@@ -102,7 +102,7 @@ if [ "$GPU" = 1 ]; then
     cat "$OUT/router-$i.tmp" >> "$OUT/router.log"; rm -f "$OUT/router-$i.tmp"
   done
 else
-  run router-dry 240 "$OUT/router.log" "$PY" -m bench.bench_router --streams 20 --requests 60 --chunk-delay 0.05 --rounds 1
+  run router-dry 240 "$OUT/router.log" "$PY" -m bench.bench_router --streams 20 --requests 40 --chunks 4 --chunk-delay 0.01 --rounds 1
 fi
 note "  $(grep -E 'bana router|stock' "$OUT/router.log" 2>/dev/null | tail -4 | tr '\n' ' ')"
 [ -f "$OUT/steps.log" ] && { cat "$OUT/steps.log" >> "$OUT/env.txt"; rm -f "$OUT/steps.log"; }
