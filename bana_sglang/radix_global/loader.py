@@ -179,6 +179,10 @@ class Loader:
         with dev.copy_stream():
             dev.wait_on_side(ready)
             ids = dev.to_device(page_ids)
+        host_ids = None
+        if not dev.is_cuda:
+            host_ids = page_ids.numpy()
+            pool.check_page_ids(host_ids)
         half = arena.nbytes // 2
 
         def slot_bytes(lo: int, hi: int) -> int:  # one page's range: [header +] layers
@@ -223,12 +227,18 @@ class Loader:
                 t2 = time.perf_counter()
                 stats.verify_s += t2 - t1
                 with gate or contextlib.nullcontext(), dev.copy_stream():
-                    src = dev.to_device(rows)[:, head:].view(pool.dtype)
-                    src = src.view(m, hi - lo, 2, p, *pool.row_shape)
-                    chunk_ids = ids[start : start + m]
-                    for layer in range(lo, hi):
-                        dev.scatter_pages(pool.k[layer], chunk_ids, src[:, layer - lo, 0], p)
-                        dev.scatter_pages(pool.v[layer], chunk_ids, src[:, layer - lo, 1], p)
+                    if host_ids is not None:  # numpy on this thread (see KVPool.host_pages)
+                        chunk_idx, off = host_ids[start : start + m], head
+                        for part in pool.host_pages()[2 * lo : 2 * hi]:
+                            part[chunk_idx] = host[:, off : off + pool.page_rows_nbytes]
+                            off += pool.page_rows_nbytes
+                    else:
+                        src = dev.to_device(rows)[:, head:].view(pool.dtype)
+                        src = src.view(m, hi - lo, 2, p, *pool.row_shape)
+                        chunk_ids = ids[start : start + m]
+                        for layer in range(lo, hi):
+                            dev.scatter_pages(pool.k[layer], chunk_ids, src[:, layer - lo, 0], p)
+                            dev.scatter_pages(pool.v[layer], chunk_ids, src[:, layer - lo, 1], p)
                     self._busy[k % 2] = dev.record()
                     if gate is not None:
                         gate.event = self._busy[k % 2]
@@ -292,10 +302,10 @@ class Loader:
     def _feed_direct(self, read: LayerwiseRead, start: int, pids: Sequence[int], lo, hi) -> None:
         pool, p = self.pool, self.pool.page_size
         if not pool.device.is_cuda:
+            parts = pool.host_pages()[2 * lo : 2 * hi]  # the payload's order: K, V by layer
             for j, pid in enumerate(pids):
-                for layer in range(lo, hi):
-                    for buf in (pool.k[layer], pool.v[layer]):
-                        read.feed(start + j, _bytes(buf[pid * p : (pid + 1) * p]))
+                for part in parts:
+                    read.feed(start + j, part[pid])
             return
         # CUDA: gather the landed rows in payload order, copy them to the host, hash there
         arena, dev = self.arena, pool.device
@@ -319,7 +329,3 @@ class Loader:
             h = host.numpy()
             for j in range(m):
                 read.feed(start + s + j, h[j])
-
-
-def _bytes(t: torch.Tensor):
-    return t.reshape(-1).view(torch.uint8).numpy()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from bana_sglang.radix_global.device import Device
@@ -41,6 +42,33 @@ class KVPool:
         self.page_rows_nbytes = (
             self.page_size * self.k[0][0].numel() * self.k[0].element_size()
         )  # one of K or V of one layer of one page
+        self._host_pages: list[np.ndarray] | None = None
+
+    def host_pages(self) -> list[np.ndarray]:
+        """CPU pools: every layer's K and V buffer as a ``[pages, page_rows_nbytes]``
+        numpy byte view, in payload order (layer 0 K, layer 0 V, layer 1 K, ...). The
+        publish and load threads gather and scatter pages through these: numpy copies
+        on the calling thread, where torch's indexed copies ran on an OpenMP team of the
+        thread's own (3x the wall time of the same copy on the publish thread, on cores
+        the forward needs)."""
+        if self.device.is_cuda:
+            raise ValueError("host_pages() is for a CPU pool")
+        if self._host_pages is None:
+            nb = self.page_rows_nbytes
+            views = []
+            for layer in range(self.num_layers):
+                for t in (self.k[layer], self.v[layer]):
+                    if not t.is_contiguous():
+                        raise ValueError("a pool buffer is not contiguous")
+                    flat = t.detach().reshape(-1).view(torch.uint8).numpy()
+                    views.append(flat[: flat.size // nb * nb].reshape(-1, nb))
+            self._host_pages = views
+        return self._host_pages
+
+    def check_page_ids(self, ids: np.ndarray) -> None:
+        """Raise unless every id is a page of this pool (numpy's gathers below clip)."""
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.host_pages()[0].shape[0]):
+            raise ValueError(f"page ids {int(ids.min())}..{int(ids.max())} outside the pool")
 
     @property
     def layer_bytes(self) -> int:

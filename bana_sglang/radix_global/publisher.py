@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from bana_sglang.radix_global.client import IndexClient
@@ -308,6 +309,14 @@ class Publisher:
 def _fill_payloads(rows: torch.Tensor, pool: KVPool, ids: torch.Tensor, page_size: int) -> None:
     """``rows[j, HEADER_SIZE:]`` = the payload of pool page ``ids[j]`` (layer-major: K then V)."""
     n = rows.shape[0]
+    if not rows.is_cuda:  # numpy on this thread (see KVPool.host_pages)
+        host, idx = rows.numpy(), ids.numpy()
+        pool.check_page_ids(idx)
+        nb, off = pool.page_rows_nbytes, HEADER_SIZE
+        for part in pool.host_pages():
+            np.take(part, idx, axis=0, out=host[:, off : off + nb], mode="clip")
+            off += nb
+        return
     payload = (
         rows[:, HEADER_SIZE:]
         .view(pool.dtype)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from support.fake_mooncake import FakeIndex, FakeKV
@@ -137,7 +138,10 @@ def test_an_unavailable_index_publishes_nothing_and_says_so(kv):
 def test_loads_land_exactly_the_published_pages_layer_by_layer(kv, mode, min_slice):
     pool, index = make_pool(), FakeIndex()
     chain = page_chain(range(N * LAYOUT.page_size), LAYOUT)
-    src, dst = torch.arange(1, N + 1), torch.arange(N + 1, 2 * N + 1)
+    # pool pages in no order: the gathers and scatters index, they do not slice
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randperm(N, generator=gen) + 1
+    dst = torch.randperm(N, generator=gen) + N + 1
     publish(pool, kv, index, chain, src).close()
     store = PageStore(LAYOUT, kv, mac_key=KEY)
     arena = Arena(pool.device, 1 << 20, store.kv)
@@ -410,6 +414,22 @@ def test_scatter_and_gather_move_pages_between_host_rows_and_the_pool():
     t.stop()
     assert t.seconds() >= 0
     assert HEADER_SIZE % 8 == 0  # payloads in an arena slot stay aligned for every dtype
+
+
+def test_host_page_views_are_the_pool_pages_in_payload_order_and_ids_are_checked():
+    pool = make_pool()
+    views = pool.host_pages()
+    assert len(views) == 2 * pool.num_layers
+    for layer in range(pool.num_layers):
+        for j, buf in enumerate((pool.k[layer], pool.v[layer])):
+            want = Device.pages_view(buf, pool.page_size)[3].reshape(-1).view(torch.uint8)
+            assert torch.equal(torch.from_numpy(views[2 * layer + j][3].copy()), want)
+    views[1][2] = 7  # a view, not a copy: writes land in the pool
+    assert bool((Device.pages_view(pool.v[0], pool.page_size)[2].view(torch.uint8) == 7).all())
+    pool.check_page_ids(np.array([0, views[0].shape[0] - 1]))
+    for bad in ([-1], [views[0].shape[0]]):
+        with pytest.raises(ValueError, match="outside the pool"):
+            pool.check_page_ids(np.array(bad))
 
 
 @pytest.mark.gpu
