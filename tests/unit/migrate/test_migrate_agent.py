@@ -230,13 +230,23 @@ def test_the_admin_listing_is_not_held_by_a_silent_agent(pair):
         # a listing that waited for the blocked probe would run into this bound
         return await asyncio.wait_for(api._statuses(), admin.PROBE_WAIT_S + 10)
 
+    async def probes_begun(n: int) -> None:
+        # a listing waits PROBE_WAIT_S, not for the probe's thread to pick the call up:
+        # on a busy machine that thread can start later than the listing returns
+        for _ in range(100):
+            if silent.calls >= n:
+                return
+            await asyncio.sleep(0.1)
+
     async def scenario() -> list[dict]:
         got = [await listing(), await listing()]  # the probe is blocked throughout
+        await probes_begun(1)
         silent.release.set()
         probe = api._probes["http://dead"]
         await asyncio.wait({probe}, timeout=10)
         silent.release.clear()  # the next probe blocks again
         got += [await listing(), await listing()]
+        await probes_begun(2)
         return got
 
     try:
