@@ -274,8 +274,14 @@ def test_sampled_and_constrained_requests_stay_put_and_keep_their_answers(cluste
     }
     streams = {k: Stream(cluster.url, "/generate", b) for k, b in bodies.items()}
     src, _ = movable(cluster, n=1)
-    # of the four running requests, only the greedy one is offered for a move
-    assert sum(len(st["movable"]) for st in agents(cluster).values()) == 1
+    # of the four running requests, only the greedy one is ever offered for a move. A
+    # listing reads each scheduler's running batch from the agent's thread, and SGLang
+    # replaces that batch object between steps, so one listing can catch it empty.
+    counts = []
+    for _ in range(10):
+        counts.append(sum(len(st["movable"]) for st in agents(cluster).values()))
+        time.sleep(0.05)
+    assert max(counts) == 1, counts
     done = move(cluster, src, "req-mixed")
     got = {k: s.join() for k, s in streams.items()}
     assert done["state"] == "handed_off", done
