@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 MIN_LEFT = 4  # a request with fewer tokens left than this is not worth moving
 HANDOFF_TTL_S = 300.0  # a handoff nobody took is forgotten after this
+EMPTY_BATCH_RETRY_S = 2.0  # how long a migration looks again while the running batch reads empty
 
 
 def finish_migrated(migration: str):
@@ -188,6 +189,13 @@ class RequestMigrations:
             return
         reqs = list(getattr(self.sv.worker.scheduler.running_batch, "reqs", None) or [])
         r, why = pick(reqs, mig.detail, self._moving())
+        if r is None and not reqs and time.monotonic() - mig.t0 < EMPTY_BATCH_RETRY_S:
+            # SGLang's decode loop replaces its running batch object step by step, and a
+            # boundary can see it empty while its requests are in flight: look again at
+            # the next boundary rather than fail a request that is running
+            with mig.lock:
+                mig.pending = Pending.REQ_STOP
+            return
         if r is None:
             mig.finish(State.FAILED, "invalid", why)
             self.sv.metrics.add("migrations_failed")
