@@ -27,7 +27,9 @@ They speak the part of the PD contract a router depends on:
   stream ends at once with an abort finish reason and no token, as SGLang streams a
   request aborted before its first token);
   ``loads_delay_s`` makes ``/v1/loads`` slow, as a CPU worker busy in a long
-  prefill is;
+  prefill is; ``hang_nth`` (prefill): its n-th request (from 1) is taken in and never
+  answered while the worker answers everything else, as a PD bootstrap handshake that
+  never completes;
 - ``ids=True``: streams carry SGLang's token ids (``/generate``: cumulative
   ``output_ids``, ``prompt_token_ids`` when asked; ``/v1/completions``: each
   chunk's ``token_ids``, the first one's ``prompt_token_ids`` when
@@ -109,6 +111,7 @@ class FakeWorker:
         prefill_delay_s: float = 0.0,
         loads_delay_s: float = 0.0,
         kv_wait_s: float = 30.0,
+        hang_nth: int = 0,
         ids: bool = False,
         chat_ids: bool = True,
     ) -> None:
@@ -125,6 +128,7 @@ class FakeWorker:
         )
         self.loads_delay_s = loads_delay_s  # a busy worker answers /v1/loads late
         self.kv_wait_s = kv_wait_s  # decode: how long to wait for the prefill's KV before a 500
+        self.hang_nth = hang_nth  # prefill: this request (from 1) never gets an answer
         self.ids = ids  # streams carry token ids (see the module doc)
         self.chat_ids = chat_ids  # chat streams carry them when asked (bana's workers; stock: no)
         self.bodies: list[dict] = []
@@ -217,7 +221,9 @@ class FakeWorker:
             await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\ndata: [DONE]\n\n")
             return resp
         if self.role == "prefill":
-            if self.mode == "hang":  # an unreachable host: nothing comes back, no KV is sent
+            if self.mode == "hang" or len(self.bodies) == self.hang_nth:
+                # an unreachable host (or a handshake that never completes): nothing
+                # comes back, no KV is sent
                 await asyncio.sleep(3600)
             if self.prefill_delay_s:
                 await asyncio.sleep(self.prefill_delay_s)

@@ -148,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
         "down and the stream resumed on another one",
     )
     p.add_argument(
+        "--continuation-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a resumed or migrated stream's new worker pair may take to send its "
+        "first byte (while both workers still answer) before it is abandoned and the "
+        "continuation opened again, on another pair when there is one",
+    )
+    p.add_argument(
         "--global-index",
         default=None,
         metavar="tcp://HOST:PORT",
@@ -211,6 +219,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_upstream_connections=args.max_upstream_connections,
         read_timeout_s=args.read_timeout,
         stall_timeout_s=args.stall_timeout,
+        continuation_timeout_s=args.continuation_timeout,
         global_index=args.global_index,
         model_path=args.model_path,
         store_page_size=args.store_page_size,

@@ -29,6 +29,10 @@ class RouterConfig:
     # a decode stream silent this long after its first byte, from a worker that answered
     # nothing else meanwhile (a hung or stopped process), is resumed elsewhere
     stall_timeout_s: float = 30.0
+    # a continuation (a resumed or migrated stream) whose pair has sent no first byte
+    # this long, from workers that still answer (a PD handshake that never completes),
+    # is given up there and opened again, on another pair when there is one
+    continuation_timeout_s: float = 30.0
     probe_min_s: float = 0.5
     probe_max_s: float = 10.0
     global_index: str | None = None  # tcp://host:port of the global store's index service
@@ -50,6 +54,8 @@ class RouterConfig:
             raise ValueError("max_attempts must be >= 1")
         if self.stall_timeout_s <= 0:
             raise ValueError("stall_timeout_s must be positive")
+        if self.continuation_timeout_s <= 0:
+            raise ValueError("continuation_timeout_s must be positive")
         if self.poll_interval_s <= 0:
             raise ValueError("poll_interval_s must be positive")
         for name, addr in self.watch:

@@ -39,8 +39,10 @@ PUBLISH_WAIT_S = 2.0
 
 
 class ContinuationMixin:
-    """The router supplies ``admin``, ``metrics``, ``global_index``, ``decode``,
-    ``_open_stream`` and ``_route_request``."""
+    """The router supplies ``cfg``, ``admin``, ``metrics``, ``global_index``, ``decode``,
+    ``_open_stream`` and ``_route_request``. A continuation's pair that sends no first
+    byte within ``cfg.continuation_timeout_s`` is given up and the continuation opened
+    again (:meth:`~.dispatch.PDDispatchMixin._open_stream`)."""
 
     async def _continue(
         self, splice: Splicer, up: Upstream, route: RouteRequest
@@ -60,7 +62,12 @@ class ContinuationMixin:
         nroute = await self._route_request(ids, splice.tokens_left())
         prefer = self._decode_by_agent(info.peer)
         nxt = await self._open_stream(
-            path, body, nroute, avoid_d=frozenset({up.d.url}), prefer_d=prefer
+            path,
+            body,
+            nroute,
+            avoid_d=frozenset({up.d.url}),
+            prefer_d=prefer,
+            first_byte_s=self.cfg.continuation_timeout_s,
         )
         if isinstance(nxt, web.Response):
             return self._migration_failed(
@@ -98,7 +105,13 @@ class ContinuationMixin:
         path, body = cont
         ids = body.get("input_ids") or body.get("prompt")
         nroute = await self._route_request(ids, splice.tokens_left())
-        nxt = await self._open_stream(path, body, nroute, avoid_d=frozenset({up.d.url}))
+        nxt = await self._open_stream(
+            path,
+            body,
+            nroute,
+            avoid_d=frozenset({up.d.url}),
+            first_byte_s=self.cfg.continuation_timeout_s,
+        )
         if not isinstance(nxt, Upstream):
             why = nxt if isinstance(nxt, str) else f"refused ({nxt.status})"
             logger.warning("could not resume a stream of %s: %s", up.d.url, why)

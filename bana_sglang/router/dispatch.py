@@ -36,6 +36,7 @@ from bana_sglang.router.upstream import (
     BROKEN,
     KV_BLOCKS_LOST,
     KV_TRANSFER_FAILURE,
+    HandshakeTimeout,
     Opening,
     Upstream,
     prefill_stream_failure,
@@ -81,9 +82,15 @@ class PDDispatchMixin:
     """The router supplies its workers, policy, config, metrics and session (see
     :class:`~.server.Router`)."""
 
-    def _pick(self, tier: Tier, route: RouteRequest, exclude: set) -> Worker | None:
+    def _pick(
+        self, tier: Tier, route: RouteRequest, exclude: set, avoid: set = frozenset()
+    ) -> Worker | None:
+        """The policy's choice among ``tier``'s workers not in ``exclude``: healthy ones
+        not in ``avoid`` first, then healthy ones, then the ones marked down."""
         pool = self.prefill if tier is Tier.PREFILL else self.decode
-        cands = [w for w in pool if w.healthy and w.id not in exclude]
+        cands = [w for w in pool if w.healthy and w.id not in exclude and w.id not in avoid]
+        if not cands:
+            cands = [w for w in pool if w.healthy and w.id not in exclude]
         if not cands:  # every healthy one failed this request: try the ones marked down
             cands = [w for w in pool if w.id not in exclude]
         if not cands:
@@ -100,17 +107,28 @@ class PDDispatchMixin:
         return self.by_id[wid]
 
     def _pairs(
-        self, route: RouteRequest, tried_p: set, tried_d: set, prefer_d: Worker | None = None
+        self,
+        route: RouteRequest,
+        tried_p: set,
+        tried_d: set,
+        prefer_d: Worker | None = None,
+        avoid: set = frozenset(),
     ):
         """Up to ``max_attempts`` (prefill, decode) pairs, skipping workers that
-        already failed this request (the caller adds them to ``tried_*``);
-        ``prefer_d``, while healthy and untried, is the decode worker."""
+        already failed this request (the caller adds them to ``tried_*``) and, while
+        there are others, those in ``avoid`` (ids of either tier); ``prefer_d``, while
+        healthy, untried and not avoided, is the decode worker."""
         for _ in range(self.cfg.max_attempts):
-            p = self._pick(Tier.PREFILL, route, tried_p)
-            if prefer_d is not None and prefer_d.healthy and prefer_d.id not in tried_d:
+            p = self._pick(Tier.PREFILL, route, tried_p, avoid)
+            if (
+                prefer_d is not None
+                and prefer_d.healthy
+                and prefer_d.id not in tried_d
+                and prefer_d.id not in avoid
+            ):
                 d = prefer_d
             else:
-                d = self._pick(Tier.DECODE, route, tried_d)
+                d = self._pick(Tier.DECODE, route, tried_d, avoid)
             if p is None or d is None:
                 return
             yield p, d
@@ -357,17 +375,22 @@ class PDDispatchMixin:
         avoid_d: frozenset = frozenset(),
         prefer_d: Worker | None = None,
         headers: dict | None = None,
+        first_byte_s: float | None = None,
     ) -> Upstream | web.Response | str:
         """Send a streamed PD request and wait for its first byte, retrying other
         pairs on failures before it (``headers``: extra ones for the decode half).
-        Returns the open upstream, a worker's 4xx answer (the client's problem), or
-        why no pair could serve it."""
+        ``first_byte_s`` (a continuation's): a pair with no first byte by then is given
+        up, though neither worker is marked down, and the next try prefers other
+        workers. Returns the open upstream, a worker's 4xx answer (the client's
+        problem), or why no pair could serve it."""
         assert self.session is not None
         tried_p: set = set()
         tried_d: set = {w.id for w in self.decode if w.url in avoid_d}
+        slow: set = set()  # workers of pairs that timed out (avoided while there are others)
         d_headers = dict(_JSON_HEADERS, **headers) if headers else _JSON_HEADERS
         last = "no worker"
-        for attempt, (p, d) in enumerate(self._pairs(route, tried_p, tried_d, prefer_d=prefer_d)):
+        pairs = self._pairs(route, tried_p, tried_d, prefer_d=prefer_d, avoid=slow)
+        for attempt, (p, d) in enumerate(pairs):
             if attempt and str(body.get("rid", "")).startswith(MIGRATABLE):
                 # A retry gets a rid of its own, sharing no prefix with the first try's: the
                 # worker may still hold the first try (SGLang refuses a duplicate rid), and
@@ -379,8 +402,9 @@ class PDDispatchMixin:
             post = asyncio.ensure_future(
                 self.session.post(d.url + path, data=bp, headers=d_headers)
             )
-            opening = Opening(d, post, self._watched)
-            p_open = Opening(p, p_task, self._watched)
+            deadline = None if first_byte_s is None else time.monotonic() + first_byte_s
+            opening = Opening(d, post, self._watched, deadline)
+            p_open = Opening(p, p_task, self._watched, deadline)
             try:
                 # a prefill that fails first leaves its decode waiting for KV: it decides
                 await asyncio.wait({post, p_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -443,6 +467,16 @@ class PDDispatchMixin:
                     opening.reraise()
                 if not chunk:
                     raise UpstreamError(d, "stream ended before the first byte")
+            except HandshakeTimeout as e:
+                if resp is not None:
+                    resp.close()
+                p_task.cancel()
+                slow.update((p.id, d.id))
+                self.metrics.retries.labels("continuation_timeout").inc()
+                logger.warning("a continuation's pair gave no first byte in time: %s", e)
+                last = str(e)
+                d.end(d_tok)
+                continue
             except UpstreamError as e:
                 if resp is not None:
                     resp.close()

@@ -30,7 +30,7 @@ class RouterMetrics:
         )
         self.retries = Counter(
             "bana_router_retries_total",
-            "Requests retried on another worker, by cause",
+            "Requests retried before their first byte (on another worker where there is one), by cause",
             ["reason"],
             registry=r,
         )

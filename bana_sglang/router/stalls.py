@@ -11,6 +11,12 @@ the relay resumes it on another decode worker (or ends it with an error event wh
 it cannot be resumed), and an unanswered half is cancelled, so its request is
 retried on another pair, instead of holding the client until ``read_timeout_s`` (or
 SGLang's 300 s KV timeout).
+
+A continuation's halves (a resumed or migrated stream, see :mod:`.continuation`) also
+carry a deadline (``continuation_timeout_s``): a pair that has sent no first byte by
+then is given up even though its workers answer (a PD bootstrap handshake that never
+completes, seen once holding a moved stream for SGLang's whole 300 s), and the
+continuation is opened again; neither worker is marked down.
 """
 
 from __future__ import annotations
@@ -26,11 +32,20 @@ class StallWatchMixin:
 
     async def _stall_watch(self) -> None:
         stall = self.cfg.stall_timeout_s
+        tick = min(1.0, stall / 4, self.cfg.continuation_timeout_s / 4)
         while True:
-            await asyncio.sleep(min(1.0, stall / 4))
+            await asyncio.sleep(tick)
             now = time.monotonic()
             for req in list(self._watched):
                 w = req.worker
+                if req.deadline is not None and req.stalled is None and now >= req.deadline:
+                    if not req.fut.done():
+                        req.stall(
+                            f"{w.tier.value} worker {w.url} {req.silence} within a "
+                            f"continuation's {self.cfg.continuation_timeout_s:g}s",
+                            timed_out=True,
+                        )
+                    continue
                 if (
                     req.stalled is not None
                     or now - req.since < stall

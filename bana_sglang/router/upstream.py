@@ -49,6 +49,11 @@ def prefill_stream_failure(data: bytes) -> tuple[int, str] | None:
     return failed
 
 
+class HandshakeTimeout(UpstreamError):
+    """A half of a continuation whose pair sent no first byte before its deadline,
+    from a worker that still answers: the pair is given up, the worker is not to blame."""
+
+
 def store_load_failed(e: UpstreamError, p: Worker) -> bool:
     return (
         e.worker is p
@@ -93,6 +98,7 @@ class Upstream:
         return self.d
 
     silence = "sent nothing"  # what the stall watch says of a silent stream
+    deadline: float | None = None  # an open stream has none (see Opening.deadline)
 
     def stall(self, why: str) -> None:
         """Its decode worker hangs: close the connection, so the relay resumes it."""
@@ -118,34 +124,43 @@ class Opening:
     not come (a decode half: no first byte yet; a prefill half: no answer), watched
     by the router for a hung worker: :meth:`stall` cancels what the request waits on
     (``fut``), and the waiter raises the reason (``stalled``) as the worker's failure
-    (:meth:`reraise`)."""
+    (:meth:`reraise`). With a ``deadline`` (monotonic time: a continuation's), the
+    watch also gives it up then, whether or not its worker still answers; the waiter
+    raises :class:`HandshakeTimeout` instead."""
 
     silence = "has not answered"  # what the stall watch says of it
 
-    def __init__(self, worker: Worker, fut: asyncio.Future, watched: set):
-        self.worker, self.fut = worker, fut
+    def __init__(
+        self, worker: Worker, fut: asyncio.Future, watched: set, deadline: float | None = None
+    ):
+        self.worker, self.fut, self.deadline = worker, fut, deadline
         self.since = time.monotonic()
         self.stalled: str | None = None
+        self.timed_out = False
         self._watched = watched
         watched.add(self)
 
-    def stall(self, why: str) -> None:
-        self.stalled = why
+    def stall(self, why: str, *, timed_out: bool = False) -> None:
+        self.stalled, self.timed_out = why, timed_out
         self.fut.cancel()
+
+    def _error(self) -> UpstreamError:
+        assert self.stalled is not None
+        return (HandshakeTimeout if self.timed_out else UpstreamError)(self.worker, self.stalled)
 
     def raise_if_stalled(self, cancel: asyncio.Future) -> None:
         """After a wait that the stall may have ended: give ``cancel`` (the other half's
         wait) up and raise the stall as the worker's failure."""
         if self.stalled is not None:
             cancel.cancel()
-            raise UpstreamError(self.worker, self.stalled)
+            raise self._error()
 
     def reraise(self) -> None:
         """Inside ``except asyncio.CancelledError``: a stall becomes the worker's
         failure (the request is retried elsewhere); anything else is re-raised."""
         if self.stalled is None:
             raise
-        raise UpstreamError(self.worker, self.stalled) from None
+        raise self._error() from None
 
     def close(self) -> None:
         self._watched.discard(self)

@@ -159,6 +159,53 @@ def test_a_stream_whose_decode_worker_stops_answering_resumes_on_another():
     run(go())
 
 
+def test_a_continuation_whose_pair_never_starts_is_opened_again_within_its_deadline():
+    """A stream's decode worker dies after two tokens and its continuation's prefill half
+    is taken in and never answered, while every worker still answers its polls (a PD
+    handshake that never completes): the stall watch cannot call that a hung worker, so
+    the continuation's deadline gives the pair up and opens it again (here on the same
+    prefill worker, the only one, with a new bootstrap room). The client reads the
+    unbroken run's tokens long before SGLang's 300 s timeout, and no worker is marked
+    down for it."""
+    import asyncio
+    import time
+
+    async def go():
+        prefill = FakeWorker("prefill", ids=True, hang_nth=2)
+        breaking = FakeWorker("decode", "break_stream", ids=True, chunks=8)
+        ok = FakeWorker("decode", ids=True)
+        async with running(
+            [prefill], [breaking, ok], policy="round_robin", continuation_timeout_s=0.6
+        ) as (router, c):
+            prompt = [2, 7, 1, 8]
+            want = fake_answer(prompt, 6)
+            body = {"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 6}}
+            t0 = time.monotonic()
+            async with c.post("/generate", json=body) as r:
+                assert r.status == 200
+                events = _events(await asyncio.wait_for(r.text(), 20))
+            took = time.monotonic() - t0
+            assert len(breaking.bodies) == 1, "round robin sends the first request to it"
+            assert events[-1]["output_ids"] == want, events
+            assert "error" not in events[-1]
+            assert 0.6 <= took < 10, took  # the deadline passed once, then the retry served
+            m = router.metrics
+            assert m.retries.labels("continuation_timeout")._value.get() == 1
+            assert m.stream_resumes.labels("resumed")._value.get() == 1
+            # the hung try and the one that served: same prompt, fresh rooms
+            first, hung, served = prefill.bodies
+            assert hung["input_ids"] == served["input_ids"] == prompt + want[:2]
+            assert (
+                len({first["bootstrap_room"], hung["bootstrap_room"], served["bootstrap_room"]})
+                == 3
+            )
+            assert all(w.healthy for w in router.prefill), "a slow pair is not a dead worker"
+            assert m.stalls.labels(prefill.url, "prefill")._value.get() == 0
+            assert not router._watched
+
+    run(go())
+
+
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_a_request_on_a_worker_that_never_answers_is_retried_on_another(role, stream):

@@ -567,3 +567,15 @@ def test_a_streamed_kv_transfer_abort_of_the_prefill_is_left_to_the_decode_side(
         503,
         "External KV cache load failed",
     )
+
+
+def test_the_continuation_deadline_is_a_router_flag_and_must_be_positive():
+    from bana_sglang.router.__main__ import build_parser, config_from_args
+
+    base = ["--prefill", "http://127.0.0.1:1", "8998", "--decode", "http://127.0.0.1:2"]
+    cfg = config_from_args(build_parser().parse_args(base))
+    assert cfg.continuation_timeout_s == 30.0
+    cfg = config_from_args(build_parser().parse_args([*base, "--continuation-timeout", "4.5"]))
+    assert cfg.continuation_timeout_s == 4.5
+    with pytest.raises(ValueError, match="continuation_timeout_s must be positive"):
+        config_from_args(build_parser().parse_args([*base, "--continuation-timeout", "0"]))
