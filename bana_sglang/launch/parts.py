@@ -101,8 +101,11 @@ def store_parts(
     protocol: str = "tcp",
     rdma_devices: str = "",
     needs: tuple[tuple[str, str], ...] = (),
+    put_port: int | None = None,
 ) -> list[Part]:
-    """The global store: the storage process (the only Mooncake segment) and the index service."""
+    """The global store: the storage process (the only Mooncake segment) and the index service.
+    ``put_port``: the storage process also takes puts from the shared-memory arenas of
+    workers on its host, on 127.0.0.1 (:func:`storage_endpoint`)."""
     from bana_sglang.radix_global import service, storage_server
 
     py = sys.executable
@@ -123,6 +126,8 @@ def store_parts(
     ]
     if rdma_devices:
         storage += ["--rdma-devices", rdma_devices]
+    if put_port is not None:
+        storage += ["--put-listen", storage_endpoint(put_port)]
     if needs:  # a master on another node may come up later: the launcher waits, then so can this
         storage += ["--setup-timeout", "3600"]
     return [
@@ -153,6 +158,12 @@ def store_parts(
     ]
 
 
+def storage_endpoint(put_port: int) -> str:
+    """The storage process's put endpoint, for the workers on its host (loopback only:
+    the arenas it maps are files of that host)."""
+    return f"tcp://127.0.0.1:{put_port}"
+
+
 def worker_part(
     name: str,
     role: str,
@@ -172,10 +183,12 @@ def worker_part(
     device_flags: tuple[str, ...] = (),
     worker_auth: bool = True,
     nccl_port: int | None = None,
+    storage: str | None = None,
 ) -> Part:
     """One SGLang PD worker with the extension (and the global store's linker when there is one,
     and the migration agent on ``agent_port``). ``cuda``: a GPU worker (its float32
-    checkpoints run in bfloat16); ``device_flags``: its GPU and memory share."""
+    checkpoints run in bfloat16); ``device_flags``: its GPU and memory share; ``storage``:
+    the storage process's put endpoint when the worker shares its host."""
     from bana_sglang.radix_global import config as flags
 
     argv = [
@@ -203,7 +216,7 @@ def worker_part(
         # so another process can take it meanwhile (EADDRINUSE at start-up)
         argv += ["--nccl-port", str(nccl_port)]
     linker = (
-        flags.linker_args(index_endpoint, master_addr, owner=name)
+        flags.linker_args(index_endpoint, master_addr, owner=name, storage=storage)
         if index_endpoint and master_addr
         else None
     )

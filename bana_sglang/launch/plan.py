@@ -30,6 +30,7 @@ from bana_sglang.launch.parts import (
     master_part,
     page_size_of,
     router_part,
+    storage_endpoint,
     store_parts,
     worker_part,
 )
@@ -154,15 +155,16 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
 
     master = None
     store: list[Part] = []
-    index_endpoint = master_addr = None
+    index_endpoint = master_addr = storage = None
     if cfg.mooncake_master:
         rpc, metrics = ports.take(), ports.take()
         master = master_part(h, rpc, metrics, for_store=cfg.global_store)
         master_addr = f"{h}:{rpc}"
         if cfg.global_store:
-            index_port = ports.take()
+            index_port, put_port = ports.take(), ports.take()
             index_endpoint = f"tcp://{h}:{index_port}"
-            store = store_parts(h, h, master_addr, index_port, cfg.store_bytes)
+            storage = storage_endpoint(put_port)
+            store = store_parts(h, h, master_addr, index_port, cfg.store_bytes, put_port=put_port)
 
     cuda = not compat.cpu_mode()
     placement: list[tuple[int, float | None]] = []
@@ -208,6 +210,7 @@ def plan_cluster(cfg: LaunchConfig) -> ClusterPlan:
                     device_flags=device_flags,
                     worker_auth=cfg.router == "bana",
                     nccl_port=nccl_port,
+                    storage=storage,
                 )
             )
             if boot is not None:
@@ -358,6 +361,7 @@ def plan_spec(
                 protocol=cluster_spec.resolve_transport(snode),
                 rdma_devices=snode.rdma_devices,
                 needs=needs,
+                put_port=spec.store.put_port,
             )
         ]
     page_size = spec.store.page_size if spec.store else 16
@@ -390,6 +394,10 @@ def plan_spec(
                     advertise=n.address,
                     agent_port=w.agent_port,
                     cuda=w.device.startswith("cuda"),
+                    # a worker on the store's node publishes through the storage process
+                    storage=storage_endpoint(spec.store.put_port)
+                    if spec.store and n.name == spec.store.node
+                    else None,
                 ),
             )
         )

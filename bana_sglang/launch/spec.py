@@ -24,7 +24,7 @@ Example (two CPU hosts; more in ``docs/specs/``)::
         address: 10.0.0.2
         workers: [{role: decode, port: 30100}]
     master: {node: a, rpc_port: 50051, metrics_port: 50052}
-    store: {node: a, index_port: 50053, bytes: 1G}
+    store: {node: a, index_port: 50053, put_port: 50054, bytes: 1G}
     router: {node: a, port: 30000}
 """
 
@@ -139,6 +139,7 @@ class MasterSpec(_Strict):
 class StoreSpec(_Strict):
     node: str  # where the storage process (the Mooncake segment) and the index run
     index_port: Port = 50053
+    put_port: Port = 50054  # the storage process's puts for workers on its node (127.0.0.1)
     bytes: Size = 1 << 30
     page_size: int = Field(16, ge=1)
 
@@ -216,6 +217,7 @@ class ClusterSpec(_Strict):
         ]
         if self.store:
             out.append((self.store.node, self.store.index_port, "store.index_port"))
+            out.append((self.store.node, self.store.put_port, "store.put_port"))
         for ni, n in enumerate(self.nodes):
             for wi, w in enumerate(n.workers):
                 out.append((n.name, w.port, f"nodes.{ni}.workers.{wi}.port"))

@@ -206,6 +206,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
             on_round=self._published,
             quiet=self._quiet if role == "prefill" else None,
             max_delay_s=envs.BANA_STORE_PUBLISH_MAX_DELAY_MS.get() / 1e3,
+            storage=self.cfg.storage,
         )
 
         self.pending_loads: dict[str, _Load] = {}
@@ -467,6 +468,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
     def _published(self, st: RoundStats) -> None:
         self.metrics.add("published_pages", st.committed)
         self.metrics.add("published_bytes", st.written * self.store.object_size)
+        self.metrics.add("published_local_pages", st.local_pages)
         self.metrics.add("publish_skipped_pages", st.offered - st.committed)
         self.metrics.add("publish_seconds", st.wall_s)
         self.metrics.add("publish_cpu_seconds", st.cpu_s)

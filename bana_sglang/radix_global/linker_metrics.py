@@ -29,6 +29,8 @@ class StoreMetrics(CounterSet):
         "stuck_lookups": "Lookups answered as misses while a given-up load was still stuck",
         "published_pages": "Pages this worker wrote and committed to the global store",
         "published_bytes": "Bytes this worker wrote to the global store",
+        "published_local_pages": "Pages of those the storage process put from this worker's "
+        "shared-memory arena (the rest: this worker's own transfer-engine puts)",
         "publish_seconds": "Wall time of publishing rounds (intent, frame, write, commit)",
         "publish_cpu_seconds": "CPU time of the publish thread in its rounds",
         "publish_skipped_pages": "Pages offered but not written (present, pending elsewhere, "

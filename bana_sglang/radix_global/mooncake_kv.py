@@ -202,6 +202,13 @@ class MooncakeKV:
             if self._ready:
                 self._register_native(ptr, size)
 
+    def unregister(self, ptr: int) -> None:
+        """Forget the region registered at ``ptr`` (before its memory is freed)."""
+        with self._lock:
+            self._registered = [(p, n) for p, n in self._registered if p != ptr]
+            if self._ready:
+                self._store.unregister_buffer(ptr)
+
     def _register_native(self, ptr: int, size: int) -> None:
         rc = self._store.register_buffer(ptr, size)
         if rc != 0:

@@ -26,6 +26,12 @@ thread of its own:
   while after its last forward ended, when the request's KV has gone to its
   decode worker and the first token is being computed (a publish on the 2-core
   VM made exactly those slower); at most ``max_delay_s`` after the offload came;
+- **through the storage process** when the worker shares its host (``storage``:
+  the storage process's endpoint): the arena is then a
+  :class:`~bana_sglang.radix_global.shm_arena.SharedArena` and the storage process
+  puts the framed pages into its own segment (a local copy) instead of this
+  thread's transfer-engine put; a put it cannot take goes direct (and the arena is
+  replaced before its next use);
 - **bounded**: every queued offload holds SGLang's lock on its pages; past
   ``max_pending_pages`` the linker declines new offloads (counted as skipped)
   instead of letting locked pages fill the pool.
@@ -49,11 +55,16 @@ import torch
 
 from bana_sglang.radix_global.client import IndexClient
 from bana_sglang.radix_global.keys import PageHash
+from bana_sglang.radix_global.mooncake_kv import page_key
 from bana_sglang.radix_global.page_format import HEADER_SIZE
 from bana_sglang.radix_global.pool import Arena, KVPool
-from bana_sglang.radix_global.store import PageStore
+from bana_sglang.radix_global.shm_arena import LocalPut, LocalPutError, SharedArena
+from bana_sglang.radix_global.store import PageStore, PutResult
 
 logger = logging.getLogger(__name__)
+
+#: after a put the storage process did not take, how long before mapping a fresh arena
+REMAP_AFTER_S = 5.0
 
 
 @dataclass
@@ -79,6 +90,7 @@ class RoundStats:
     cpu_s: float = 0.0
     index_s: float = 0.0
     put_s: float = 0.0
+    local_pages: int = 0  # of ``written``, put by the storage process from the shared arena
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -108,6 +120,8 @@ class Publisher:
         on_round: Callable[[RoundStats], None] | None = None,
         quiet: Callable[[], float] | None = None,
         max_delay_s: float = 1.0,
+        storage: str | None = None,
+        storage_timeout_s: float = 5.0,
     ):
         self.pool = pool
         self.index = index
@@ -120,6 +134,8 @@ class Publisher:
         self._on_round = on_round
         self._quiet = quiet
         self._max_delay_s = max_delay_s
+        self._local = LocalPut(storage, owner, timeout_s=storage_timeout_s) if storage else None
+        self._remap_at = 0.0  # when to map a fresh shared arena (after a failed local put)
         self._queue: queue.Queue[Offload | None] = queue.Queue()
         self._lock = threading.Lock()
         self._pending = 0
@@ -155,16 +171,18 @@ class Publisher:
     def close(self, timeout: float = 10.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout=timeout)
+        if self._local is not None:
+            self._local.close()
         if self.store is not None:
             self.store.kv.close()
 
     # -- the thread
     def _run(self) -> None:
         lower_thread_priority(self._nice)
-        arena: Arena | None = None
+        arena: Arena | SharedArena | None = None
         try:
             self.store = self._connect()  # its Mooncake threads inherit this thread's priority
-            arena = Arena(self.pool.device, self._arena_bytes, self.store.kv)
+            arena = self._arena_for_round(None)
         except Exception:
             logger.exception("the global store's publisher could not start; publishing is off")
         finally:
@@ -186,6 +204,8 @@ class Publisher:
                     stop = True
                     break
                 tasks.append(more)
+            if arena is not None and self._local is not None:
+                arena = self._arena_for_round(arena)
             try:
                 oks = self._round(tasks, arena) if arena is not None else [False] * len(tasks)
             except Exception:  # a failed publish is a skipped publish
@@ -200,6 +220,80 @@ class Publisher:
                 self._queue.task_done()
                 return
 
+    def _arena_for_round(self, arena: Arena | SharedArena | None) -> Arena | SharedArena:
+        """The arena the next round frames into: the shared one while the storage
+        process has it mapped; after a put it did not take, never that one again (it
+        may still read it late) but a private one, until a fresh shared arena maps."""
+        local = self._local
+        if isinstance(arena, SharedArena) and local is not None and local.arena is not None:
+            return arena
+        if isinstance(arena, SharedArena):
+            self._retire(arena)
+            arena = None
+        if local is not None and time.monotonic() >= self._remap_at:
+            fresh = self._shared_arena()
+            if fresh is not None:
+                if arena is not None:
+                    self._retire(arena)
+                return fresh
+            self._remap_at = time.monotonic() + REMAP_AFTER_S
+        assert self.store is not None
+        return arena or Arena(self.pool.device, self._arena_bytes, self.store.kv)
+
+    def _shared_arena(self) -> SharedArena | None:
+        """A fresh shared arena the storage process has mapped (also registered with
+        this worker's own client, for the direct put), or None (logged)."""
+        assert self._local is not None and self.store is not None
+        try:
+            arena = SharedArena(self._arena_bytes)
+        except OSError as e:
+            logger.warning("no shared arena (%s): publishing with direct puts", e)
+            self._local = None
+            return None
+        try:
+            self.store.kv.register(arena.ptr, arena.nbytes)
+            self._local.map(arena)
+        except Exception as e:
+            logger.warning("the storage process did not map the arena (%s): direct puts", e)
+            self._retire(arena)
+            return None
+        finally:
+            arena.unlink()  # the mappings keep the memory; nothing is left in /dev/shm
+        logger.info("publishing through the storage process at %s", self._local.endpoint)
+        return arena
+
+    def _retire(self, arena: Arena | SharedArena) -> None:
+        assert self.store is not None
+        self.store.kv.unregister(arena.ptr)
+        if isinstance(arena, SharedArena):
+            arena.close()
+
+    def _put(self, keys: list[PageHash], arena: Arena | SharedArena, st: RoundStats) -> PutResult:
+        """Put ``keys`` framed in the arena's first slots: through the storage process
+        when it has the arena mapped, else (or when it does not take them) directly."""
+        store = self.store
+        assert store is not None
+        obj = store.object_size
+        local = self._local
+        if isinstance(arena, SharedArena) and local is not None and local.arena is not None:
+            try:
+                codes = local.put(
+                    [page_key(p) for p in keys], [j * obj for j in range(len(keys))], obj
+                )
+            except LocalPutError as e:
+                logger.warning("the storage process did not take a put (%s): put directly", e)
+                local.arena = None  # replaced before the next round writes into it
+                # a restarted storage process maps a fresh arena at once; a silent one is
+                # given a few seconds (each map waits for its answer)
+                self._remap_at = time.monotonic() + (
+                    0.0 if e.reason == "unknown_arena" else REMAP_AFTER_S
+                )
+            else:
+                res = store.put_result(keys, codes)
+                st.local_pages += res.written
+                return res
+        return store.put_objects(keys, [arena.ptr + j * obj for j in range(len(keys))])
+
     def _wait_quiet(self, since: float) -> None:
         """Hold a round back while the worker's forwards say so (``quiet()``: seconds
         until it is quiet), at most ``max_delay_s`` after its first offload came."""
@@ -212,7 +306,7 @@ class Publisher:
                 return
             time.sleep(min(wait, left))
 
-    def _round(self, tasks: Sequence[Offload], arena: Arena) -> list[bool]:
+    def _round(self, tasks: Sequence[Offload], arena: Arena | SharedArena) -> list[bool]:
         store = self.store
         assert store is not None
         st = RoundStats(offloads=len(tasks), offered=sum(len(t.chain) for t in tasks))
@@ -242,10 +336,7 @@ class Publisher:
                 chunk = work[lo : lo + per]
                 n = self._frame(chunk, tasks, arena, store)
                 tp = time.perf_counter()
-                res = store.put_objects(
-                    [tasks[ti].chain[i] for ti, i in chunk],
-                    [arena.ptr + j * store.object_size for j in range(len(chunk))],
-                )
+                res = self._put([tasks[ti].chain[i] for ti, i in chunk], arena, st)
                 st.put_s += time.perf_counter() - tp
                 for ti, _ in chunk[: res.written]:
                     written[ti] += 1
@@ -278,7 +369,7 @@ class Publisher:
         self,
         chunk: Sequence[tuple[int, int]],
         tasks: Sequence[Offload],
-        arena: Arena,
+        arena: Arena | SharedArena,
         store: PageStore,
     ) -> int:
         """Write page header + payload of every ``chunk`` page into consecutive arena slots."""

@@ -13,6 +13,11 @@ no readiness signal, defaults to binding 0.0.0.0 and an HTTP metadata server,
 and its log volume is hard to tame; this entry prints :data:`READY_LINE` once the
 segment is mounted, binds 127.0.0.1 by default, and exits cleanly on SIGTERM.
 
+With ``--put-listen tcp://HOST:PORT`` it also answers the storage channel
+(:mod:`bana_sglang.wire.storage`, authenticated like every channel): workers on
+this host frame their pages in shared-memory arenas and it puts them into its
+own segment with a local copy (:mod:`.shm_arena`).
+
 Lifecycle: setup retries until the master answers (a storage process may start
 before the master); after a master restart Mooncake's client re-mounts the
 segment by itself (seen after ~1-2 s). Exit: SIGTERM/SIGINT -> close -> 0.
@@ -63,6 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --protocol rdma, e.g. mlx5_0 (default: Mooncake picks)",
     )
     p.add_argument(
+        "--put-listen",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="also serve puts from the shared-memory arenas of workers on this host "
+        "(the storage channel); default: off",
+    )
+    p.add_argument(
         "--setup-timeout", type=float, default=60.0, help="give up if the master never answers"
     )
     p.add_argument("--log-level", default="INFO")
@@ -102,9 +114,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.error("no Mooncake master at %s within %.0fs", a.master, a.setup_timeout)
             return 1
         time.sleep(0.2)
-    print(f"{READY_LINE} segment={a.segment_bytes} master={a.master}", flush=True)
+    server = host = None
+    if a.put_listen:
+        from bana_sglang.radix_global.shm_arena import ArenaHost
+        from bana_sglang.wire import storage as channel
+        from bana_sglang.wire.transport import Server
+
+        host = ArenaHost(store)
+        server = Server(channel.CHANNEL, host.handlers(), a.put_listen)
+        server.start("bana-storage-put")
+    puts = f" puts={server.endpoint}" if server is not None else ""
+    print(f"{READY_LINE} segment={a.segment_bytes} master={a.master}{puts}", flush=True)
     while not stop.wait(0.5):  # a timed wait: signals are handled promptly
         pass
+    if server is not None:
+        server.close()
+    if host is not None:
+        host.close()
     store.close()
     logger.info("storage process stopped")
     return 0

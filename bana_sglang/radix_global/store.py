@@ -179,6 +179,11 @@ class PageStore:
                 )
             except StoreError as e:
                 return PutResult(0, Miss(pages[0], miss_reason(e), str(e)))
+        return self.put_result(pages, rcs)
+
+    @staticmethod
+    def put_result(pages: Sequence[PageHash], rcs: Sequence[int]) -> PutResult:
+        """A batch put's per-page codes as a :class:`PutResult` (written up to the first failure)."""
         for i, rc in enumerate(rcs):
             if rc != 0:
                 return PutResult(i, Miss(pages[i], "store_error", f"put: {describe(rc)}"))

@@ -41,6 +41,7 @@ class Mooncake:
     def __init__(self) -> None:
         self.rpc, self.metrics = free_port(), free_port()
         self.addr = f"127.0.0.1:{self.rpc}"
+        self.puts = f"tcp://127.0.0.1:{free_port()}"  # the storage process's put endpoint
         self.master: ManagedProcess | None = None
         self.storage: ManagedProcess | None = None
         self.generation = 0
@@ -86,6 +87,8 @@ class Mooncake:
                 self.addr,
                 "--segment-bytes",
                 "64M",
+                "--put-listen",
+                self.puts,
                 "--log-level",
                 "WARNING",
             ],
@@ -262,6 +265,52 @@ def test_layerwise_read_lands_layers_in_scattered_slots_and_verifies(store):
         assert read.read_layer(layer, [parts(dst_k, dst_v, 0, [layer])]) is None
     bad = read.finish()
     assert bad is not None and bad.reason == "checksum" and bad.page == chain[0]
+
+
+def test_pages_published_through_the_storage_process_are_read_back_exactly(mooncake):
+    """A worker on the storage process's host frames its pages in a shared-memory arena
+    and the real storage process puts them into its segment (a local copy): another
+    client reads every page back, verified, equal to the pool's rows; the worker's own
+    Mooncake client put nothing."""
+    from bana_sglang.radix_global.pool import KVPool
+    from bana_sglang.radix_global.publisher import Offload, Publisher
+
+    n = 6
+    g = torch.Generator().manual_seed(5)
+    shape = ((n + 1) * LAYOUT.page_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    pool = KVPool(
+        [torch.randn(shape, generator=g) for _ in range(LAYOUT.num_layers)],
+        [torch.randn(shape, generator=g) for _ in range(LAYOUT.num_layers)],
+        LAYOUT.page_size,
+    )
+    port = free_port()
+    rounds = []
+    cfg = StoreConfig(master_addr=mooncake.addr, probe_interval_s=0.2)
+    with index_service(port, "--capacity-bytes", str(8 << 20), "--master", mooncake.addr):
+        ep = f"tcp://127.0.0.1:{port}"
+        pub = Publisher(
+            pool,
+            lambda: PageStore.connect(LAYOUT, cfg),
+            IndexClient(ep, timeout_s=5, name="w/publish"),
+            "w-local",
+            arena_bytes=1 << 20,
+            storage=mooncake.puts,
+            on_round=rounds.append,
+        )
+        chain = page_chain(range(5000, 5000 + n * LAYOUT.page_size), LAYOUT)
+        pub.submit(Offload(list(chain), None, torch.arange(1, n + 1)))
+        pub.join()
+        assert pub.results.get_nowait() is True
+        assert rounds[-1].written == rounds[-1].local_pages == n
+        reader = PageStore.connect(LAYOUT, cfg)
+        for i, page in enumerate(chain):
+            rows = slice(LAYOUT.page_size * (i + 1), LAYOUT.page_size * (i + 2))
+            want = torch.stack(
+                [torch.stack([pool.k[j][rows], pool.v[j][rows]]) for j in range(LAYOUT.num_layers)]
+            )
+            assert torch.equal(reader.get_page(page), want)
+        reader.kv.close()
+        pub.close()
 
 
 def _outage_while_requests_flow(mooncake: Mooncake, kill, restart, what: str, settle=None):

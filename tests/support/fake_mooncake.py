@@ -49,6 +49,9 @@ class FakeKV:
     def register(self, ptr: int, size: int) -> None:
         self.registered.append((ptr, size))
 
+    def unregister(self, ptr: int) -> None:
+        self.registered = [(p, n) for p, n in self.registered if p != ptr]
+
     def is_registered(self, ptr: int, size: int) -> bool:
         return any(p <= ptr and ptr + size <= p + n for p, n in self.registered)
 

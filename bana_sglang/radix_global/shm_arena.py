@@ -1,0 +1,255 @@
+"""Publishing through the storage process: a shared-memory arena and a local put.
+
+A worker's publish thread put its framed pages into the store with Mooncake's
+transfer engine: over TCP into the storage process's segment, its calling thread
+polling the transfer until the storage process had the bytes (on the 2-core VM
+that put was most of the decode worker's publish CPU, and the storage process's
+receive the rest). A worker on the storage process's host now frames its pages in
+a :class:`SharedArena` (a 0600 file in ``/dev/shm``, mapped by both processes)
+and asks the storage process (:mod:`bana_sglang.wire.storage`, on the project's
+authenticated transport) to put them: a local copy into its own segment, no
+transfer and no poll. The pages still live in the storage process's segment, so
+a worker's exit loses nothing (:mod:`.store`'s invariant).
+
+- :class:`SharedArena`: the worker's side of the memory (the arena interface of
+  :class:`~.pool.Arena`); the file is unlinked once the storage process has
+  mapped it, so nothing is left in ``/dev/shm`` when either process exits.
+- :class:`LocalPut`: the worker's client of the storage channel.
+- :class:`ArenaHost`: the storage process's side: maps arenas after checking the
+  file (the caller's own 0600 regular file directly in ``/dev/shm``, of the stated
+  size; no symlink), one per owner, and puts objects from them.
+
+The arena is also registered with the worker's own Mooncake client, so a put the
+storage process cannot take (it restarted, it does not answer) falls back to the
+direct put from the same bytes; the arena is then replaced before it is written
+again, so a put the storage process runs late never reads a reused slot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import mmap
+import os
+import stat
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bana_sglang.wire import storage as m
+from bana_sglang.wire.transport import ChannelError, Client
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+
+
+class LocalPutError(RuntimeError):
+    """The storage process did not take a request (``reason``: the channel's, or
+    ``unavailable`` when no answer came)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"the storage process: {reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+# ------------------------------------------------------------------ the worker's side
+
+
+class SharedArena:
+    """A host arena in a fresh 0600 file of ``directory`` (``/dev/shm``), cut into slots."""
+
+    def __init__(self, nbytes: int, directory: str = SHM_DIR):
+        import torch
+
+        if nbytes <= 0:
+            raise ValueError("an arena needs a positive size")
+        fd, self.path = tempfile.mkstemp(prefix="bana-arena-", dir=directory)  # mode 0600
+        try:
+            os.ftruncate(fd, nbytes)
+            self._mm: mmap.mmap | None = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+        self.nbytes = nbytes
+        self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.ptr = self.buffer.data_ptr()
+
+    def unlink(self) -> None:
+        """Remove the file (the mappings stay): once the storage process has mapped it."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def slots(self, slot_bytes: int) -> int:
+        return self.nbytes // slot_bytes
+
+    def rows(self, n: int, slot_bytes: int):
+        """The first ``n`` slots as a ``[n, slot_bytes]`` byte tensor."""
+        return self.buffer[: n * slot_bytes].view(n, slot_bytes)
+
+    def close(self) -> None:
+        self.unlink()
+        self.buffer = None  # type: ignore[assignment]
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a view of it is still alive: the GC unmaps it
+                pass
+            self._mm = None
+
+
+class LocalPut:
+    """The worker's client of its host's storage process (see the module docstring)."""
+
+    def __init__(self, endpoint: str, owner: str, *, timeout_s: float = 5.0):
+        self.endpoint, self.owner = endpoint, owner
+        self._client = Client(endpoint, m.CHANNEL, timeout_s=timeout_s)
+        self.arena: int | None = None
+
+    def _call(self, make: Any, **fields: Any) -> Any:
+        try:
+            reply = self._client.request(make, **fields)
+        except ChannelError as e:
+            raise LocalPutError("unavailable", e.detail) from None
+        if isinstance(reply, m.Error):
+            raise LocalPutError(reply.reason, reply.detail)
+        return reply
+
+    def map(self, arena: SharedArena) -> None:
+        """Have the storage process map ``arena`` (its file may be unlinked after)."""
+        self.arena = None
+        reply = self._call(m.MapArena, path=arena.path, nbytes=arena.nbytes, owner=self.owner)
+        self.arena = reply.arena
+
+    def put(self, keys: Sequence[str], offsets: Sequence[int], size: int) -> list[int]:
+        """Mooncake's code per key for objects ``[offsets[i], offsets[i] + size)`` of the arena."""
+        if self.arena is None:
+            raise LocalPutError("unknown_arena", "no arena is mapped")
+        reply = self._call(
+            m.PutPages, arena=self.arena, keys=list(keys), offsets=list(offsets), size=size
+        )
+        if len(reply.codes) != len(keys):
+            raise LocalPutError("malformed", f"{len(reply.codes)} codes for {len(keys)} keys")
+        return list(reply.codes)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+# ------------------------------------------------------------------ the storage process's side
+
+
+class InvalidArena(ValueError):
+    pass
+
+
+def open_arena(path: str, nbytes: int, directory: str = SHM_DIR) -> mmap.mmap:
+    """Map ``path`` read-write after checking it is the caller's own arena file:
+    a regular file directly in ``directory``, not a symlink, owned by this process's
+    user, mode 0600 (nobody else reads or writes it), exactly ``nbytes`` long."""
+    if os.path.realpath(os.path.dirname(os.path.abspath(path))) != os.path.realpath(directory):
+        raise InvalidArena(f"{path!r} is not a file directly in {directory}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise InvalidArena(f"cannot open {path!r}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArena(f"{path!r} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise InvalidArena(f"{path!r} belongs to uid {st.st_uid}, not {os.getuid()}")
+        if st.st_mode & 0o077:
+            raise InvalidArena(f"{path!r} has mode {stat.S_IMODE(st.st_mode):o}, not 600")
+        if st.st_size != nbytes:
+            raise InvalidArena(f"{path!r} holds {st.st_size} bytes, not {nbytes}")
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Mapped:
+    owner: str
+    mm: mmap.mmap
+    anchor: Any  # the ctypes view that gives the address (released before the unmap)
+    ptr: int
+    nbytes: int
+
+
+class ArenaHost:
+    """The storage process's arenas and the channel's handlers. ``store``: its
+    ``MooncakeDistributedStore`` (``register_buffer``, ``unregister_buffer``,
+    ``batch_put_from``); called from the channel's one serving thread."""
+
+    def __init__(self, store: Any, directory: str = SHM_DIR):
+        self._store, self._dir = store, directory
+        self._arenas: dict[int, _Mapped] = {}
+        self._ids = itertools.count(1)
+
+    def handlers(self) -> dict:
+        return {m.MapArena: self.map, m.PutPages: self.put}
+
+    def map(self, req: m.MapArena) -> Any:
+        try:
+            mm = open_arena(req.path, req.nbytes, self._dir)
+        except InvalidArena as e:
+            return m.Error(id=req.id, reason="invalid", detail=str(e))
+        anchor = ctypes.c_char.from_buffer(mm)
+        ptr = ctypes.addressof(anchor)
+        rc = self._store.register_buffer(ptr, req.nbytes)
+        if rc != 0:
+            del anchor
+            mm.close()
+            return m.Error(id=req.id, reason="invalid", detail=f"register_buffer returned {rc}")
+        for aid in [a for a, x in self._arenas.items() if x.owner == req.owner]:
+            self._drop(aid)  # the owner's earlier arena (a restarted or remapping worker)
+        aid = next(self._ids)
+        self._arenas[aid] = _Mapped(req.owner, mm, anchor, ptr, req.nbytes)
+        logger.info("mapped %s's arena %d (%d bytes)", req.owner, aid, req.nbytes)
+        return m.Mapped(id=req.id, arena=aid)
+
+    def put(self, req: m.PutPages) -> Any:
+        a = self._arenas.get(req.arena)
+        if a is None:
+            return m.Error(id=req.id, reason="unknown_arena", detail=f"no arena {req.arena}")
+        if len(req.keys) != len(req.offsets):
+            return m.Error(
+                id=req.id,
+                reason="invalid",
+                detail=f"{len(req.keys)} keys but {len(req.offsets)} offsets",
+            )
+        end = max(req.offsets) + req.size
+        if end > a.nbytes:
+            return m.Error(
+                id=req.id,
+                reason="invalid",
+                detail=f"an object ends at byte {end}, past the arena's {a.nbytes}",
+            )
+        codes = self._store.batch_put_from(
+            list(req.keys), [a.ptr + o for o in req.offsets], [req.size] * len(req.keys)
+        )
+        return m.Put(id=req.id, codes=[int(c) for c in codes])
+
+    @property
+    def arenas(self) -> int:
+        return len(self._arenas)
+
+    def _drop(self, aid: int) -> None:
+        a = self._arenas.pop(aid)
+        self._store.unregister_buffer(a.ptr)
+        a.anchor = None
+        try:
+            a.mm.close()
+        except BufferError:
+            pass
+
+    def close(self) -> None:
+        for aid in list(self._arenas):
+            self._drop(aid)
