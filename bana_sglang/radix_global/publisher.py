@@ -27,7 +27,7 @@ thread of its own:
   decode worker and the first token is being computed (a publish on the 2-core
   VM made exactly those slower); at most ``max_delay_s`` after the offload came;
 - **through the storage process** when the worker shares its host (``storage``:
-  the storage process's endpoint): the arena is then a
+  the storage process's endpoint) and its pool is on the CPU: the arena is then a
   :class:`~bana_sglang.radix_global.shm_arena.SharedArena` and the storage process
   puts the framed pages into its own segment (a local copy) instead of this
   thread's transfer-engine put; a put it cannot take goes direct (and the arena is
@@ -134,7 +134,12 @@ class Publisher:
         self._on_round = on_round
         self._quiet = quiet
         self._max_delay_s = max_delay_s
-        self._local = LocalPut(storage, owner, timeout_s=storage_timeout_s) if storage else None
+        # a CUDA pool keeps its pinned arena (a shared one is pageable: slower copies out)
+        self._local = (
+            LocalPut(storage, owner, timeout_s=storage_timeout_s)
+            if storage and not pool.device.is_cuda
+            else None
+        )
         self._remap_at = 0.0  # when to map a fresh shared arena (after a failed local put)
         self._queue: queue.Queue[Offload | None] = queue.Queue()
         self._lock = threading.Lock()
