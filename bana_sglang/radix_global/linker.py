@@ -207,6 +207,8 @@ class BanaGlobalLinker(UnifiedCacheLinker):
             quiet=self._quiet if role == "prefill" else None,
             max_delay_s=envs.BANA_STORE_PUBLISH_MAX_DELAY_MS.get() / 1e3,
             storage=self.cfg.storage,
+            # one shared arena per scheduler process: TP ranks of a worker map their own
+            arena_owner=f"{self.cfg.owner}/tp{tp_rank}",
         )
 
         self.pending_loads: dict[str, _Load] = {}

@@ -60,6 +60,7 @@ from bana_sglang.radix_global.page_format import HEADER_SIZE
 from bana_sglang.radix_global.pool import Arena, KVPool
 from bana_sglang.radix_global.shm_arena import LocalPut, LocalPutError, SharedArena
 from bana_sglang.radix_global.store import PageStore, PutResult
+from bana_sglang.wire.storage import MAX_ARENA_BYTES, MAX_PAGES
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class Publisher:
         max_delay_s: float = 1.0,
         storage: str | None = None,
         storage_timeout_s: float = 5.0,
+        arena_owner: str | None = None,
     ):
         self.pool = pool
         self.index = index
@@ -136,10 +138,11 @@ class Publisher:
         self._max_delay_s = max_delay_s
         # a CUDA pool keeps its pinned arena (a shared one is pageable: slower copies out)
         self._local = (
-            LocalPut(storage, owner, timeout_s=storage_timeout_s)
-            if storage and not pool.device.is_cuda
+            LocalPut(storage, arena_owner or owner, timeout_s=storage_timeout_s)
+            if storage and not pool.device.is_cuda and 0 < arena_bytes <= MAX_ARENA_BYTES
             else None
         )
+        self._arena_lost = False  # a local put failed this round: its arena is not written again
         self._remap_at = 0.0  # when to map a fresh shared arena (after a failed local put)
         self._queue: queue.Queue[Offload | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -209,9 +212,9 @@ class Publisher:
                     stop = True
                     break
                 tasks.append(more)
-            if arena is not None and self._local is not None:
-                arena = self._arena_for_round(arena)
             try:
+                if arena is not None and self._local is not None:
+                    arena = self._arena_for_round(arena)
                 oks = self._round(tasks, arena) if arena is not None else [False] * len(tasks)
             except Exception:  # a failed publish is a skipped publish
                 logger.exception("global store publish failed")
@@ -253,6 +256,7 @@ class Publisher:
             arena = SharedArena(self._arena_bytes)
         except OSError as e:
             logger.warning("no shared arena (%s): publishing with direct puts", e)
+            self._local.close()
             self._local = None
             return None
         try:
@@ -288,6 +292,7 @@ class Publisher:
             except LocalPutError as e:
                 logger.warning("the storage process did not take a put (%s): put directly", e)
                 local.arena = None  # replaced before the next round writes into it
+                self._arena_lost = True  # and this round writes no more into it
                 # a restarted storage process maps a fresh arena at once; a silent one is
                 # given a few seconds (each map waits for its answer)
                 self._remap_at = time.monotonic() + (
@@ -335,8 +340,9 @@ class Publisher:
         ]
         written = [0] * len(tasks)
         self._busy.set()
+        self._arena_lost = False
         try:
-            per = arena.slots(store.object_size)
+            per = min(arena.slots(store.object_size), MAX_PAGES)
             for lo in range(0, len(work), per):
                 chunk = work[lo : lo + per]
                 n = self._frame(chunk, tasks, arena, store)
@@ -347,6 +353,8 @@ class Publisher:
                     written[ti] += 1
                 if res.failed is not None or res.written < n:
                     logger.debug("publish stopped at %s", res.failed)
+                    break
+                if self._arena_lost:  # the storage process may still read these slots
                     break
         finally:
             self._busy.clear()

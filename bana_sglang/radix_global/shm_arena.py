@@ -28,10 +28,10 @@ again, so a put the storage process runs late never reads a reused slot.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import mmap
 import os
+import secrets
 import stat
 import tempfile
 from collections.abc import Sequence
@@ -44,6 +44,7 @@ from bana_sglang.wire.transport import ChannelError, Client
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+PREFIX = "bana-arena-"  # the only file names the storage process maps
 
 
 class LocalPutError(RuntimeError):
@@ -64,11 +65,13 @@ class SharedArena:
     def __init__(self, nbytes: int, directory: str = SHM_DIR):
         import torch
 
-        if nbytes <= 0:
-            raise ValueError("an arena needs a positive size")
-        fd, self.path = tempfile.mkstemp(prefix="bana-arena-", dir=directory)  # mode 0600
+        if not 0 < nbytes <= m.MAX_ARENA_BYTES:
+            raise ValueError(f"an arena holds 1 to {m.MAX_ARENA_BYTES} bytes, not {nbytes}")
+        fd, self.path = tempfile.mkstemp(prefix=PREFIX, dir=directory)  # mode 0600
         try:
-            os.ftruncate(fd, nbytes)
+            # allocated now: a write into a sparse file on a full tmpfs is a SIGBUS,
+            # this is an OSError (ENOSPC) the publisher answers with direct puts
+            os.posix_fallocate(fd, 0, nbytes)
             self._mm: mmap.mmap | None = mmap.mmap(fd, nbytes)
         except BaseException:
             os.close(fd)
@@ -132,7 +135,12 @@ class LocalPut:
         if self.arena is None:
             raise LocalPutError("unknown_arena", "no arena is mapped")
         reply = self._call(
-            m.PutPages, arena=self.arena, keys=list(keys), offsets=list(offsets), size=size
+            m.PutPages,
+            arena=self.arena,
+            owner=self.owner,
+            keys=list(keys),
+            offsets=list(offsets),
+            size=size,
         )
         if len(reply.codes) != len(keys):
             raise LocalPutError("malformed", f"{len(reply.codes)} codes for {len(keys)} keys")
@@ -150,19 +158,24 @@ class InvalidArena(ValueError):
 
 
 def open_arena(path: str, nbytes: int, directory: str = SHM_DIR) -> mmap.mmap:
-    """Map ``path`` read-write after checking it is the caller's own arena file:
-    a regular file directly in ``directory``, not a symlink, owned by this process's
-    user, mode 0600 (nobody else reads or writes it), exactly ``nbytes`` long."""
-    if os.path.realpath(os.path.dirname(os.path.abspath(path))) != os.path.realpath(directory):
-        raise InvalidArena(f"{path!r} is not a file directly in {directory}")
+    """Map ``path`` read-write after checking it is a worker's arena file: named
+    ``bana-arena-*`` directly in ``directory`` (opened relative to it, the name not a
+    symlink), a regular file with one link, owned by this process's user, mode 0600
+    (nobody else reads or writes it), exactly ``nbytes`` long."""
+    name = os.path.basename(path)
+    if os.path.dirname(path) != directory or not name.startswith(PREFIX) or name in (".", ".."):
+        raise InvalidArena(f"{path!r} is not a {PREFIX}* file directly in {directory}")
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
     except OSError as e:
         raise InvalidArena(f"cannot open {path!r}: {e.strerror}") from None
+    finally:
+        os.close(dfd)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidArena(f"{path!r} is not a regular file")
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise InvalidArena(f"{path!r} is not a regular file with one link")
         if st.st_uid != os.getuid():
             raise InvalidArena(f"{path!r} belongs to uid {st.st_uid}, not {os.getuid()}")
         if st.st_mode & 0o077:
@@ -191,7 +204,6 @@ class ArenaHost:
     def __init__(self, store: Any, directory: str = SHM_DIR):
         self._store, self._dir = store, directory
         self._arenas: dict[int, _Mapped] = {}
-        self._ids = itertools.count(1)
 
     def handlers(self) -> dict:
         return {m.MapArena: self.map, m.PutPages: self.put}
@@ -210,15 +222,17 @@ class ArenaHost:
             return m.Error(id=req.id, reason="invalid", detail=f"register_buffer returned {rc}")
         for aid in [a for a, x in self._arenas.items() if x.owner == req.owner]:
             self._drop(aid)  # the owner's earlier arena (a restarted or remapping worker)
-        aid = next(self._ids)
+        aid = secrets.randbits(63)  # never an id a worker holds from an earlier process
         self._arenas[aid] = _Mapped(req.owner, mm, anchor, ptr, req.nbytes)
         logger.info("mapped %s's arena %d (%d bytes)", req.owner, aid, req.nbytes)
         return m.Mapped(id=req.id, arena=aid)
 
     def put(self, req: m.PutPages) -> Any:
         a = self._arenas.get(req.arena)
-        if a is None:
-            return m.Error(id=req.id, reason="unknown_arena", detail=f"no arena {req.arena}")
+        if a is None or a.owner != req.owner:
+            return m.Error(
+                id=req.id, reason="unknown_arena", detail=f"{req.owner} has no arena {req.arena}"
+            )
         if len(req.keys) != len(req.offsets):
             return m.Error(
                 id=req.id,

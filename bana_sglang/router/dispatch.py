@@ -379,9 +379,9 @@ class PDDispatchMixin:
     ) -> Upstream | web.Response | str:
         """Send a streamed PD request and wait for its first byte, retrying other
         pairs on failures before it (``headers``: extra ones for the decode half).
-        ``first_byte_s`` (a continuation's): a pair with no first byte by then is given
-        up, though neither worker is marked down, and the next try prefers other
-        workers. Returns the open upstream, a worker's 4xx answer (the client's
+        ``first_byte_s`` (a continuation's): a pair with no first byte by then (twice
+        that on the second try, and so on) is given up, though neither worker is marked
+        down, and the next try prefers other workers. Returns the open upstream, a worker's 4xx answer (the client's
         problem), or why no pair could serve it."""
         assert self.session is not None
         tried_p: set = set()
@@ -402,7 +402,10 @@ class PDDispatchMixin:
             post = asyncio.ensure_future(
                 self.session.post(d.url + path, data=bp, headers=d_headers)
             )
-            deadline = None if first_byte_s is None else time.monotonic() + first_byte_s
+            # doubled on each try: a long continuation on a busy prefill worker gets longer
+            deadline = (
+                None if first_byte_s is None else time.monotonic() + first_byte_s * 2**attempt
+            )
             opening = Opening(d, post, self._watched, deadline)
             p_open = Opening(p, p_task, self._watched, deadline)
             try:

@@ -38,19 +38,16 @@ class StallWatchMixin:
             now = time.monotonic()
             for req in list(self._watched):
                 w = req.worker
-                if req.deadline is not None and req.stalled is None and now >= req.deadline:
-                    if not req.fut.done():
+                if req.stalled is not None:
+                    continue
+                if now - req.since < stall or now - w.answered_at < stall:
+                    # not a hung worker; a continuation's half past its deadline is given up
+                    if req.deadline is not None and now >= req.deadline and not req.fut.done():
                         req.stall(
                             f"{w.tier.value} worker {w.url} {req.silence} within a "
-                            f"continuation's {self.cfg.continuation_timeout_s:g}s",
+                            f"continuation's deadline ({now - req.since:.0f}s)",
                             timed_out=True,
                         )
-                    continue
-                if (
-                    req.stalled is not None
-                    or now - req.since < stall
-                    or now - w.answered_at < stall
-                ):
                     continue
                 why = (
                     f"{w.tier.value} worker {w.url} {req.silence} for {now - req.since:.0f}s and "

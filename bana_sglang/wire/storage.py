@@ -63,9 +63,12 @@ class MapArena(_Request, tag="map_arena"):
 
 
 class PutPages(_Request, tag="put_pages"):
-    """Store ``keys[i]`` from bytes ``[offsets[i], offsets[i] + size)`` of ``arena``."""
+    """Store ``keys[i]`` from bytes ``[offsets[i], offsets[i] + size)`` of ``arena``
+    (``owner``'s: an arena id of another owner, or of an earlier storage process, is
+    ``unknown_arena``)."""
 
     arena: int
+    owner: Owner
     keys: Annotated[list[PageKey], msgspec.Meta(min_length=1, max_length=MAX_PAGES)]
     offsets: Annotated[list[Offset], msgspec.Meta(min_length=1, max_length=MAX_PAGES)]
     size: Annotated[int, msgspec.Meta(ge=1, le=MAX_ARENA_BYTES)]
@@ -75,7 +78,7 @@ Request = Union[MapArena, PutPages]
 
 
 class Mapped(_Reply, tag="mapped"):
-    """The arena's id, for :class:`PutPages`."""
+    """The arena's id, for :class:`PutPages` (random: never reused by a restarted process)."""
 
     arena: int
 

@@ -43,6 +43,12 @@ def test_plan_2p1d_has_distinct_ports_and_pd_wiring(monkeypatch):
     assert "30500" in router
     index = list(plan.store[1].argv)
     ports.append(int(index[index.index("--port") + 1]))
+    # every worker publishes through the storage process, which listens on loopback
+    storage = list(plan.store[0].argv)
+    puts = storage[storage.index("--put-listen") + 1]
+    assert puts.startswith("tcp://127.0.0.1:")
+    ports.append(int(puts.rpartition(":")[2]))
+    assert all(f'"storage":"{puts}"' in " ".join(p.argv) for p in plan.workers)
     assert len(ports) == len(set(ports)) and 30500 not in ports
     assert plan.env["SGLANG_USE_CPU_ENGINE"] == "1"
     # float32 checkpoints stay float32 (SGLang's "auto" would downcast to float16)

@@ -111,6 +111,11 @@ def test_node_plan_advertises_addresses_and_binds_only_its_own(tmp_path):
     assert "BANA_AGENT_ENDPOINT" not in dict(b.workers[0].env)
     # every worker requires the cluster's worker key (the bana router sends it)
     assert all(dict(w.env)["BANA_WORKER_AUTH"] == "1" for w in (*a.workers, *b.workers))
+    # the storage process takes puts on loopback; only the store node's workers use it
+    storage = list(a.store[0].argv)
+    assert storage[storage.index("--put-listen") + 1] == "tcp://127.0.0.1:50054"
+    assert '"storage":"tcp://127.0.0.1:50054"' in " ".join(a.workers[0].argv)
+    assert all('"storage"' not in " ".join(w.argv) for w in b.workers)
 
 
 def test_single_machine_plan_gives_every_worker_an_agent():

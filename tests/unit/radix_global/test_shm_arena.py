@@ -145,8 +145,8 @@ def _file(path: str, nbytes: int, mode: int = 0o600) -> str:
 def test_the_storage_process_maps_only_a_workers_own_arena_file(storage, tmp_path):
     client = LocalPut(storage.endpoint, "w", timeout_s=5)
     bad = []
-    outside = _file(str(tmp_path / "arena"), 4096)
-    bad.append((outside, 4096, "not a file directly in"))
+    outside = _file(str(tmp_path / "bana-arena-x"), 4096)
+    bad.append((outside, 4096, "not a bana-arena-\\* file directly in"))
     shared = _file(os.path.join(SHM_DIR, f"bana-arena-test-{os.getpid()}-open"), 4096, 0o644)
     bad.append((shared, 4096, "has mode 644"))
     own = _file(os.path.join(SHM_DIR, f"bana-arena-test-{os.getpid()}-own"), 4096)
@@ -155,7 +155,13 @@ def test_the_storage_process_maps_only_a_workers_own_arena_file(storage, tmp_pat
     bad.append((link, 4096, "cannot open"))
     bad.append((own, 8192, "holds 4096 bytes, not 8192"))
     bad.append((os.path.join(SHM_DIR, "bana-arena-none"), 4096, "cannot open"))
-    bad.append((SHM_DIR + "/../" + os.path.basename(outside), 4096, "not a file directly in"))
+    bad.append((SHM_DIR + "/../bana-arena-x", 4096, "not a bana-arena-"))
+    unnamed = _file(os.path.join(SHM_DIR, f"other-{os.getpid()}"), 4096)
+    bad.append((unnamed, 4096, "not a bana-arena-"))
+    twin = _file(os.path.join(SHM_DIR, f"bana-arena-test-{os.getpid()}-twin"), 4096)
+    linked = os.path.join(SHM_DIR, f"bana-arena-test-{os.getpid()}-hard")
+    os.link(twin, linked)  # a second name for the same file
+    bad.append((linked, 4096, "one link"))
     try:
         for path, nbytes, why in bad:
             arena = SharedArena.__new__(SharedArena)
@@ -165,7 +171,7 @@ def test_the_storage_process_maps_only_a_workers_own_arena_file(storage, tmp_pat
             assert e.value.reason == "invalid"
         assert storage.host.arenas == 0 and not storage.native.regions
     finally:
-        for p in (shared, own, link):
+        for p in (shared, own, link, unnamed, twin, linked):
             os.unlink(p)
     client.close()
 
@@ -205,6 +211,18 @@ def test_puts_are_checked_against_the_arena_and_the_channel(storage):
         with pytest.raises(LocalPutError) as e:
             client.put([key], [0], 1)
         assert e.value.reason == "unknown_arena"
+        # another owner cannot put from this owner's arena, even knowing its id
+        other = LocalPut(storage.endpoint, "other", timeout_s=5)
+        third = SharedArena(1 << 16)
+        client.map(third)
+        third.unlink()
+        other.arena = client.arena
+        with pytest.raises(LocalPutError) as e:
+            other.put([key], [0], 1)
+        assert e.value.reason == "unknown_arena"
+        assert client.put([key], [0], 1) == [0]
+        other.close()
+        third.close()
         again.close()
     finally:
         arena.close()
