@@ -24,6 +24,9 @@ from typing import Any
 
 import msgspec
 
+#: the reasons every channel's server may answer before a handler runs
+ENVELOPE_REASONS = ("malformed", "unknown_type", "unsupported_version", "stale_deadline")
+
 
 class Request(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
     """Base of every request: ``id``, ``deadline`` and the protocol version ``v``."""

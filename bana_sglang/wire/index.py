@@ -26,17 +26,14 @@ from typing import Annotated, Union
 
 import msgspec
 
-from bana_sglang.wire.envelope import Channel, Error, encode
+from bana_sglang.wire.envelope import ENVELOPE_REASONS, Channel, Error, encode
 from bana_sglang.wire.envelope import Reply as _Reply
 from bana_sglang.wire.envelope import Request as _Envelope
 
 PROTOCOL_VERSION = 1
 
 ERROR_REASONS = (
-    "malformed",
-    "unknown_type",
-    "unsupported_version",
-    "stale_deadline",
+    *ENVELOPE_REASONS,
     "invalid",
     "unknown_intent",
     "internal",

@@ -24,7 +24,7 @@ from typing import Annotated, Union
 
 import msgspec
 
-from bana_sglang.wire.envelope import Channel, Error
+from bana_sglang.wire.envelope import ENVELOPE_REASONS, Channel, Error
 from bana_sglang.wire.envelope import Reply as _Reply
 from bana_sglang.wire.envelope import Request as _Envelope
 
@@ -35,10 +35,7 @@ MAX_ARENA_BYTES = 1 << 30
 MAX_PAGES = 4096
 
 ERROR_REASONS = (
-    "malformed",
-    "unknown_type",
-    "unsupported_version",
-    "stale_deadline",
+    *ENVELOPE_REASONS,
     "invalid",
     "unknown_arena",
     "internal",
