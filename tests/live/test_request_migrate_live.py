@@ -259,7 +259,9 @@ def test_sampled_and_constrained_requests_stay_put_and_keep_their_answers(cluste
         }
         for why, sp in KEPT.items()
     }
-    bodies["greedy"] = gen_body(ids)
+    # long enough to be still decoding after the listings below and the pre-copy (a
+    # 480-token answer once ended while its pages were copied, failing the move)
+    bodies["greedy"] = gen_body(ids, new=1200)
 
     def plain(body: dict) -> list[int]:
         r = httpx.post(single_server + "/generate", json=body, timeout=300)
