@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bana_sglang.router.dispatch import PrefillCharge
+from bana_sglang.router.pairs import PrefillCharge
 from bana_sglang.router.workers import Worker
 from bana_sglang.types import Tier
 
