@@ -142,7 +142,6 @@ class Publisher:
             if storage and not pool.device.is_cuda and 0 < arena_bytes <= MAX_ARENA_BYTES
             else None
         )
-        self._arena_lost = False  # a local put failed this round: its arena is not written again
         self._remap_at = 0.0  # when to map a fresh shared arena (after a failed local put)
         self._queue: queue.Queue[Offload | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -233,9 +232,9 @@ class Publisher:
         process has it mapped; after a put it did not take, never that one again (it
         may still read it late) but a private one, until a fresh shared arena maps."""
         local = self._local
-        if isinstance(arena, SharedArena) and local is not None and local.arena is not None:
-            return arena
         if isinstance(arena, SharedArena):
+            if not self._lost(arena):
+                return arena
             self._retire(arena)
             arena = None
         if local is not None and time.monotonic() >= self._remap_at:
@@ -271,6 +270,10 @@ class Publisher:
         logger.info("publishing through the storage process at %s", self._local.endpoint)
         return arena
 
+    def _lost(self, arena: Arena | SharedArena) -> bool:
+        """A shared arena whose put the storage process did not take (it may read it late)."""
+        return isinstance(arena, SharedArena) and (self._local is None or self._local.arena is None)
+
     def _retire(self, arena: Arena | SharedArena) -> None:
         assert self.store is not None
         self.store.kv.unregister(arena.ptr)
@@ -284,15 +287,15 @@ class Publisher:
         assert store is not None
         obj = store.object_size
         local = self._local
-        if isinstance(arena, SharedArena) and local is not None and local.arena is not None:
+        if isinstance(arena, SharedArena) and not self._lost(arena):
+            assert local is not None
             try:
                 codes = local.put(
                     [page_key(p) for p in keys], [j * obj for j in range(len(keys))], obj
                 )
             except LocalPutError as e:
                 logger.warning("the storage process did not take a put (%s): put directly", e)
-                local.arena = None  # replaced before the next round writes into it
-                self._arena_lost = True  # and this round writes no more into it
+                local.arena = None  # not written again: this round stops, the next replaces it
                 # a restarted storage process maps a fresh arena at once; a silent one is
                 # given a few seconds (each map waits for its answer)
                 self._remap_at = time.monotonic() + (
@@ -340,7 +343,6 @@ class Publisher:
         ]
         written = [0] * len(tasks)
         self._busy.set()
-        self._arena_lost = False
         try:
             per = min(arena.slots(store.object_size), MAX_PAGES)
             for lo in range(0, len(work), per):
@@ -354,7 +356,7 @@ class Publisher:
                 if res.failed is not None or res.written < n:
                     logger.debug("publish stopped at %s", res.failed)
                     break
-                if self._arena_lost:  # the storage process may still read these slots
+                if self._lost(arena):  # the storage process may still read these slots
                     break
         finally:
             self._busy.clear()

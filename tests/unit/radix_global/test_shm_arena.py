@@ -93,6 +93,19 @@ def arenas_in_shm() -> set[str]:
     return set(glob.glob(os.path.join(SHM_DIR, "bana-arena-*")))
 
 
+def publisher(pool: KVPool, kv: FakeKV, index: FakeIndex, storage: str, **kw) -> Publisher:
+    """A worker's publish thread over the fake client, publishing through ``storage``."""
+    return Publisher(
+        pool,
+        lambda: PageStore(LAYOUT, kv, mac_key=KEY),
+        index,
+        "w",
+        arena_bytes=1 << 20,
+        storage=storage,
+        **kw,
+    )
+
+
 def publish(pub: Publisher, chain, ids) -> bool:
     pub.submit(Offload(list(chain), None, ids))
     pub.join()
@@ -115,14 +128,7 @@ def assert_pages(objects: dict[str, bytes], chain, pool: KVPool, ids) -> None:
 def test_pages_go_through_the_storage_process_and_nothing_is_left_in_dev_shm(storage):
     before = arenas_in_shm()
     pool, index, kv = make_pool(), FakeIndex(), FakeKV()
-    pub = Publisher(
-        pool,
-        lambda: PageStore(LAYOUT, kv, mac_key=KEY),
-        index,
-        "prefill-0",
-        arena_bytes=1 << 20,
-        storage=storage.endpoint,
-    )
+    pub = publisher(pool, kv, index, storage.endpoint)
     chain = page_chain(range(N * LAYOUT.page_size), LAYOUT)
     ids = torch.arange(1, N + 1)
     assert publish(pub, chain, ids) is True
@@ -237,15 +243,7 @@ def test_a_put_the_storage_process_cannot_take_goes_direct_then_a_fresh_arena_ma
     first = Storage()
     endpoint = first.endpoint
     pool, index, kv = make_pool(), FakeIndex(), FakeKV()
-    pub = Publisher(
-        pool,
-        lambda: PageStore(LAYOUT, kv, mac_key=KEY),
-        index,
-        "decode-0",
-        arena_bytes=1 << 20,
-        storage=endpoint,
-        storage_timeout_s=0.5,
-    )
+    pub = publisher(pool, kv, index, endpoint, storage_timeout_s=0.5)
     tokens = iter(range(10_000))
 
     def chain():
