@@ -305,14 +305,7 @@ def report(runs: Sequence[ArmRun], command: str, n: int, length: int, gap: float
 ROUND_CI = 0.9
 ROUND_DRAWS = 2000
 # the columns of the CPU table: a cluster part's name starts with one of these
-CPU_PARTS = (
-    ("prefill", "prefill"),
-    ("decode", "decode"),
-    ("router", "router"),
-    ("mooncake-master", "master"),
-    ("kv-storage", "storage"),
-    ("kv-index", "index"),
-)
+CPU_PARTS = breakdown.CPU_PARTS
 
 
 def cpu_per_request(rs: Sequence[ArmRun], phase: str) -> dict[str, float] | None:
@@ -324,9 +317,8 @@ def cpu_per_request(rs: Sequence[ArmRun], phase: str) -> dict[str, float] | None
         return None
     out = {col: 0.0 for _, col in CPU_PARTS}
     for ph in phases:
-        for part, secs in ph.cpu_s.items():
-            col = next((c for prefix, c in CPU_PARTS if part.startswith(prefix)), None)
-            if col is not None:
+        for col, secs in breakdown.cpu_columns(ph.cpu_s).items():
+            if col in out:
                 out[col] += 1e3 * secs / n
     out["total"] = sum(out.values())
     return out

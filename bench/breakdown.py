@@ -66,6 +66,29 @@ def cpu_of_parts(procs) -> dict[str, float]:
     return out
 
 
+#: (name prefix of a cluster part, column): how the CPU tables group a cluster's parts
+CPU_PARTS = (
+    ("prefill", "prefill"),
+    ("decode", "decode"),
+    ("router", "router"),
+    ("mooncake-master", "master"),
+    ("kv-storage", "storage"),
+    ("kv-index", "index"),
+)
+
+
+def cpu_columns(cpu_s: Mapping[str, float]) -> dict[str, float]:
+    """CPU seconds by part name (:func:`cpu_of_parts` deltas) -> by column of
+    :data:`CPU_PARTS` (every column present), plus ``total``."""
+    out = {col: 0.0 for _, col in CPU_PARTS}
+    for part, secs in cpu_s.items():
+        col = next((c for prefix, c in CPU_PARTS if part.startswith(prefix)), None)
+        if col is not None:
+            out[col] += secs
+    out["total"] = sum(out.values())
+    return out
+
+
 def master_addr(plan) -> str:
     """``host:port`` of a cluster plan's Mooncake master (its RPC port)."""
     flags = dict(a.lstrip("-").split("=", 1) for a in plan.master.argv if a.startswith("-rpc_"))

@@ -1,0 +1,72 @@
+"""The global-store benchmark's comparisons: the store alone, and as shipped against
+the stock private-cache arms (no cluster)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from bench import bench_global_store as gs
+
+
+def _arm(name: str, hit: float | None, p50: float, p99: float, rps: float = 1.0) -> gs.ArmResult:
+    summary = SimpleNamespace(
+        prefix_hit_rate=hit, ttft=SimpleNamespace(p50=p50, p99=p99), req_per_s=rps
+    )
+    return gs.ArmResult(name, summary, {})
+
+
+def _row(rows: list[str], label: str) -> list[str]:
+    (row,) = [r for r in rows if r.startswith(f"| {label} |")]
+    return [c.strip() for c in row.strip("|").split("|")][1:]
+
+
+def test_the_store_alone_and_as_shipped_against_each_stock_arm_and_the_better_one() -> None:
+    by = {
+        a.name: a
+        for a in (
+            _arm("store-round-robin", 0.40, 2.0, 10.0),
+            _arm("nostore-round-robin", 0.20, 4.0, 8.0),
+            _arm("ours", 0.40, 1.0, 6.0),
+            _arm("bana-cache-aware", 0.32, 3.0, 12.0),
+        )
+    }
+    rows = gs.ratio_rows(by, 0.5)
+    # hit / infinite, hit / stock hit, p50, p99, throughput
+    assert _row(rows, "store / no store, both round-robin") == [
+        "0.80",
+        "2.00",
+        "0.50",
+        "1.25",
+        "1.00",
+    ]
+    assert _row(rows, "ours / nostore-round-robin") == ["0.80", "2.00", "0.25", "0.75", "1.00"]
+    assert _row(rows, "ours / bana-cache-aware") == ["0.80", "1.25", "0.33", "0.50", "1.00"]
+    # the better stock arm for each figure: the higher hit rate, the lower p50 and p99
+    assert _row(rows, "ours / the better stock arm") == ["0.80", "1.25", "0.33", "0.75", "1.00"]
+
+
+def test_only_the_comparisons_whose_arms_ran() -> None:
+    only_rr = {a.name: a for a in (_arm("store-round-robin", 0.4, 1, 1), _arm("ours", 0.4, 1, 1))}
+    assert gs.ratio_rows(only_rr, 0.5) == []
+    rows = gs.ratio_rows(
+        {a.name: a for a in (_arm("ours", None, 1, 2), _arm("bana-cache-aware", 0.3, 2, 2))}, 0.5
+    )
+    assert _row(rows, "ours / bana-cache-aware") == ["n/a", "n/a", "0.50", "1.00", "1.00"]
+    assert not any(r.startswith("| ours / the better") for r in rows)
+
+
+def test_cpu_rows_group_parts_and_compare_with_the_first_stock_arm() -> None:
+    from bench import breakdown
+
+    on = _arm("ours", 0.4, 1, 1)
+    on.cpu_s = breakdown.cpu_columns(
+        {"prefill-0": 30.0, "prefill-1": 20.0, "decode-0": 20.0, "kv-storage": 8.0, "router": 2.0}
+    )
+    off = _arm("nostore-round-robin", 0.2, 1, 1)
+    off.cpu_s = breakdown.cpu_columns({"prefill-0": 35.0, "prefill-1": 25.0, "decode-0": 20.0})
+    rows = gs.cpu_rows([on, off])
+    assert "total / nostore-round-robin" in rows[2]
+    # prefill, decode, router, master, storage, index, total, total / stock
+    assert _row(rows, "ours") == ["50.0", "20.0", "2.0", "0.0", "8.0", "0.0", "80.0", "1.00"]
+    assert _row(rows, "nostore-round-robin")[-2:] == ["80.0", "1.00"]
+    assert gs.cpu_rows([_arm("ours", 0.4, 1, 1)]) == []
