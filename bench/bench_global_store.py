@@ -19,7 +19,10 @@ arm, one arm after the other:
   the stock private-cache setups ``ours`` is held against.
 
 It prints, for every arm, the prefix hit rate (SGLang's ``cached_tokens`` /
-prompt tokens), TTFT p50/p99 and throughput, and their ratios; the
+prompt tokens), TTFT p50/p99 and throughput, and their ratios; TTFT of the
+requests of the replay's opening window (``--start-fraction`` of its span: an
+empty cluster's first, cold requests) apart from the rest; each arm's CPU
+seconds by part over the replay; the
 infinite-cache hit rate of the same slice (every page ever computed is kept
 and visible to every worker; SGLang computes at least one token); and, for
 the store arm, the load bandwidth the workers reached (bytes loaded / load
@@ -116,6 +119,9 @@ class ArmResult:
     router: dict | None = None  # the router's global lookup histogram delta
     requests: int = 0
     cpu_s: dict[str, float] | None = None  # CPU seconds over the replay, by breakdown.CPU_PARTS
+    # TTFTs of the requests that arrived in the replay's opening window, and of the rest
+    start_ttft: list[float] = dataclasses.field(default_factory=list)
+    after_ttft: list[float] = dataclasses.field(default_factory=list)
 
 
 def run_arm(
@@ -125,6 +131,7 @@ def run_arm(
     space: workloads.TokenSpace,
     out: Path,
     raw_mb: int,
+    start_s: float = 0.0,
 ) -> ArmResult:
     cfg = configs.get(name)
     plan = cfg.plan(res)
@@ -156,6 +163,7 @@ def run_arm(
         result = ArmResult(name, summ, {w: store_summary.scrape(u) for w, u in urls.items()})
         result.metrics, result.router, result.requests = deltas, rdelta, len(records)
         result.cpu_s = cpu_s
+        result.start_ttft, result.after_ttft = split_ttft(records, start_s)
         if plan.store and plan.master is not None:
             result.page_nbytes = breakdown.page_nbytes(plan)
             result.raw_put_mbps, result.raw_get_mbps = breakdown.raw_bandwidth(
@@ -246,7 +254,63 @@ def cpu_rows(arms: Sequence[ArmResult]) -> list[str]:
     return [*rows, ""]
 
 
-def report(arms: Sequence[ArmResult], inf_hit: float, wl: workloads.Workload, command: str) -> str:
+def split_ttft(records, start_s: float) -> tuple[list[float], list[float]]:
+    """TTFTs of the successful requests scheduled before ``start_s`` (seconds into the
+    replay: the opening window, served from an empty cluster) and of those after."""
+    start, after = [], []
+    for r in records:
+        if r.ok and r.ttft is not None:
+            (start if r.scheduled_s < start_s else after).append(r.ttft)
+    return start, after
+
+
+def phase_rows(arms: Sequence[ArmResult], start_s: float) -> list[str]:
+    """TTFT of the opening window and of the rest, per arm, and against the stock arms:
+    on two shared cores the first requests of an empty cluster, all cold, queue
+    behind each other, and with a few tens of requests they decide every arm's p99."""
+    arms = [a for a in arms if a.start_ttft or a.after_ttft]
+    if not arms or start_s <= 0:
+        return []
+
+    def cells(xs: list[float]) -> str:
+        d = metrics.Dist.of(xs)
+        return f"{d.n} | {d.p50:.3f} | {d.p99:.3f} | {d.mean:.3f}" if d.n else "0 | - | - | -"
+
+    rows = [
+        f"TTFT (s) of the requests that arrived in the first {start_s:.1f} s of the replay "
+        "(from an empty cluster) and of the rest:",
+        "",
+        "| arm | start: n | p50 | p99 | mean | after: n | p50 | p99 | mean |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a in arms:
+        rows.append(f"| {a.name} | {cells(a.start_ttft)} | {cells(a.after_ttft)} |")
+    by = {a.name: a for a in arms}
+    stock = [by[n] for n in STOCK if n in by and by[n].after_ttft]
+    pairs = [(n, by[n]) for n in ("store-round-robin", "ours") if n in by and by[n].after_ttft]
+    if stock and pairs:
+        rows += [
+            "",
+            "| after the start: TTFT against the better stock arm | p50 | p99 |",
+            "|---|---|---|",
+        ]
+        for n, a in pairs:
+            d = metrics.Dist.of(a.after_ttft)
+            base = [metrics.Dist.of(o.after_ttft) for o in stock]
+            rows.append(
+                f"| {n} | {d.p50 / min(b.p50 for b in base):.2f} | "
+                f"{d.p99 / min(b.p99 for b in base):.2f} |"
+            )
+    return [*rows, ""]
+
+
+def report(
+    arms: Sequence[ArmResult],
+    inf_hit: float,
+    wl: workloads.Workload,
+    command: str,
+    start_s: float = 0.0,
+) -> str:
     by = {a.name: a for a in arms}
     # the store's breakdown: of the shipped arm when it ran, else of the round-robin one
     on = by.get("ours") or by.get("store-round-robin")
@@ -272,6 +336,7 @@ def report(arms: Sequence[ArmResult], inf_hit: float, wl: workloads.Workload, co
         )
     lines += ["", f"Infinite-cache hit rate of the same slice: {inf_hit:.1%}", ""]
     lines += ratio_rows(by, inf_hit)
+    lines += phase_rows(arms, start_s)
     lines += cpu_rows(arms)
     if on:
         loaded, load_s, wait_s = (
@@ -379,6 +444,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--arms", default=",".join(ARMS), help="comma-separated, from: " + ", ".join(ARMS)
     )
+    p.add_argument(
+        "--start-fraction",
+        type=float,
+        default=0.1,
+        help="the report also splits TTFT at this fraction of the replay's span: the opening "
+        "window, from an empty cluster, and the rest (0: no split)",
+    )
     p.add_argument("--kv-tokens-total", type=int, default=3 * 16384)
     p.add_argument("--raw-mb", type=int, default=32, help="bytes moved by the raw bandwidth probe")
     p.add_argument("--out", type=Path, default=None)
@@ -418,16 +490,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     inf = hit / total if total else 0.0
     logger.info("infinite-cache hit rate of the slice: %.1f%%", 100 * inf)
     res = configs.Resources(model_path=model_path, kv_tokens_total=args.kv_tokens_total)
+    if not 0.0 <= args.start_fraction < 1.0:
+        p.error("--start-fraction must be in [0, 1)")
+    start_s = args.start_fraction * max((r.arrival_s for r in wl.requests), default=0.0)
     results = []
     for name in arms:
         try:
-            results.append(run_arm(name, wl, res, space, out, args.raw_mb))
+            results.append(run_arm(name, wl, res, space, out, args.raw_mb, start_s))
         except Exception:  # one broken arm must not lose the other's numbers
             logger.exception("arm %s failed", name)
     command = "python -m bench.bench_global_store " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
-    text = report(results, inf, wl, command.strip())
+    text = report(results, inf, wl, command.strip(), start_s)
     pic = plot(results, inf, out)
     # the picture as each document sees it: the run's report.md beside it, RESULTS.md in docs/
     here = f"\n\n![hit rates and TTFT]({pic.name})" if pic else ""

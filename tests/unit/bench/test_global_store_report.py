@@ -70,3 +70,25 @@ def test_cpu_rows_group_parts_and_compare_with_the_first_stock_arm() -> None:
     assert _row(rows, "ours") == ["50.0", "20.0", "2.0", "0.0", "8.0", "0.0", "80.0", "1.00"]
     assert _row(rows, "nostore-round-robin")[-2:] == ["80.0", "1.00"]
     assert gs.cpu_rows([_arm("ours", 0.4, 1, 1)]) == []
+
+
+def test_ttft_splits_at_the_opening_window_and_is_compared_after_it() -> None:
+    recs = [
+        SimpleNamespace(ok=True, ttft=5.0, scheduled_s=0.0),
+        SimpleNamespace(ok=True, ttft=7.0, scheduled_s=0.5),
+        SimpleNamespace(ok=False, ttft=None, scheduled_s=1.0),
+        SimpleNamespace(ok=True, ttft=0.2, scheduled_s=20.0),
+        SimpleNamespace(ok=True, ttft=0.4, scheduled_s=30.0),
+    ]
+    assert gs.split_ttft(recs, 10.0) == ([5.0, 7.0], [0.2, 0.4])
+    on, off = _arm("ours", 0.4, 1, 1), _arm("nostore-round-robin", 0.2, 1, 1)
+    on.start_ttft, on.after_ttft = [6.0, 8.0], [0.1, 0.3]
+    off.start_ttft, off.after_ttft = [5.0, 7.0], [0.2, 0.6]
+    rows = gs.phase_rows([on, off], 10.0)
+    assert "first 10.0 s" in rows[0]
+    ours = [r for r in rows if r.startswith("| ours |")]
+    # per arm: start n, p50, p99, mean; after n, p50, p99, mean
+    assert ours[0] == "| ours | 2 | 7.000 | 7.980 | 7.000 | 2 | 0.200 | 0.298 | 0.200 |"
+    # after the start, against the stock arm: p50 0.2 / 0.4, p99 0.298 / 0.596
+    assert ours[1] == "| ours | 0.50 | 0.50 |"
+    assert gs.phase_rows([on, off], 0.0) == []
