@@ -388,11 +388,16 @@ def plot(arms: Sequence[ArmResult], inf_hit: float, out: Path) -> Path | None:
     names = [a.name for a in arms] + ["infinite cache"]
     vals = [a.summary.prefix_hit_rate or 0.0 for a in arms] + [inf_hit]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
-    colours = {"store-round-robin": "tab:green", "ours": "tab:olive", "infinite cache": "tab:blue"}
+    colours = dict(
+        zip(
+            (*ARMS, "infinite cache"),
+            ("tab:green", "tab:orange", "tab:olive", "tab:red", "tab:blue"),
+        )
+    )
     ax1.bar(names, vals, color=[colours.get(n, "tab:gray") for n in names])
     ax1.set_ylabel("prefix hit rate")
     ax1.set_ylim(0, 1)
-    ax1.tick_params(axis="x", labelsize=7)
+    ax1.tick_params(axis="x", labelsize=7, labelrotation=20)
     for a in arms:
         recs = [json.loads(x) for x in (out / f"{a.name}.records.jsonl").read_text().splitlines()]
         ttfts = sorted(
@@ -401,7 +406,12 @@ def plot(arms: Sequence[ArmResult], inf_hit: float, out: Path) -> Path | None:
             if r.get("ok") and r.get("first_token_s") is not None
         )
         if ttfts:
-            ax2.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=a.name)
+            ax2.plot(
+                ttfts,
+                [(i + 1) / len(ttfts) for i in range(len(ttfts))],
+                label=a.name,
+                color=colours.get(a.name),
+            )
     ax2.set_xlabel("TTFT (s)")
     ax2.set_ylabel("CDF")
     ax2.legend(fontsize=7)
