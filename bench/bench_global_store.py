@@ -517,8 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the picture as each document sees it: the run's report.md beside it, RESULTS.md in docs/
     here = f"\n\n![hit rates and TTFT]({pic.name})" if pic else ""
     in_docs = (
-        f"\n\n![hit rates and TTFT](../{pic.relative_to(ROOT)})"
-        if pic and pic.is_relative_to(ROOT)
+        f"\n\n![hit rates and TTFT](../{pic.resolve().relative_to(ROOT)})"
+        if pic and pic.resolve().is_relative_to(ROOT)
         else ""
     )
     (out / "report.md").write_text(text + here + "\n")
