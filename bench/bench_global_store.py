@@ -25,7 +25,8 @@ empty cluster's first, cold requests) apart from the rest; each arm's CPU
 seconds by part over the replay; the
 infinite-cache hit rate of the same slice (every page ever computed is kept
 and visible to every worker; SGLang computes at least one token); and, for
-the store arm, the load bandwidth the workers reached (bytes loaded / load
+one store arm (``ours`` when it ran, else ``store-round-robin``), the
+per-request breakdown, the store's counters, the load bandwidth the workers reached (bytes loaded / load
 time, layer by layer) against raw Mooncake bandwidth measured in the same run
 on the same store with the same page size (whole pages, batched), and the
 fraction of load time hidden under compute. The targets: a global hit
@@ -42,6 +43,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -180,6 +182,15 @@ def _hit(a: ArmResult) -> float | None:
     return a.summary.prefix_hit_rate
 
 
+def _ratio(x: float | None, bases: Sequence[float | None], best) -> str:
+    """``x`` over the best (``min`` or ``max``) of ``bases``, two decimals; ``n/a`` when
+    ``x`` or every base is missing, NaN or zero (an arm with no successful request)."""
+    ok = [b for b in bases if b is not None and b > 0 and not math.isnan(b)]
+    if x is None or math.isnan(x) or not ok:
+        return "n/a"
+    return f"{x / best(ok):.2f}"
+
+
 def ratio_rows(by: dict[str, ArmResult], inf_hit: float) -> list[str]:
     """The ratios the store is held to, for the comparisons whose arms ran: the store
     alone (``store-round-robin`` / ``nostore-round-robin``, routing held fixed) and
@@ -207,19 +218,17 @@ def ratio_rows(by: dict[str, ArmResult], inf_hit: float) -> list[str]:
     if not pairs:
         return []
 
-    def fmt(x: float | None) -> str:
-        return "n/a" if x is None else f"{x:.2f}"
-
     for label, on, offs in pairs:
-        hits = [h for h in (_hit(o) for o in offs) if h]
+        s = on.summary
         g = _hit(on)
-        rows.append(
-            f"| {label} | {fmt(g / inf_hit if g is not None and inf_hit else None)} | "
-            f"{fmt(g / max(hits) if g is not None and hits else None)} | "
-            f"{fmt(on.summary.ttft.p50 / min(o.summary.ttft.p50 for o in offs))} | "
-            f"{fmt(on.summary.ttft.p99 / min(o.summary.ttft.p99 for o in offs))} | "
-            f"{fmt(on.summary.req_per_s / max(o.summary.req_per_s for o in offs))} |"
+        cells = (
+            _ratio(g, [inf_hit], max),
+            _ratio(g, [_hit(o) for o in offs], max),
+            _ratio(s.ttft.p50, [o.summary.ttft.p50 for o in offs], min),
+            _ratio(s.ttft.p99, [o.summary.ttft.p99 for o in offs], min),
+            _ratio(s.req_per_s, [o.summary.req_per_s for o in offs], max),
         )
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
     rows += [
         "",
         "Targets: hit / infinite-cache hit >= 0.90; hit / stock hit >= 1.5 (against "
@@ -249,7 +258,7 @@ def cpu_rows(arms: Sequence[ArmResult]) -> list[str]:
     for a in measured:
         assert a.cpu_s is not None
         cells = " | ".join(f"{a.cpu_s.get(c, 0.0):.1f}" for c in cols)
-        rel = f"{a.cpu_s['total'] / base.cpu_s['total']:.2f}" if base and base.cpu_s else "-"
+        rel = _ratio(a.cpu_s["total"], [base.cpu_s["total"] if base and base.cpu_s else None], min)
         rows.append(f"| {a.name} | {cells} | {a.cpu_s['total']:.1f} | {rel} |")
     return [*rows, ""]
 
@@ -298,8 +307,8 @@ def phase_rows(arms: Sequence[ArmResult], start_s: float) -> list[str]:
             d = metrics.Dist.of(a.after_ttft)
             base = [metrics.Dist.of(o.after_ttft) for o in stock]
             rows.append(
-                f"| {n} | {d.p50 / min(b.p50 for b in base):.2f} | "
-                f"{d.p99 / min(b.p99 for b in base):.2f} |"
+                f"| {n} | {_ratio(d.p50, [b.p50 for b in base], min)} | "
+                f"{_ratio(d.p99, [b.p99 for b in base], min)} |"
             )
     return [*rows, ""]
 
@@ -533,6 +542,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         store=a.store,
                         raw_put_mbps=a.raw_put_mbps,
                         raw_get_mbps=a.raw_get_mbps,
+                        cpu_s=a.cpu_s,
+                        start_ttft=a.start_ttft,
+                        after_ttft=a.after_ttft,
                     )
                     for a in results
                 ],

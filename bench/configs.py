@@ -255,7 +255,7 @@ register(
     )
 )
 # The global store's comparison (bench/bench_global_store.py): the same router
-# and spreading policy, store on and off.
+# and spreading policy, store on and off; it also runs "ours" and "bana-cache-aware".
 register(
     ServingConfig(
         "store-round-robin",

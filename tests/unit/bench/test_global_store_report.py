@@ -24,10 +24,10 @@ def test_the_store_alone_and_as_shipped_against_each_stock_arm_and_the_better_on
     by = {
         a.name: a
         for a in (
-            _arm("store-round-robin", 0.40, 2.0, 10.0),
-            _arm("nostore-round-robin", 0.20, 4.0, 8.0),
-            _arm("ours", 0.40, 1.0, 6.0),
-            _arm("bana-cache-aware", 0.32, 3.0, 12.0),
+            _arm("store-round-robin", 0.40, 2.0, 10.0, rps=1.0),
+            _arm("nostore-round-robin", 0.20, 4.0, 8.0, rps=0.8),
+            _arm("ours", 0.40, 1.0, 6.0, rps=1.2),
+            _arm("bana-cache-aware", 0.32, 3.0, 12.0, rps=1.0),
         )
     }
     rows = gs.ratio_rows(by, 0.5)
@@ -37,12 +37,29 @@ def test_the_store_alone_and_as_shipped_against_each_stock_arm_and_the_better_on
         "2.00",
         "0.50",
         "1.25",
-        "1.00",
+        "1.25",
     ]
-    assert _row(rows, "ours / nostore-round-robin") == ["0.80", "2.00", "0.25", "0.75", "1.00"]
-    assert _row(rows, "ours / bana-cache-aware") == ["0.80", "1.25", "0.33", "0.50", "1.00"]
-    # the better stock arm for each figure: the higher hit rate, the lower p50 and p99
-    assert _row(rows, "ours / the better stock arm") == ["0.80", "1.25", "0.33", "0.75", "1.00"]
+    assert _row(rows, "ours / nostore-round-robin") == ["0.80", "2.00", "0.25", "0.75", "1.50"]
+    assert _row(rows, "ours / bana-cache-aware") == ["0.80", "1.25", "0.33", "0.50", "1.20"]
+    # the better stock arm for each figure: the higher hit rate, the lower p50 and p99,
+    # the higher throughput
+    assert _row(rows, "ours / the better stock arm") == ["0.80", "1.25", "0.33", "0.75", "1.20"]
+
+
+def test_an_arm_without_a_successful_request_gives_n_a_not_a_crash() -> None:
+    nan = float("nan")
+    by = {
+        a.name: a
+        for a in (
+            _arm("ours", 0.4, 1.0, 2.0, rps=1.0),
+            _arm("nostore-round-robin", None, nan, nan, rps=0.0),
+            _arm("bana-cache-aware", 0.2, 2.0, 4.0, rps=0.5),
+        )
+    }
+    rows = gs.ratio_rows(by, 0.5)
+    assert _row(rows, "ours / nostore-round-robin") == ["0.80", "n/a", "n/a", "n/a", "n/a"]
+    # the better stock arm leaves the broken one out, whatever its place
+    assert _row(rows, "ours / the better stock arm") == ["0.80", "2.00", "0.50", "0.50", "2.00"]
 
 
 def test_only_the_comparisons_whose_arms_ran() -> None:
@@ -63,12 +80,15 @@ def test_cpu_rows_group_parts_and_compare_with_the_first_stock_arm() -> None:
         {"prefill-0": 30.0, "prefill-1": 20.0, "decode-0": 20.0, "kv-storage": 8.0, "router": 2.0}
     )
     off = _arm("nostore-round-robin", 0.2, 1, 1)
-    off.cpu_s = breakdown.cpu_columns({"prefill-0": 35.0, "prefill-1": 25.0, "decode-0": 20.0})
-    rows = gs.cpu_rows([on, off])
-    assert "total / nostore-round-robin" in rows[2]
+    off.cpu_s = breakdown.cpu_columns({"prefill-0": 55.0, "prefill-1": 25.0, "decode-0": 20.0})
+    other = _arm("bana-cache-aware", 0.3, 1, 1)
+    other.cpu_s = breakdown.cpu_columns({"prefill-0": 40.0, "decode-0": 10.0})
+    rows = gs.cpu_rows([on, off, other])
+    assert "total / nostore-round-robin" in rows[2]  # the first stock arm that ran
     # prefill, decode, router, master, storage, index, total, total / stock
-    assert _row(rows, "ours") == ["50.0", "20.0", "2.0", "0.0", "8.0", "0.0", "80.0", "1.00"]
-    assert _row(rows, "nostore-round-robin")[-2:] == ["80.0", "1.00"]
+    assert _row(rows, "ours") == ["50.0", "20.0", "2.0", "0.0", "8.0", "0.0", "80.0", "0.80"]
+    assert _row(rows, "nostore-round-robin")[-2:] == ["100.0", "1.00"]
+    assert _row(rows, "bana-cache-aware")[-2:] == ["50.0", "0.50"]
     assert gs.cpu_rows([_arm("ours", 0.4, 1, 1)]) == []
 
 
@@ -82,13 +102,16 @@ def test_ttft_splits_at_the_opening_window_and_is_compared_after_it() -> None:
     ]
     assert gs.split_ttft(recs, 10.0) == ([5.0, 7.0], [0.2, 0.4])
     on, off = _arm("ours", 0.4, 1, 1), _arm("nostore-round-robin", 0.2, 1, 1)
+    aff = _arm("bana-cache-aware", 0.3, 1, 1)
     on.start_ttft, on.after_ttft = [6.0, 8.0], [0.1, 0.3]
     off.start_ttft, off.after_ttft = [5.0, 7.0], [0.2, 0.6]
-    rows = gs.phase_rows([on, off], 10.0)
+    aff.start_ttft, aff.after_ttft = [5.0, 9.0], [0.4, 0.4]  # a higher p50, a lower p99
+    rows = gs.phase_rows([on, off, aff], 10.0)
     assert "first 10.0 s" in rows[0]
     ours = [r for r in rows if r.startswith("| ours |")]
     # per arm: start n, p50, p99, mean; after n, p50, p99, mean
     assert ours[0] == "| ours | 2 | 7.000 | 7.980 | 7.000 | 2 | 0.200 | 0.298 | 0.200 |"
-    # after the start, against the stock arm: p50 0.2 / 0.4, p99 0.298 / 0.596
-    assert ours[1] == "| ours | 0.50 | 0.50 |"
+    # after the start, against the better stock arm figure by figure:
+    # p50 0.2 / min(0.4, 0.4), p99 0.298 / min(0.596, 0.4)
+    assert ours[1] == "| ours | 0.50 | 0.74 |"
     assert gs.phase_rows([on, off], 0.0) == []
