@@ -116,6 +116,7 @@ class ArmResult:
     store: dict[str, dict[str, float] | None]
     raw_put_mbps: float | None = None
     raw_get_mbps: float | None = None
+    raw_error: str | None = None  # why the raw bandwidth probe measured nothing
     page_nbytes: int | None = None
     metrics: dict | None = None  # the workers' /metrics deltas over the replay (breakdown)
     router: dict | None = None  # the router's global lookup histogram delta
@@ -168,9 +169,14 @@ def run_arm(
         result.start_ttft, result.after_ttft = split_ttft(records, start_s)
         if plan.store and plan.master is not None:
             result.page_nbytes = breakdown.page_nbytes(plan)
-            result.raw_put_mbps, result.raw_get_mbps = breakdown.raw_bandwidth(
-                breakdown.master_addr(plan), result.page_nbytes, raw_mb
-            )
+            try:
+                result.raw_put_mbps, result.raw_get_mbps = breakdown.raw_bandwidth(
+                    breakdown.master_addr(plan), result.page_nbytes, raw_mb
+                )
+            except Exception as e:  # noqa: BLE001  (the replay's numbers are kept)
+                # e.g. a long replay's pages fill the store and the probe's puts find no room
+                result.raw_error = f"{type(e).__name__}: {e}"
+                logger.warning("%s: the raw bandwidth probe failed: %s", name, result.raw_error)
     return result
 
 
@@ -373,6 +379,8 @@ def report(
                 f"- layer-wise load bandwidth reached: {bw:.1f} MB/s "
                 f"({loaded / 1e6:.1f} MB in {load_s:.2f} s of load-thread time)"
             )
+            if on.raw_error:
+                lines.append(f"- raw Mooncake bandwidth: not measured ({on.raw_error[:200]})")
             if on.raw_get_mbps:
                 lines.append(
                     f"- raw Mooncake get bandwidth, same store, {on.page_nbytes} B pages, batches of 16, "
@@ -542,6 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         store=a.store,
                         raw_put_mbps=a.raw_put_mbps,
                         raw_get_mbps=a.raw_get_mbps,
+                        raw_error=a.raw_error,
                         cpu_s=a.cpu_s,
                         start_ttft=a.start_ttft,
                         after_ttft=a.after_ttft,

@@ -10,7 +10,11 @@ from bench import bench_global_store as gs
 
 def _arm(name: str, hit: float | None, p50: float, p99: float, rps: float = 1.0) -> gs.ArmResult:
     summary = SimpleNamespace(
-        prefix_hit_rate=hit, ttft=SimpleNamespace(p50=p50, p99=p99), req_per_s=rps
+        prefix_hit_rate=hit,
+        ttft=SimpleNamespace(p50=p50, p99=p99),
+        req_per_s=rps,
+        out_tok_per_s=10.0,
+        errors=0,
     )
     return gs.ArmResult(name, summary, {})
 
@@ -115,3 +119,18 @@ def test_ttft_splits_at_the_opening_window_and_is_compared_after_it() -> None:
     # p50 0.2 / min(0.4, 0.4), p99 0.298 / min(0.596, 0.4)
     assert ours[1] == "| ours | 0.50 | 0.74 |"
     assert gs.phase_rows([on, off], 0.0) == []
+
+
+def test_a_failed_raw_bandwidth_probe_is_reported_not_fatal() -> None:
+    on = _arm("store-round-robin", 0.5, 1, 2)
+    on.store = {
+        "prefill-0": {"loaded_bytes": 4e6, "load_seconds": 0.1, "load_wait_seconds": 0.01},
+        "decode-0": None,
+    }
+    on.raw_error = "AssertionError: put: NO_AVAILABLE_HANDLE (store full or no segment mounted)"
+    text = gs.report([on], 0.5, SimpleNamespace(describe=lambda: "w"), "cmd")
+    assert (
+        "- raw Mooncake bandwidth: not measured (AssertionError: put: NO_AVAILABLE_HANDLE" in text
+    )
+    assert "load bandwidth reached: 40.0 MB/s" in text
+    assert "ratio" not in text.split("load bandwidth reached")[1].split("\n")[1]
