@@ -373,14 +373,14 @@ def report(
             "```",
             "",
         ]
+        if on.raw_error:  # said whether or not anything was loaded
+            lines.append(f"- raw Mooncake bandwidth: not measured ({on.raw_error[:200]})")
         if load_s:
             bw = loaded / load_s / 1e6
             lines.append(
                 f"- layer-wise load bandwidth reached: {bw:.1f} MB/s "
                 f"({loaded / 1e6:.1f} MB in {load_s:.2f} s of load-thread time)"
             )
-            if on.raw_error:
-                lines.append(f"- raw Mooncake bandwidth: not measured ({on.raw_error[:200]})")
             if on.raw_get_mbps:
                 lines.append(
                     f"- raw Mooncake get bandwidth, same store, {on.page_nbytes} B pages, batches of 16, "
