@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 #: Default inbound size cap of every socket, per frame.
 MAX_MESSAGE_BYTES = 64 << 20
 
+#: How long a server waits for its named port to come free (see :func:`_bind`).
+BIND_WAIT_S = 2.0
+
 Handler = Callable[..., Any]
 
 #: ``keys=`` default: the keys of this process's cluster secret, if it has one
@@ -60,6 +63,29 @@ FROM_ENV: Any = object()
 
 def _keys(keys: Any) -> CurveKeys | None:
     return security.process_keys() if keys is FROM_ENV else keys
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> None:
+    """Bind ``endpoint``, waiting up to :data:`BIND_WAIT_S` for a named port in use.
+
+    A server that comes back on its old port (a restarted process, a restarted
+    thread) can find it briefly taken: ZMQ closes the previous socket's listener
+    on its I/O thread after ``close`` returns, and a peer's reconnect to the free
+    port may, on Linux, get that very port as its own source port and hold it
+    for a moment. Either passes within milliseconds; a port another server holds
+    still fails, after the wait.
+    """
+    deadline = time.monotonic() + BIND_WAIT_S
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or endpoint.endswith(":*"):
+                raise
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
 
 
 class ChannelError(RuntimeError):
@@ -109,7 +135,7 @@ class Server:
         try:
             if self.keys is not None:
                 security.secure_server(self._sock, ctx, self.keys)
-            self._sock.bind(bind)
+            _bind(self._sock, bind)
         except zmq.ZMQError:
             self._sock.close(0)
             raise

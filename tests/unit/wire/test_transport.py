@@ -8,7 +8,9 @@ from typing import Union
 
 import msgspec
 import pytest
+import zmq
 
+from bana_sglang.wire import transport
 from bana_sglang.wire.envelope import Channel, Error, Reply, Request, encode
 from bana_sglang.wire.transport import ChannelError, Client, Server
 
@@ -166,3 +168,25 @@ def test_handlers_must_be_for_the_channels_types():
 
     with pytest.raises(ValueError, match="Other"):
         Server(CHANNEL, {Other: echo}, "tcp://127.0.0.1:*")
+
+
+def test_a_server_comes_back_on_its_port_while_the_old_one_is_let_go(monkeypatch):
+    """A restarted server binds its old port as soon as it is free (the old socket
+    closes on ZMQ's I/O thread; a reconnecting client may hold the port a moment),
+    and a port another server holds is refused once the wait is over."""
+    first = Server(CHANNEL, {Echo: echo}, "tcp://127.0.0.1:*").start("first")
+    endpoint = first.endpoint
+    monkeypatch.setattr(transport, "BIND_WAIT_S", 0.3)
+    t0 = time.monotonic()
+    with pytest.raises(zmq.ZMQError) as held:
+        Server(CHANNEL, {Echo: echo}, endpoint)
+    assert held.value.errno == zmq.EADDRINUSE and time.monotonic() - t0 >= 0.3
+    monkeypatch.setattr(transport, "BIND_WAIT_S", 5.0)
+    threading.Timer(0.2, first.close).start()  # let go while the second one waits
+    second = Server(CHANNEL, {Echo: echo}, endpoint).start("second")
+    try:
+        client = Client(endpoint, CHANNEL, timeout_s=5)
+        assert client.request(Echo, text="back").text == "back"
+        client.close()
+    finally:
+        second.close()
