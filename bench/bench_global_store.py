@@ -28,7 +28,8 @@ and visible to every worker; SGLang computes at least one token); and, for
 one store arm (``ours`` when it ran, else ``store-round-robin``), the
 per-request breakdown, the store's counters, the load bandwidth the workers reached (bytes loaded / load
 time, layer by layer) against raw Mooncake bandwidth measured in the same run
-on the same store with the same page size (whole pages, batched), and the
+on the same store with the same page size (whole pages, batched; taken on
+the warmed-up cluster just before its replay, while the segment has room), and the
 fraction of load time hidden under compute. The targets: a global hit
 rate >= 90% of the infinite-cache rate and >= 1.5x the stock local rate.
 
@@ -146,6 +147,8 @@ def run_arm(
             endpoint=plan.endpoint, model=plan.served_model_name, space=space, timeout_s=600
         )
         warmup(ccfg, space, 2)
+        # before the replay: its pages would leave the probe no room in a full segment
+        raw = probe_raw(name, plan, raw_mb)
         sampler = LoadSampler(urls, 0.5)
         before, rbefore = breakdown.scrape(urls), breakdown.router_metrics(plan.endpoint)
         cpu0 = breakdown.cpu_of_parts(cluster.procs)
@@ -167,17 +170,25 @@ def run_arm(
         result.metrics, result.router, result.requests = deltas, rdelta, len(records)
         result.cpu_s = cpu_s
         result.start_ttft, result.after_ttft = split_ttft(records, start_s)
-        if plan.store and plan.master is not None:
-            result.page_nbytes = breakdown.page_nbytes(plan)
-            try:
-                result.raw_put_mbps, result.raw_get_mbps = breakdown.raw_bandwidth(
-                    breakdown.master_addr(plan), result.page_nbytes, raw_mb
-                )
-            except Exception as e:  # noqa: BLE001  (the replay's numbers are kept)
-                # e.g. a long replay's pages fill the store and the probe's puts find no room
-                result.raw_error = f"{type(e).__name__}: {e}"
-                logger.warning("%s: the raw bandwidth probe failed: %s", name, result.raw_error)
+        result.page_nbytes, result.raw_put_mbps, result.raw_get_mbps, result.raw_error = raw
     return result
+
+
+def probe_raw(
+    name: str, plan, raw_mb: int
+) -> tuple[int | None, float | None, float | None, str | None]:
+    """(page bytes, raw put MB/s, raw get MB/s, why not measured) of a store arm's
+    Mooncake store, taken on the quiet cluster; all None for an arm without the store.
+    A failure is kept as its reason, and the arm's replay still runs."""
+    if not (plan.store and plan.master is not None):
+        return None, None, None, None
+    page = breakdown.page_nbytes(plan)
+    try:
+        put, get = breakdown.raw_bandwidth(breakdown.master_addr(plan), page, raw_mb)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("%s: the raw bandwidth probe failed: %s", name, e)
+        return page, None, None, f"{type(e).__name__}: {e}"
+    return page, put, get, None
 
 
 def _sum(store: dict[str, dict[str, float] | None], key: str) -> float:
