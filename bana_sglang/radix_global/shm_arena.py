@@ -17,7 +17,8 @@ a worker's exit loses nothing (:mod:`.store`'s invariant).
 - :class:`LocalPut`: the worker's client of the storage channel.
 - :class:`ArenaHost`: the storage process's side: maps arenas after checking the
   file (the caller's own 0600 regular file directly in ``/dev/shm``, of the stated
-  size; no symlink), one per owner, and puts objects from them.
+  size; no symlink), one per owner, and puts objects from them; an arena whose
+  worker process is gone (exited or killed) is unmapped (:meth:`ArenaHost.reap`).
 
 The arena is also registered with the worker's own Mooncake client, so a put the
 storage process cannot take (it restarted, it does not answer) falls back to the
@@ -34,6 +35,7 @@ import os
 import secrets
 import stat
 import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -127,7 +129,9 @@ class LocalPut:
     def map(self, arena: SharedArena) -> None:
         """Have the storage process map ``arena`` (its file may be unlinked after)."""
         self.arena = None
-        reply = self._call(m.MapArena, path=arena.path, nbytes=arena.nbytes, owner=self.owner)
+        reply = self._call(
+            m.MapArena, path=arena.path, nbytes=arena.nbytes, owner=self.owner, pid=os.getpid()
+        )
         self.arena = reply.arena
 
     def put(self, keys: Sequence[str], offsets: Sequence[int], size: int) -> list[int]:
@@ -187,6 +191,19 @@ def open_arena(path: str, nbytes: int, directory: str = SHM_DIR) -> mmap.mmap:
         os.close(fd)
 
 
+def process_start(pid: int) -> int | None:
+    """``pid``'s start time (clock ticks since boot, ``/proc/PID/stat`` field 22), or
+    None when no such process runs: with the pid, it names one process (pids are reused)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may hold spaces or ")"
+    fields = stat_line[stat_line.rindex(b")") + 2 :].split()
+    return int(fields[19])
+
+
 @dataclass
 class _Mapped:
     owner: str
@@ -194,16 +211,20 @@ class _Mapped:
     anchor: Any  # the ctypes view that gives the address (released before the unmap)
     ptr: int
     nbytes: int
+    pid: int = 0  # the worker process that mapped it (0: not known)
+    started: int | None = None  # and that process's start time
 
 
 class ArenaHost:
     """The storage process's arenas and the channel's handlers. ``store``: its
     ``MooncakeDistributedStore`` (``register_buffer``, ``unregister_buffer``,
-    ``batch_put_from``); called from the channel's one serving thread."""
+    ``batch_put_from``). The handlers run on the channel's serving thread and
+    :meth:`reap` on another; a lock keeps an arena from going while it is read."""
 
     def __init__(self, store: Any, directory: str = SHM_DIR):
         self._store, self._dir = store, directory
         self._arenas: dict[int, _Mapped] = {}
+        self._lock = threading.Lock()
 
     def handlers(self) -> dict:
         return {m.MapArena: self.map, m.PutPages: self.put}
@@ -213,21 +234,30 @@ class ArenaHost:
             mm = open_arena(req.path, req.nbytes, self._dir)
         except InvalidArena as e:
             return m.Error(id=req.id, reason="invalid", detail=str(e))
+        started = process_start(req.pid) if req.pid else None
+        pid = req.pid if started is not None else 0  # not seen here (another pid namespace)
         anchor = ctypes.c_char.from_buffer(mm)
         ptr = ctypes.addressof(anchor)
-        rc = self._store.register_buffer(ptr, req.nbytes)
-        if rc != 0:
-            del anchor
-            mm.close()
-            return m.Error(id=req.id, reason="invalid", detail=f"register_buffer returned {rc}")
-        for aid in [a for a, x in self._arenas.items() if x.owner == req.owner]:
-            self._drop(aid)  # the owner's earlier arena (a restarted or remapping worker)
-        aid = secrets.randbits(63)  # never an id a worker holds from an earlier process
-        self._arenas[aid] = _Mapped(req.owner, mm, anchor, ptr, req.nbytes)
-        logger.info("mapped %s's arena %d (%d bytes)", req.owner, aid, req.nbytes)
+        with self._lock:
+            rc = self._store.register_buffer(ptr, req.nbytes)
+            if rc != 0:
+                del anchor
+                mm.close()
+                return m.Error(id=req.id, reason="invalid", detail=f"register_buffer returned {rc}")
+            for aid in [a for a, x in self._arenas.items() if x.owner == req.owner]:
+                self._drop(aid)  # the owner's earlier arena (a restarted or remapping worker)
+            aid = secrets.randbits(63)  # never an id a worker holds from an earlier process
+            self._arenas[aid] = _Mapped(req.owner, mm, anchor, ptr, req.nbytes, pid, started)
+        logger.info(
+            "mapped %s's arena %d (%d bytes, pid %s)", req.owner, aid, req.nbytes, pid or "?"
+        )
         return m.Mapped(id=req.id, arena=aid)
 
     def put(self, req: m.PutPages) -> Any:
+        with self._lock:
+            return self._put(req)
+
+    def _put(self, req: m.PutPages) -> Any:
         a = self._arenas.get(req.arena)
         if a is None or a.owner != req.owner:
             return m.Error(
@@ -255,6 +285,24 @@ class ArenaHost:
     def arenas(self) -> int:
         return len(self._arenas)
 
+    def reap(self) -> list[str]:
+        """Unmap the arenas whose worker process is gone (its pid no longer runs, or
+        runs another process); the owners whose arena went. An arena mapped without
+        a pid stays until its owner maps another or :meth:`close`."""
+        with self._lock:
+            gone = [
+                aid
+                for aid, a in self._arenas.items()
+                if a.pid and process_start(a.pid) != a.started
+            ]
+            owners = []
+            for aid in gone:
+                owners.append(self._arenas[aid].owner)
+                self._drop(aid)
+        for owner in owners:
+            logger.info("unmapped %s's arena: its process is gone", owner)
+        return owners
+
     def _drop(self, aid: int) -> None:
         a = self._arenas.pop(aid)
         self._store.unregister_buffer(a.ptr)
@@ -265,5 +313,6 @@ class ArenaHost:
             pass
 
     def close(self) -> None:
-        for aid in list(self._arenas):
-            self._drop(aid)
+        with self._lock:
+            for aid in list(self._arenas):
+                self._drop(aid)

@@ -16,7 +16,8 @@ segment is mounted, binds 127.0.0.1 by default, and exits cleanly on SIGTERM.
 With ``--put-listen tcp://HOST:PORT`` it also answers the storage channel
 (:mod:`bana_sglang.wire.storage`, authenticated like every channel): workers on
 this host frame their pages in shared-memory arenas and it puts them into its
-own segment with a local copy (:mod:`.shm_arena`).
+own segment with a local copy (:mod:`.shm_arena`). Every 0.5 s it unmaps the
+arenas of workers whose process is gone.
 
 Lifecycle: setup retries until the master answers (a storage process may start
 before the master); after a master restart Mooncake's client re-mounts the
@@ -126,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     puts = f" puts={server.endpoint}" if server is not None else ""
     print(f"{READY_LINE} segment={a.segment_bytes} master={a.master}{puts}", flush=True)
     while not stop.wait(0.5):  # a timed wait: signals are handled promptly
-        pass
+        if host is not None:
+            host.reap()  # the arenas of workers that exited or were killed
     if server is not None:
         server.close()
     if host is not None:

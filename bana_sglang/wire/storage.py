@@ -52,11 +52,14 @@ class _Request(_Envelope, kw_only=True, frozen=True):
 
 class MapArena(_Request, tag="map_arena"):
     """Map ``path`` (``nbytes``, the caller's own 0600 file in ``/dev/shm``) as
-    ``owner``'s arena; an arena the same owner mapped before is dropped."""
+    ``owner``'s arena; an arena the same owner mapped before is dropped. ``pid``:
+    the caller's process on this host; its arena is dropped once that process is
+    gone (0: kept until the owner maps another or the storage process exits)."""
 
     path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
     nbytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_ARENA_BYTES)]
     owner: Owner
+    pid: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)] = 0
 
 
 class PutPages(_Request, tag="put_pages"):

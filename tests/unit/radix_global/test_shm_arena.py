@@ -10,6 +10,8 @@ import ctypes
 import glob
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -26,10 +28,11 @@ from bana_sglang.radix_global.shm_arena import (
     LocalPut,
     LocalPutError,
     SharedArena,
+    process_start,
 )
 from bana_sglang.radix_global.store import PageStore
 from bana_sglang.wire import storage as m
-from bana_sglang.wire.transport import Server
+from bana_sglang.wire.transport import Client, Server
 
 LAYOUT = KVLayout("shm-arena", "float32", page_size=4, num_kv_heads=2, head_dim=8, num_layers=3)
 KEY = b"s" * 32
@@ -276,3 +279,42 @@ def test_a_put_the_storage_process_cannot_take_goes_direct_then_a_fresh_arena_ma
     assert_pages(kv.objects, c5, pool, ids)
     assert len([r for r in kv.registered if r[1] == 1 << 20]) == 1  # the private one
     pub.close()
+
+
+def test_the_arena_of_a_worker_process_that_is_gone_is_unmapped(storage):
+    """Each arena is tied to the process that mapped it: when that process exits (or
+    is killed), the storage process's next reap unregisters and unmaps it; an arena
+    of a live process, or of a pid the storage process cannot see, stays."""
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    unseen = subprocess.Popen([sys.executable, "-c", "pass"])  # a pid no process has now
+    unseen.wait()
+    client = Client(storage.endpoint, m.CHANNEL, timeout_s=5)
+    arenas = [SharedArena(1 << 16) for _ in range(3)]
+    try:
+        owners = {"killed": worker.pid, "alive": os.getpid(), "unseen": unseen.pid}
+        for arena, (owner, pid) in zip(arenas, owners.items()):
+            reply = client.request(
+                m.MapArena, path=arena.path, nbytes=arena.nbytes, owner=owner, pid=pid
+            )
+            assert isinstance(reply, m.Mapped), reply
+            arena.unlink()
+        assert storage.host.arenas == 3 and storage.host.reap() == []
+        worker.kill()
+        worker.wait()
+        assert storage.host.reap() == ["killed"]
+        assert storage.host.arenas == 2 and len(storage.native.unregistered) == 1
+        assert storage.host.reap() == []
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        for arena in arenas:
+            arena.close()
+        client.close()
+
+
+def test_a_process_is_named_by_its_pid_and_its_start_time():
+    me = process_start(os.getpid())
+    assert me is not None and me == process_start(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert process_start(child.pid) is None
