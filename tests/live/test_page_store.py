@@ -10,6 +10,7 @@ outage, hits again afterwards.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -311,6 +312,51 @@ def test_pages_published_through_the_storage_process_are_read_back_exactly(moonc
             assert torch.equal(reader.get_page(page), want)
         reader.kv.close()
         pub.close()
+
+
+WORKER_THAT_MAPS = """
+import sys, time
+from bana_sglang.radix_global.shm_arena import LocalPut, SharedArena
+arena = SharedArena(1 << 20)
+LocalPut(sys.argv[1], "w-killed").map(arena)
+arena.unlink()
+print(arena.path, flush=True)
+time.sleep(120)
+"""
+
+
+def _mapped_by(pid: int, path: str) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return any(path in line for line in f)
+
+
+def test_the_arena_of_a_killed_worker_is_unmapped_by_the_storage_process(mooncake):
+    """A worker process maps its arena into the real storage process and is killed:
+    within a few seconds the storage process no longer maps the file."""
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER_THAT_MAPS, mooncake.puts],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        path = worker.stdout.readline().strip()
+        assert path.startswith("/dev/shm/bana-arena-"), path
+        storage = mooncake.storage.pid
+        assert storage and _mapped_by(storage, path)
+        worker.kill()
+        worker.wait()
+        wait_until(
+            lambda: not _mapped_by(storage, path),
+            proc=mooncake.storage,
+            what="the storage process to unmap the killed worker's arena",
+            timeout=10,
+            interval=0.1,
+        )
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.stdout.close()
 
 
 def _outage_while_requests_flow(mooncake: Mooncake, kill, restart, what: str, settle=None):
