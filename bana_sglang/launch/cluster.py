@@ -200,6 +200,7 @@ class Cluster:
             timeout=max(1.0, deadline - time.monotonic()),
             stop=self.stop_event,
         )
+        proc.note_shared_files()
         logger.info("%s is ready", part.name)
 
     def start(self) -> None:

@@ -7,6 +7,9 @@ Invariants:
   signalling (a parent that exits first would orphan its children), sends
   SIGTERM, waits, then SIGKILLs whatever is left: nothing outlives ``stop``;
 - a child whose launcher dies gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``);
+- the ``/dev/shm`` files SGLang leaves behind (:data:`LEFT_SHM_PREFIXES`) that a
+  child's tree maps are noted while it runs (:meth:`ManagedProcess.note_shared_files`,
+  and at :meth:`~ManagedProcess.terminate`) and removed once it is reaped;
 - a child's output is never lost: it is streamed line by line with a name
   prefix (or to a file per process) and the last lines are kept for error
   messages.
@@ -35,6 +38,29 @@ import psutil
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+
+#: ``/dev/shm`` files an SGLang server creates and never removes (its load snapshot
+#: slots, ``sglang.srt.managers.load_snapshot``; SGLang's own CI sweeps them): each
+#: start of a worker left one of 16 KiB for good.
+LEFT_SHM_PREFIXES = ("/dev/shm/sglang_loads_",)
+
+
+def shared_files(pids: Sequence[int]) -> set[str]:
+    """The :data:`LEFT_SHM_PREFIXES` files that processes ``pids`` map now."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    at = line.find("/dev/shm/")
+                    if at < 0:
+                        continue
+                    path = line[at:].rstrip("\n")
+                    if path.startswith(LEFT_SHM_PREFIXES) and not path.endswith("(deleted)"):
+                        found.add(path)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
 class ProcessStartError(RuntimeError):
@@ -82,6 +108,7 @@ class ManagedProcess:
         self._reader: threading.Thread | None = None
         self._echo_lock = threading.Lock()
         self._tree: list[psutil.Process] = []
+        self._shared_files: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -122,11 +149,20 @@ class ManagedProcess:
         except psutil.NoSuchProcess:
             return []
 
+    def note_shared_files(self) -> None:
+        """Remember the files of :data:`LEFT_SHM_PREFIXES` the child's tree maps now,
+        to remove them once it is reaped (call it when the child is ready: a child
+        that dies later can no longer say which were its own)."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        self._shared_files |= shared_files([self._proc.pid, *(p.pid for p in self.descendants())])
+
     def terminate(self) -> None:
         """Ask the child to exit (SIGTERM to the leader only, so that it can shut
         its own children down cleanly); remembers its tree for :meth:`kill`."""
         if self._proc is None:
             return
+        self.note_shared_files()
         self._tree = self.descendants()
         if self._proc.poll() is None:
             try:
@@ -164,7 +200,22 @@ class ManagedProcess:
             logger.error("%s (pid %s) survived SIGKILL", self.name, self._proc.pid)
         if self._reader:
             self._reader.join(timeout=2)
+        self.remove_shared_files()
         return self._proc.returncode
+
+    def remove_shared_files(self) -> None:
+        """Remove the noted shared files once the child's whole tree is gone."""
+        if not self._shared_files or not self.exited():
+            return
+        for path in sorted(self._shared_files):
+            try:
+                os.unlink(path)
+                logger.debug("%s: removed %s", self.name, path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                logger.warning("%s: cannot remove %s: %s", self.name, path, e)
+        self._shared_files.clear()
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """Terminate, wait up to ``timeout``, kill what is left, reap. Idempotent."""
@@ -214,6 +265,8 @@ def stop_all(procs: Sequence[ManagedProcess], timeout: float = 20.0) -> dict[str
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline and not all(p.exited() for p in procs):
         time.sleep(0.05)
+    for p in procs:
+        p.remove_shared_files()
     return codes
 
 

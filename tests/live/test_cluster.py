@@ -15,6 +15,7 @@ project's router (``bana_sglang.router``, the launcher's default) in front.
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import time
@@ -25,6 +26,7 @@ import pytest
 from support.cluster import LaunchedCluster
 from support.migrate import KEY, generate
 
+from bana_sglang.launch.procs import shared_files
 from bana_sglang.wire import security
 
 pytestmark = pytest.mark.slow
@@ -299,6 +301,8 @@ def test_sigterm_stops_everything_and_frees_the_ports(cluster):
         except psutil.Error:
             pass
     assert ports
+    left = shared_files([p.pid for p in tree])  # SGLang's own, never removed by it
+    assert left, "every worker maps its load snapshot file"
     cluster.proc.send_signal(signal.SIGTERM)
     assert cluster.proc.wait(timeout=120) == 0
     time.sleep(1)
@@ -311,4 +315,5 @@ def test_sigterm_stops_everything_and_frees_the_ports(cluster):
         c.laddr.port for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN
     }
     assert not ports & listening
+    assert not [f for f in left if os.path.exists(f)], "the launcher removes them"
     assert any("cluster stopped" in line for line in cluster.lines)

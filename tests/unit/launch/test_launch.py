@@ -181,6 +181,50 @@ def test_stop_reaps_the_whole_tree_even_when_sigterm_is_ignored():
         assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
 
 
+_MAPS_LOAD_FILE = """
+import mmap, os, subprocess, sys, time
+def make(path):
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    return fd
+mapped = mmap.mmap(make(sys.argv[1]), 4096)  # as SGLang's load snapshot writer does
+make(sys.argv[2])  # created, never mapped: not the child's to say
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("ending", ["stop", "crash"])
+def test_the_shm_files_sglang_leaves_are_removed_with_their_process(ending):
+    """SGLang never removes its load-snapshot file in /dev/shm: the launcher notes the
+    ones a part's tree maps once it is ready and removes them when the part is stopped
+    or has died; a file the tree does not map is left alone."""
+    tag = f"bana-test-{os.getpid()}-{ending}"
+    mapped, other = f"/dev/shm/sglang_loads_{tag}.shm", f"/dev/shm/sglang_loads_{tag}-x.shm"
+    proc = ManagedProcess("shm", [sys.executable, "-c", _MAPS_LOAD_FILE, mapped, other])
+    try:
+        proc.start()
+        wait_until(
+            lambda: "ready" in proc.tail(), proc=proc, what="ready line", timeout=30, interval=0.1
+        )
+        proc.note_shared_files()
+        assert os.path.exists(mapped) and os.path.exists(other)
+        if ending == "stop":
+            proc.stop(timeout=5.0)
+        else:
+            os.kill(proc.pid, 9)  # dies on its own; the launcher kills its group and reaps
+            proc.kill()
+            proc.reap()
+        assert not os.path.exists(mapped)
+        assert os.path.exists(other)
+    finally:
+        proc.stop(timeout=1.0)
+        for path in (mapped, other):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 def test_start_failure_names_the_part_and_shows_its_output():
     proc = ManagedProcess(
         "broken", [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"]
