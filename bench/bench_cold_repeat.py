@@ -304,22 +304,21 @@ def report(runs: Sequence[ArmRun], command: str, n: int, length: int, gap: float
 
 ROUND_CI = 0.9
 ROUND_DRAWS = 2000
-# the columns of the CPU table: a cluster part's name starts with one of these
-CPU_PARTS = breakdown.CPU_PARTS
+CPU_COLUMNS = [c for _, c in breakdown.CPU_PARTS]
 
 
 def cpu_per_request(rs: Sequence[ArmRun], phase: str) -> dict[str, float] | None:
-    """CPU ms per request of ``phase`` by column of :data:`CPU_PARTS` (and ``total``),
+    """CPU ms per request of ``phase`` by column of ``breakdown.CPU_PARTS`` (and ``total``),
     pooled over the runs ``rs``; None when no run measured it."""
     phases = [getattr(r, phase) for r in rs]
     n = sum(len(ph.ttft_s) for ph in phases if ph.cpu_s)
     if not n:
         return None
-    out = {col: 0.0 for _, col in CPU_PARTS}
+    out: dict[str, float] = {}
     for ph in phases:
         for col, secs in breakdown.cpu_columns(ph.cpu_s).items():
-            if col in out:
-                out[col] += 1e3 * secs / n
+            if col != "total":
+                out[col] = out.get(col, 0.0) + 1e3 * secs / n
     out["total"] = sum(out.values())
     return out
 
@@ -330,11 +329,11 @@ def cpu_table(by: dict[tuple[str, str], list[ArmRun]]) -> list[str]:
         for phase in ("cold", "repeat"):
             ms = cpu_per_request(rs, phase)
             if ms is not None:
-                cells = " | ".join(f"{ms[c]:.1f}" for _, c in CPU_PARTS)
+                cells = " | ".join(f"{ms[c]:.1f}" for c in CPU_COLUMNS)
                 rows.append(f"| {model} | {arm} | {phase} | {cells} | {ms['total']:.1f} |")
     if not rows:
         return []
-    head = " | ".join(c for _, c in CPU_PARTS)
+    head = " | ".join(CPU_COLUMNS)
     return [
         "",
         "CPU per request by part of the cluster (ms of user + system time, every process and "
@@ -342,7 +341,7 @@ def cpu_table(by: dict[tuple[str, str], list[ArmRun]]) -> list[str]:
         "rounds pooled; prefill: both workers):",
         "",
         f"| model | arm | phase | {head} | total |",
-        "|---|---|---|" + "---|" * (len(CPU_PARTS) + 1),
+        "|---|---|---|" + "---|" * (len(CPU_COLUMNS) + 1),
         *rows,
     ]
 
