@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -203,18 +204,36 @@ class Cluster:
         proc.note_shared_files()
         logger.info("%s is ready", part.name)
 
+    def _wait_all_ready(self, started: list[tuple[Part, ManagedProcess]], deadline: float) -> None:
+        """Wait for parts started together, each on its own thread: an SGLang worker's
+        ``/health`` generates a token and takes a second even when it is up, so waiting
+        for N workers one after another would add N - 1 seconds. The first part that
+        fails to come up stops the others' waits and is raised."""
+        if len(started) <= 1:
+            for part, proc in started:
+                self._wait_ready(part, proc, deadline)
+            return
+        with ThreadPoolExecutor(len(started), thread_name_prefix="bana-ready") as pool:
+            futures = [
+                pool.submit(self._wait_ready, part, proc, deadline) for part, proc in started
+            ]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f in done and f.exception() is not None), None)
+            if failed is not None:
+                self.stop_event.set()  # the other waits end at their next poll
+                raise failed.exception()
+
     def start(self) -> None:
         """Start every part; raises :class:`ProcessStartError` (after stopping all) on failure."""
         deadline = self._deadline = time.monotonic() + self.startup_timeout
         try:
             if self.plan.master:
                 self._wait_ready(self.plan.master, self._spawn(self.plan.master), deadline)
-            for part, proc in [(part, self._spawn(part)) for part in self.plan.store]:
-                self._wait_ready(part, proc, deadline)
+            self._wait_all_ready([(part, self._spawn(part)) for part in self.plan.store], deadline)
             # Workers start together: their start-up is mostly imports and overlaps well.
-            started = [(part, self._spawn(part)) for part in self.plan.workers]
-            for part, proc in started:
-                self._wait_ready(part, proc, deadline)
+            self._wait_all_ready(
+                [(part, self._spawn(part)) for part in self.plan.workers], deadline
+            )
             if self.plan.router:
                 router = self._spawn(self.plan.router)
                 self._wait_ready(self.plan.router, router, deadline)

@@ -307,6 +307,63 @@ def test_a_part_that_exits_is_restarted_and_a_crash_loop_is_given_up_on(tmp_path
     assert (tmp_path / "logs" / "decode-0.log").read_text().count("up") == 6
 
 
+# A worker whose /health, like SGLang's, answers only after generating a token: here
+# after ``argv[2]`` seconds, on port ``argv[1]``.
+SLOW_HEALTH = (
+    "import http.server, sys, time\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        time.sleep(float(sys.argv[2])); self.send_response(200); self.end_headers()\n"
+    "    def log_message(self, *a): pass\n"
+    "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+)
+
+
+def _slow_workers(n: int, delay: float) -> tuple:
+    from bana_sglang.launch import Part
+    from bana_sglang.launch.procs import PortAllocator
+
+    alloc = PortAllocator("127.0.0.1", 42000)
+    out = []
+    for k in range(n):
+        port = alloc.take()
+        argv = (sys.executable, "-c", SLOW_HEALTH, str(port), str(delay))
+        out.append(Part(f"prefill-{k}", argv, health_url=f"http://127.0.0.1:{port}/health"))
+    return tuple(out)
+
+
+def test_workers_are_waited_for_together():
+    from bana_sglang.launch import Cluster, ClusterPlan
+
+    # three workers whose health check takes 2 s: one after another, at least 6 s
+    parts = _slow_workers(3, 2.0)
+    plan = ClusterPlan("http://127.0.0.1:1", "m", "m", None, parts, None, env=dict(os.environ))
+    t0 = time.monotonic()
+    with Cluster(plan, restart=False) as c:
+        took = time.monotonic() - t0
+        assert all(p.poll() is None for p in c.procs)
+    assert took < 5.0, f"start took {took:.1f} s"
+
+
+def test_a_worker_that_dies_while_others_start_stops_the_start_at_once():
+    from bana_sglang.launch import Cluster, ClusterPlan, Part
+
+    never = "import time; time.sleep(60)"  # never healthy: its wait would last the timeout
+    dies = "import time; print('no such model', flush=True); time.sleep(0.5); raise SystemExit(3)"
+    parts = (
+        Part("prefill-0", (sys.executable, "-c", never), health_url="http://127.0.0.1:1/health"),
+        Part("decode-0", (sys.executable, "-c", dies), health_url="http://127.0.0.1:1/health"),
+    )
+    plan = ClusterPlan("http://127.0.0.1:1", "m", "m", None, parts, None, env=dict(os.environ))
+    c = Cluster(plan, startup_timeout=60, restart=False)
+    t0 = time.monotonic()
+    with pytest.raises(ProcessStartError) as err:
+        c.start()
+    assert time.monotonic() - t0 < 10
+    assert err.value.name == "decode-0" and "no such model" in str(err.value)
+    assert all(p.poll() is not None for p in c.procs)  # everything it started is stopped
+
+
 UP = "import time; print('up', flush=True); "
 
 
