@@ -30,6 +30,7 @@ from support.migrate import (
     cli,
     counter,
     generate,
+    generate_many,
     migration,
     pid_of,
     prompts_of,
@@ -94,7 +95,7 @@ def test_kv_pages_move_mid_answer_and_the_tokens_stay_the_same(cluster, single_s
     # long answers without EOS: the move lands at a batch boundary after the peer opened its
     # host (a round trip, seconds on a loaded machine), and requests must still be running then
     n = 3 * NEW
-    want = [generate(single_server, ids, n, ignore_eos=True) for ids in LONG]
+    want = generate_many(single_server, LONG, n, ignore_eos=True)
     wait_idle_and_whole(cluster)
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(generate, cluster.url, ids, n, KEY, True) for ids in LONG]
@@ -136,7 +137,7 @@ def test_a_recall_while_requests_run_brings_the_pages_home(cluster, single_serve
     # longer answers than the other tests: the two CLI calls (a second or more of imports each on
     # a loaded machine) must land while the requests still run, or the pages are home already
     n = 3 * NEW
-    want = [generate(single_server, ids, n) for ids in prompts]
+    want = generate_many(single_server, prompts, n)
     wait_idle_and_whole(cluster)
     mid = f"kv-recall-{who}"
     with ThreadPoolExecutor(3) as pool:
@@ -190,7 +191,7 @@ def test_killing_the_host_never_returns_wrong_tokens_and_the_decode_worker_keeps
 ):
     prompts = prompts_of(23, 4, base=140, step=30)
     n = 2 * NEW  # long enough that the kill lands while the requests still decode
-    want = [generate(single_server, ids, n) for ids in prompts]
+    want = generate_many(single_server, prompts, n)
     wait_idle_and_whole(cluster)
     host_pid = pid_of(cluster, "prefill-1")  # its scheduler, where the KV host runs
     agents_urls = {name: a["url"] for name, a in agents(cluster).items()}

@@ -28,7 +28,17 @@ import httpx
 import psutil
 import pytest
 from support.cluster import launched_cluster
-from support.migrate import KEY, agents, cli, counter, generate, pid_of, prompts_of, wait_state
+from support.migrate import (
+    KEY,
+    agents,
+    cli,
+    counter,
+    generate,
+    generate_many,
+    pid_of,
+    prompts_of,
+    wait_state,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +133,7 @@ def router_counter(c, name: str) -> float:
 
 def test_streamed_requests_move_mid_answer_and_read_as_one_answer(cluster, single_server):
     prompts = prompts_of(31, 3, base=60, step=30)
-    want = [generate(single_server, ids, NEW_CLI, ignore_eos=True) for ids in prompts]
+    want = generate_many(single_server, prompts, NEW_CLI, ignore_eos=True)
     urls = {w: st["url"] for w, st in agents(cluster).items()}
     loaded = counter(urls["prefill-0"], "bana_store_loaded_pages_total")
     streams = [Stream(cluster.url, "/generate", gen_body(ids, NEW_CLI)) for ids in prompts]
@@ -351,7 +361,7 @@ def test_streams_of_a_decode_worker_that_dies_go_on_elsewhere(cluster, single_se
     stream to the router in ``bana_ids`` events). Then the next test, with that worker
     still dead."""
     gens = prompts_of(61, 4, base=40, step=20)
-    want = [generate(single_server, ids, NEW, ignore_eos=True) for ids in gens]
+    want = generate_many(single_server, gens, NEW, ignore_eos=True)
     comps = prompts_of(71, 2, base=50, step=20)
     want_text = [completion_text(single_server, ids, NEW) for ids in comps]
     chats = [chat_body(t) for t in ("the sea", "the hills")]

@@ -53,6 +53,22 @@ def generate(
     return r.json()["output_ids"]
 
 
+def generate_many(
+    url: str, prompts: list[list[int]], n: int, ignore_eos: bool = False
+) -> list[list[int]]:
+    """:func:`generate` for several prompts in one batched request (the reference
+    answers decode together, not one after another)."""
+    sp = {"temperature": 0, "max_new_tokens": n, **({"ignore_eos": True} if ignore_eos else {})}
+    r = httpx.post(
+        url + "/generate", timeout=300, json={"input_ids": prompts, "sampling_params": sp}
+    )
+    assert r.status_code == 200, r.text
+    outs = [x["output_ids"] for x in r.json()]
+    assert len(outs) == len(prompts)
+    assert not ignore_eos or all(len(o) == n for o in outs)
+    return outs
+
+
 def counter(url: str, name: str) -> float:
     """A counter on a worker's /metrics (SGLang's multiprocess registry)."""
     text = httpx.get(url + "/metrics", timeout=30).text
