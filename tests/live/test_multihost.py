@@ -80,13 +80,15 @@ class Launcher:
     def saw(self, text: str) -> bool:
         return any(text in x for x in self.lines)
 
-    def stop(self) -> None:
+    def signal_stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+
+    def wait_stopped(self) -> None:
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 class MultiHost:
@@ -204,8 +206,10 @@ def hosts(tmp_path_factory) -> Iterator[MultiHost]:
                 time.sleep(1)
             yield MultiHost(lab, spec, launchers)
         finally:
+            for x in launchers.values():  # every node stops at once
+                x.signal_stop()
             for x in launchers.values():
-                x.stop()
+                x.wait_stopped()
 
 
 def prompt(seed: int, n: int) -> list[int]:
