@@ -229,10 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-delay", type=float, default=0.005)
     p.add_argument("--policy", default="bana", help="our router's policy")
     p.add_argument(
-        "--no-stock",
-        dest="stock",
-        action="store_false",
-        help="skip the stock sglang_router arm (it is measured in the same run by default)",
+        "--stock",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the stock sglang_router arm in the same run (--no-stock skips it)",
     )
     p.add_argument(
         "--pin",
