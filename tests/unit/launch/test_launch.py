@@ -308,41 +308,39 @@ def test_a_part_that_exits_is_restarted_and_a_crash_loop_is_given_up_on(tmp_path
 
 
 # A worker whose /health, like SGLang's, answers only after generating a token: here
-# after ``argv[2]`` seconds, on port ``argv[1]``.
+# after ``argv[2]`` seconds, on port ``argv[1]``; it notes when its first check came
+# (wall clock) in the file ``argv[3]``.
 SLOW_HEALTH = (
-    "import http.server, sys, time\n"
+    "import http.server, pathlib, sys, time\n"
+    "seen = pathlib.Path(sys.argv[3])\n"
     "class H(http.server.BaseHTTPRequestHandler):\n"
     "    def do_GET(self):\n"
+    "        if not seen.exists(): seen.write_text(repr(time.time()))\n"
     "        time.sleep(float(sys.argv[2])); self.send_response(200); self.end_headers()\n"
     "    def log_message(self, *a): pass\n"
     "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
 )
 
 
-def _slow_workers(n: int, delay: float) -> tuple:
-    from bana_sglang.launch import Part
+def test_workers_are_waited_for_together(tmp_path):
+    from bana_sglang.launch import Cluster, ClusterPlan, Part
     from bana_sglang.launch.procs import PortAllocator
 
-    alloc = PortAllocator("127.0.0.1", 42000)
-    out = []
-    for k in range(n):
+    # four workers whose health check takes 1.5 s: waited for one after another, the
+    # last would be asked at least 4.5 s after the first; together, all are asked
+    # before the first answers
+    delay, alloc, parts = 1.5, PortAllocator("127.0.0.1", 42000), []
+    for k in range(4):
         port = alloc.take()
-        argv = (sys.executable, "-c", SLOW_HEALTH, str(port), str(delay))
-        out.append(Part(f"prefill-{k}", argv, health_url=f"http://127.0.0.1:{port}/health"))
-    return tuple(out)
-
-
-def test_workers_are_waited_for_together():
-    from bana_sglang.launch import Cluster, ClusterPlan
-
-    # three workers whose health check takes 2 s: one after another, at least 6 s
-    parts = _slow_workers(3, 2.0)
-    plan = ClusterPlan("http://127.0.0.1:1", "m", "m", None, parts, None, env=dict(os.environ))
-    t0 = time.monotonic()
+        argv = (sys.executable, "-c", SLOW_HEALTH, str(port), str(delay), str(tmp_path / str(k)))
+        parts.append(Part(f"prefill-{k}", argv, health_url=f"http://127.0.0.1:{port}/health"))
+    plan = ClusterPlan(
+        "http://127.0.0.1:1", "m", "m", None, tuple(parts), None, env=dict(os.environ)
+    )
     with Cluster(plan, restart=False) as c:
-        took = time.monotonic() - t0
         assert all(p.poll() is None for p in c.procs)
-    assert took < 5.0, f"start took {took:.1f} s"
+    asked = [float((tmp_path / str(k)).read_text()) for k in range(4)]
+    assert max(asked) - min(asked) < 2 * delay, asked
 
 
 def test_a_worker_that_dies_while_others_start_stops_the_start_at_once():
