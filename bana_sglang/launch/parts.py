@@ -88,6 +88,10 @@ def master_part(
         # The index removes pages itself (prefix-aware eviction); a short lease
         # lets it remove a page soon after its last read.
         argv.append("-default_kv_lease_ttl=2000")
+        # ... and keeps its pages at most 0.9 of the segment (as the allocator takes
+        # them, ``mooncake_kv.allocation_size``): the master's own eviction, which
+        # starts at its watermark of requested bytes (0.9 by default), stays a backstop
+        argv.append("-eviction_high_watermark_ratio=0.95")
     return Part(name="mooncake-master", argv=tuple(argv), tcp_port=rpc, tcp_host=host or bind)
 
 
@@ -147,7 +151,8 @@ def store_parts(
                 bind,
                 "--port",
                 str(index_port),
-                # headroom below the segment: Mooncake allocates in its own granules
+                # headroom below the segment; the index counts each page as the
+                # segment's allocator takes it (rounded up to its size class)
                 "--capacity-bytes",
                 str(store_bytes * 9 // 10),
                 "--master",

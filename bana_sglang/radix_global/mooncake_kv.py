@@ -80,6 +80,26 @@ def page_key(page: PageHash) -> str:
     return f"bana/kv/{page}"
 
 
+def allocation_size(nbytes: int) -> int:
+    """Bytes an object of ``nbytes`` takes in a Mooncake segment.
+
+    Mooncake's offset allocator (``mooncake-store/src/offset_allocator.cpp``, built,
+    as by default, without ``OFFSET_ALLOCATOR_NOT_ROUND_UP``) rounds every allocation
+    up to its size class, a float with a 3-bit mantissa: classes are an eighth of a
+    power of two apart. A 16576-byte page of ``bana-tiny-v1`` (a 16 KiB payload and
+    its 192-byte header) takes 18432 bytes, 11% more. The master's own accounting
+    (``master_allocated_bytes``, its eviction watermark) counts the requested size,
+    so a segment is full before the master says so. This is what the index accounts
+    per page, so that its capacity below the segment holds (checked against a real
+    master in ``tests/live/test_page_store.py``). The same in bytes for any
+    segment size: past 3.75 GiB the allocator counts in units of 2**k bytes, and a
+    page of at least 16 units rounds to the same class."""
+    if nbytes < 16:
+        return max(0, nbytes)
+    shift = nbytes.bit_length() - 4  # keep the leading bit and the 3-bit mantissa
+    return -(-nbytes >> shift) << shift
+
+
 # ---------------------------------------------------------------------- config
 
 

@@ -333,7 +333,7 @@ class Publisher:
             ti = time.perf_counter()
             grants.append(
                 self.index.publish_intent(
-                    t.chain, [store.object_size] * len(t.chain), self.owner, parent=t.parent
+                    t.chain, [store.footprint] * len(t.chain), self.owner, parent=t.parent
                 )
             )
             st.index_s += time.perf_counter() - ti

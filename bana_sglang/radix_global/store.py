@@ -49,6 +49,7 @@ from bana_sglang.radix_global.mooncake_kv import (
     UNAVAILABLE,
     MooncakeKV,
     StoreConfig,
+    allocation_size,
     describe,
     miss_reason,
     page_key,
@@ -113,8 +114,14 @@ class PageStore:
 
     @property
     def object_size(self) -> int:
-        """Bytes one page takes in the store (what the index accounts)."""
+        """Bytes of one page object: its header and payload."""
         return self.format.object_size
+
+    @property
+    def footprint(self) -> int:
+        """Bytes one page takes in the store's segment (what the index accounts):
+        the object rounded up to the allocator's size class (:func:`allocation_size`)."""
+        return allocation_size(self.format.object_size)
 
     def register(self, tensor: torch.Tensor) -> None:
         """Register a CPU tensor's memory (e.g. a KV pool) so pages inside it move

@@ -103,7 +103,7 @@ class GlobalKVCache:
         if not chain:
             return PublishResult(0, 0, "empty")
         grant = self.index.publish_intent(
-            chain, [self.store.object_size] * n, self.owner, parent=parent
+            chain, [self.store.footprint] * n, self.owner, parent=parent
         )
         if grant is None:
             return PublishResult(0, 0, "index unavailable", 0, n)

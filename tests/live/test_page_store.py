@@ -39,7 +39,8 @@ ENV = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", MC_LOG_LEVEL="ERROR")
 class Mooncake:
     """One master and one storage process; the master can be killed and restarted."""
 
-    def __init__(self) -> None:
+    def __init__(self, segment: str = "64M", master_args: tuple[str, ...] = ()) -> None:
+        self.segment, self.master_args = segment, master_args
         self.rpc, self.metrics = free_port(), free_port()
         self.addr = f"127.0.0.1:{self.rpc}"
         self.puts = f"tcp://127.0.0.1:{free_port()}"  # the storage process's put endpoint
@@ -60,6 +61,7 @@ class Mooncake:
                 "-enable_http_metadata_server=false",
                 "-minloglevel=2",
                 "-default_kv_lease_ttl=1000",
+                *self.master_args,
             ],
             env=ENV,
         )
@@ -87,7 +89,7 @@ class Mooncake:
                 "--master",
                 self.addr,
                 "--segment-bytes",
-                "64M",
+                self.segment,
                 "--put-listen",
                 self.puts,
                 "--log-level",
@@ -492,7 +494,7 @@ def test_index_service_removes_evicted_and_lost_pages_from_the_store(mooncake):
     from the store too, so the store holds exactly the indexed, prefix-closed set."""
     port = free_port()
     store = PageStore.connect(LAYOUT, StoreConfig(master_addr=mooncake.addr))
-    capacity = 6 * store.object_size  # room for 6 pages
+    capacity = 6 * store.footprint  # room for 6 pages
     with index_service(
         port, "--capacity-bytes", str(capacity), "--master", mooncake.addr, name="radix-index-evict"
     ):
@@ -523,3 +525,31 @@ def test_index_service_removes_evicted_and_lost_pages_from_the_store(mooncake):
         assert cache.publish(chains[3], [_page(i) for i in range(3)]).committed == 2
         assert len(cache.load_prefix(chains[3]).tensors) == 3
     store.kv.close()
+
+
+def test_a_segment_holds_as_many_pages_as_their_footprint_says():
+    """The index accounts a page at :attr:`PageStore.footprint` (the object rounded up
+    to Mooncake's size class), not its own size: against a real master whose own
+    eviction is off, a segment takes exactly ``segment // footprint`` pages of the
+    tiny model's shape (16576 bytes, 18432 in the segment) and then refuses more."""
+    layout = KVLayout(
+        "cap-test", "float32", page_size=16, num_kv_heads=2, head_dim=16, num_layers=4
+    )
+    mc = Mooncake(segment="16M", master_args=("-eviction_high_watermark_ratio=1.0",))
+    try:
+        mc.start_master()
+        mc.start_storage()
+        store = PageStore.connect(layout, StoreConfig(master_addr=mc.addr, staging_bytes=2 << 20))
+        assert (store.object_size, store.footprint) == (16576, 18432)
+        page = torch.zeros(layout.page_shape)
+        written, batch = 0, 64
+        for b in range(1000):
+            chain = page_chain(range(b * batch * 16, (b + 1) * batch * 16), layout)
+            res = store.put_pages(chain, [page] * batch)
+            written += res.written
+            if res.written < batch:
+                break
+        assert written == (16 << 20) // store.footprint  # 910, where 16576-byte pages would be 1012
+        store.kv.close()
+    finally:
+        mc.stop()

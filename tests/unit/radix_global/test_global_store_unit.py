@@ -126,3 +126,29 @@ def test_an_existing_key_that_cannot_be_read_is_an_error_not_an_absent_key():
     assert kv.get_bytes("bana/epoch/x") is None
     kv._store = _NativeStore(1, b"bana-epoch")
     assert kv.get_bytes("bana/epoch/x") == b"bana-epoch"
+
+
+@pytest.mark.parametrize(
+    "nbytes, taken",
+    [
+        (0, 0),
+        (9, 9),  # small sizes are their own class
+        (15, 15),
+        (17, 18),  # then classes an eighth of a power of two apart
+        (1000, 1024),
+        (16384, 16384),  # a class already: nothing added
+        (16385, 18432),
+        (16576, 18432),  # bana-tiny-v1's page: 16 KiB payload + 192-byte header
+        (18432, 18432),
+        (18433, 20480),
+        (32767, 32768),
+        ((1 << 20) + 192, 1179648),  # a 1 MiB payload with its header: 1 MiB + 1/8
+    ],
+)
+def test_a_page_takes_its_allocators_size_class(nbytes, taken):
+    from bana_sglang.radix_global.mooncake_kv import allocation_size
+
+    assert allocation_size(nbytes) == taken
+    assert allocation_size(taken) == taken  # a class rounds to itself
+    if nbytes >= 16:
+        assert taken - nbytes < taken / 8  # never more than an eighth over
