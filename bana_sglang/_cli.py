@@ -25,6 +25,21 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 512M, 4G)") from None
 
 
+#: the smallest segment Mooncake mounts ("Total size must be at least 16777216")
+MIN_SEGMENT_BYTES = 16 << 20
+
+
+def segment_size(text: str) -> int:
+    """:func:`byte_size` of a Mooncake segment: at least :data:`MIN_SEGMENT_BYTES`
+    (a smaller one is refused by Mooncake at every try, and its process never comes up)."""
+    n = byte_size(text)
+    if n < MIN_SEGMENT_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is below the smallest Mooncake segment, 16M ({MIN_SEGMENT_BYTES} bytes)"
+        )
+    return n
+
+
 def exit_on_sigterm() -> None:
     """Make SIGTERM raise ``SystemExit`` so that ``with Cluster(...)`` blocks unwind
     and stop every process they started (Python's default SIGTERM action exits

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--store-bytes",
-        type=_cli.byte_size,
+        type=_cli.segment_size,
         default=1 << 30,
         help="memory of the store's Mooncake segment, e.g. 512M or 4G",
     )

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from bana_sglang import compat, models
+from bana_sglang import _cli, compat, models
 from bana_sglang.launch import gpus
 from bana_sglang.launch import spec as cluster_spec
 from bana_sglang.launch.parts import (
@@ -96,7 +96,7 @@ class LaunchConfig:
             raise ValueError("--startup-timeout must be positive")
         if self.global_store and not self.mooncake_master:
             raise ValueError("the global store needs the Mooncake master")
-        if self.store_bytes < 16 << 20:
+        if self.store_bytes < _cli.MIN_SEGMENT_BYTES:
             raise ValueError(f"--store-bytes {self.store_bytes} is too small (at least 16M)")
         if self.store_page_size < 1:
             raise ValueError("--store-page-size must be >= 1")

@@ -47,6 +47,8 @@ from pydantic import (
     model_validator,
 )
 
+from bana_sglang._cli import MIN_SEGMENT_BYTES, byte_size
+
 Port = Annotated[int, Field(ge=1, le=65535)]
 
 
@@ -64,8 +66,6 @@ Args = Annotated[list[str], BeforeValidator(_args)]
 
 def _size(v: object) -> object:
     if isinstance(v, str):
-        from bana_sglang._cli import byte_size
-
         try:
             return byte_size(v)
         except argparse.ArgumentTypeError as e:
@@ -73,7 +73,7 @@ def _size(v: object) -> object:
     return v
 
 
-Size = Annotated[int, BeforeValidator(_size), Field(ge=16 << 20)]
+Size = Annotated[int, BeforeValidator(_size), Field(ge=MIN_SEGMENT_BYTES)]
 
 
 class _Strict(BaseModel):

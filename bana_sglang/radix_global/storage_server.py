@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--master", required=True, help="Mooncake master RPC address host:port")
     p.add_argument(
         "--segment-bytes",
-        type=_cli.byte_size,
+        type=_cli.segment_size,
         default=1 << 30,
         help="segment size, e.g. 512M or 4G",
     )

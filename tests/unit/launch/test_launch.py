@@ -123,6 +123,7 @@ def test_cpu_workers_share_the_machines_cores_unless_told(monkeypatch):
         (["--model-path", "/nonexistent/model"], "neither an embedded model"),
         (["--balancer", "bana", "--router", "sglang"], "--balancer needs --router bana"),
         (["--cpu-threads", "-1"], "--cpu-threads -1"),
+        (["--store-bytes", "8M"], "below the smallest Mooncake segment"),
     ],
 )
 def test_cli_rejects_bad_arguments(argv, message):
