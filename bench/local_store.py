@@ -22,6 +22,7 @@ from bana_sglang.launch.procs import ManagedProcess, PortAllocator, stop_all, tc
 @dataclasses.dataclass(frozen=True)
 class LocalStore:
     master: str  # host:port of the master's RPC
+    metrics: str  # host:port of the master's metrics (HTTP /metrics)
     index: str | None  # tcp://host:port of the index service
     procs: tuple[ManagedProcess, ...]
 
@@ -64,7 +65,10 @@ def local_store(
                 interval=0.05,
             )
         yield LocalStore(
-            f"{host}:{rpc}", f"tcp://{host}:{index_port}" if index else None, tuple(procs)
+            f"{host}:{rpc}",
+            f"{host}:{metrics}",
+            f"tcp://{host}:{index_port}" if index else None,
+            tuple(procs),
         )
     finally:
         stop_all(procs[::-1], timeout=10)

@@ -553,3 +553,32 @@ def test_a_segment_holds_as_many_pages_as_their_footprint_says():
         store.kv.close()
     finally:
         mc.stop()
+
+
+def test_filled_past_capacity_the_index_keeps_a_tenth_of_the_segment_free():
+    """The store's processes as the launcher wires them (``bench.local_store``), filled
+    twice over through the index with the tiny model's pages: the index ends at 0.9 of
+    what the segment holds, every page it lists is in the store, and neither the
+    segment's allocator nor the master's own eviction was ever reached."""
+    import argparse
+
+    from bench.bench_store_fill import run
+
+    out = run(
+        argparse.Namespace(
+            model="tiny",
+            page_size=16,
+            segment=16 << 20,
+            chains=450,
+            pages_per_chain=4,
+            reads=False,
+            gap_ms=0.0,
+            settle_s=1.0,
+            port=free_port(),
+        )
+    )
+    assert out["segment_pages"] == 910 and out["committed"] == 1800
+    capacity = (16 << 20) * 9 // 10 // out["page_footprint"]  # 819 pages
+    assert capacity - 4 <= out["indexed"] <= capacity
+    assert out["indexed_missing"] == 0 and out["publishes_with_failed_put"] == 0
+    assert out["master_alloc_failures"] == 0 and out["master_evicted_keys"] == 0
