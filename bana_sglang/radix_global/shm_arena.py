@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
+
 from bana_sglang.wire import storage as m
 from bana_sglang.wire.transport import ChannelError, Client
 
@@ -191,17 +193,13 @@ def open_arena(path: str, nbytes: int, directory: str = SHM_DIR) -> mmap.mmap:
         os.close(fd)
 
 
-def process_start(pid: int) -> int | None:
-    """``pid``'s start time (clock ticks since boot, ``/proc/PID/stat`` field 22), or
-    None when no such process runs: with the pid, it names one process (pids are reused)."""
+def process_start(pid: int) -> float | None:
+    """``pid``'s start time, or None when no such process runs: with the pid, it
+    names one process (pids are reused)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat_line = f.read()
-    except OSError:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
         return None
-    # the command name (field 2) is in parentheses and may hold spaces or ")"
-    fields = stat_line[stat_line.rindex(b")") + 2 :].split()
-    return int(fields[19])
 
 
 @dataclass
@@ -212,7 +210,7 @@ class _Mapped:
     ptr: int
     nbytes: int
     pid: int = 0  # the worker process that mapped it (0: not known)
-    started: int | None = None  # and that process's start time
+    started: float | None = None  # and that process's start time
 
 
 class ArenaHost:
