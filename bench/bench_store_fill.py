@@ -33,15 +33,12 @@ from bana_sglang.radix_global.keys import KVLayout
 from bana_sglang.radix_global.mooncake_kv import StoreConfig
 from bana_sglang.radix_global.store import PageStore
 from bana_sglang.radix_global.worker_cache import GlobalKVCache
+from bench.client import parse_metrics
 from bench.local_store import local_store
 
-
-def _metric(text: str, name: str) -> float:
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith(name + " ") or line.startswith(name + "{")
-    )
+# the master's counters of puts it found no room for, and of keys it evicted itself
+ALLOC_FAILURES = "master_put_start_alloc_failures_total"
+EVICTED = "master_evicted_key_count"
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -78,8 +75,8 @@ def run(args: argparse.Namespace) -> dict:
         time.sleep(args.settle_s)  # the index's janitor removes what it evicted
         indexed = [p for ch in chains for p in ch[: cache.index.lookup(ch, touch=False).length]]
         present = store.exists_many(indexed) if indexed else []
-        metrics = urllib.request.urlopen(f"http://{ls.metrics}/metrics", timeout=10).read()
-        text = metrics.decode()
+        raw = urllib.request.urlopen(f"http://{ls.metrics}/metrics", timeout=10).read()
+        master = parse_metrics(raw.decode(), (ALLOC_FAILURES, EVICTED))
         out = {
             "page_bytes": store.object_size,
             "page_footprint": store.footprint,
@@ -89,8 +86,8 @@ def run(args: argparse.Namespace) -> dict:
             "publishes_with_failed_put": failed_puts,
             "indexed": len(indexed),
             "indexed_missing": present.count(False),
-            "master_alloc_failures": int(_metric(text, "master_put_start_alloc_failures_total")),
-            "master_evicted_keys": int(_metric(text, "master_evicted_key_count")),
+            "master_alloc_failures": int(master.get(ALLOC_FAILURES, 0)),
+            "master_evicted_keys": int(master.get(EVICTED, 0)),
             "seconds": round(took, 1),
         }
         cache.index.close()

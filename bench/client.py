@@ -277,7 +277,7 @@ def replay_checked(
 
 # --------------------------------------------------------------------------- per-worker load
 
-_METRIC_LINE = re.compile(r"^(sglang:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfa]+)$")
+_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+([-+0-9.eEinfa]+)$")
 LOAD_METRICS = (
     "sglang:num_running_reqs",
     "sglang:num_queue_reqs",
