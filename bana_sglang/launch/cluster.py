@@ -209,9 +209,7 @@ class Cluster:
         ``/health`` generates a token and takes a second even when it is up, so waiting
         for N workers one after another would add N - 1 seconds. The first part that
         fails to come up stops the others' waits and is raised."""
-        if len(started) <= 1:
-            for part, proc in started:
-                self._wait_ready(part, proc, deadline)
+        if not started:
             return
         with ThreadPoolExecutor(len(started), thread_name_prefix="bana-ready") as pool:
             futures = [

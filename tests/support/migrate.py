@@ -38,19 +38,25 @@ def agents(c) -> dict[str, dict]:
     return {a["worker"]: a for a in r.json()["agents"] if "worker" in a}  # not the unreachable ones
 
 
-def generate(
-    url: str, ids: list[int], n: int, key: str | None = None, ignore_eos: bool = False
-) -> list[int]:
+def _greedy(url: str, input_ids: list, n: int, key: str | None, ignore_eos: bool):
+    """``/generate`` greedy for ``n`` tokens of one prompt or a batch; its JSON answer."""
     sp = {"temperature": 0, "max_new_tokens": n, **({"ignore_eos": True} if ignore_eos else {})}
     r = httpx.post(
         url + "/generate",
         timeout=300,
         headers={"Authorization": f"Bearer {key}"} if key else {},
-        json={"input_ids": ids, "sampling_params": sp},
+        json={"input_ids": input_ids, "sampling_params": sp},
     )
     assert r.status_code == 200, r.text
-    assert not ignore_eos or len(r.json()["output_ids"]) == n
-    return r.json()["output_ids"]
+    return r.json()
+
+
+def generate(
+    url: str, ids: list[int], n: int, key: str | None = None, ignore_eos: bool = False
+) -> list[int]:
+    out = _greedy(url, ids, n, key, ignore_eos)["output_ids"]
+    assert not ignore_eos or len(out) == n
+    return out
 
 
 def generate_many(
@@ -58,12 +64,7 @@ def generate_many(
 ) -> list[list[int]]:
     """:func:`generate` for several prompts in one batched request (the reference
     answers decode together, not one after another)."""
-    sp = {"temperature": 0, "max_new_tokens": n, **({"ignore_eos": True} if ignore_eos else {})}
-    r = httpx.post(
-        url + "/generate", timeout=300, json={"input_ids": prompts, "sampling_params": sp}
-    )
-    assert r.status_code == 200, r.text
-    outs = [x["output_ids"] for x in r.json()]
+    outs = [x["output_ids"] for x in _greedy(url, prompts, n, None, ignore_eos)]
     assert len(outs) == len(prompts)
     assert not ignore_eos or all(len(o) == n for o in outs)
     return outs
