@@ -1,0 +1,497 @@
+"""The router's HTTP/1.1 client for its workers: keep-alive pools on asyncio protocols.
+
+A streamed request crosses the router as a few dozen small chunks, and with
+aiohttp's client each one costs a parser callback, a stream-reader buffer, a
+future and a task step before the relay can write it (``python -m bench.bench_router``
+measured the router at 1.7x the stock Rust router's CPU per request). This client
+does only what the router asks of a worker: ``POST`` a JSON body and read the
+answer, whole (:meth:`Response.read`), piece by piece (:meth:`Response.readany`),
+or pushed to a callback from the connection's own ``data_received``
+(:meth:`Response.push`) so that the relay writes each chunk to the client with no
+task switch at all. Bodies come framed by ``Content-Length``, chunked, or until the
+worker closes; requests are small and sent whole.
+
+Connections are kept per worker (``host:port``) and reused; one idle longer than
+``idle_s`` is closed before the worker's own keep-alive timeout could close it under
+a new request (uvicorn's, SGLang's server, is 5 s). At most ``limit`` requests are in
+flight per worker. A read that gets no byte for ``read_timeout_s`` fails with
+:class:`TimeoutError`, checked once a second by the pools' janitor rather than by a
+timer re-armed per chunk. A broken connection fails the reader with
+:class:`UpstreamClosed`, a :class:`ConnectionError`, as does a failed connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+MAX_HEAD_BYTES = 64 * 1024  # a worker's status line and headers
+_CHUNKED, _LENGTH, _UNTIL_CLOSE, _NONE = range(4)
+
+
+class UpstreamClosed(ConnectionError):
+    """The connection to a worker broke (or never opened) before its answer was whole."""
+
+
+class BadResponse(UpstreamClosed):
+    """A worker's answer that is not HTTP/1.1 as this client reads it."""
+
+
+class Response:
+    """A worker's answer: ``status``, ``headers`` (lower-case names), and its body."""
+
+    def __init__(self, conn: _Conn):
+        self._conn: _Conn | None = conn
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._framing = _NONE
+        self._left = 0  # body bytes still due: of the body (length) or of the chunk (chunked)
+        self._chunk_state = 0  # chunked: 0 size line, 1 data, 2 the CRLF after data, 3 trailers
+        self._keep_alive = True
+        self._buf: list[bytes] = []
+        self._waiter: asyncio.Future | None = None
+        self._on_data: Callable[[bytes], None] | None = None
+        self._on_end: Callable[[BaseException | None], None] | None = None
+        self.complete = False  # the whole body came
+        self.error: BaseException | None = None
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "").split(";", 1)[0].strip()
+
+    # ------------------------------------------------------------------ reading
+    async def readany(self) -> bytes:
+        """The body bytes that came since the last call (waiting for some); b"" at its end."""
+        while not self._buf:
+            if self.error is not None:
+                raise self.error
+            if self.complete:
+                return b""
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = self._buf[0] if len(self._buf) == 1 else b"".join(self._buf)
+        self._buf.clear()
+        return data
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = []
+        while chunk := await self.readany():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def push(
+        self, on_data: Callable[[bytes], None], on_end: Callable[[BaseException | None], None]
+    ) -> None:
+        """From now on, hand each piece of the body to ``on_data`` as it comes, from the
+        connection's callback, and call ``on_end`` once (None: the body is whole; else
+        why it broke). :meth:`pull` goes back to :meth:`readany`."""
+        self._on_data, self._on_end = on_data, on_end
+        if self._buf:
+            data = b"".join(self._buf)
+            self._buf.clear()
+            on_data(data)
+        if self.complete or self.error is not None:
+            self._end()
+
+    def pull(self) -> None:
+        self._on_data = self._on_end = None
+
+    def pause(self) -> None:
+        """Stop reading from the worker (the client is slow); :meth:`resume` goes on."""
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.resume_reading()
+
+    # ------------------------------------------------------------------ ending
+    def close(self) -> None:
+        """Abort: the connection is closed unless the answer was already whole."""
+        conn, self._conn = self._conn, None
+        why = UpstreamClosed("the router closed the connection before the answer's end")
+        if conn is not None:
+            conn.abort(why)
+        self._fail(why)
+
+    def release(self) -> None:
+        """Done with the answer: its connection goes back to the pool if the body was
+        read to its end, and is closed otherwise."""
+        if not self.complete:
+            self.close()
+
+    # ------------------------------------------------------------------ the connection's side
+    def _head(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+            raise BadResponse(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        self.status = int(parts[1])
+        headers = self.headers
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep:
+                raise BadResponse(f"a malformed header line: {line[:80]!r}")
+            key = name.strip().lower().decode("latin-1")
+            val = value.strip().decode("latin-1")
+            headers[key] = f"{headers[key]}, {val}" if key in headers else val
+        self._keep_alive = (
+            parts[0] == b"HTTP/1.1" and "close" not in headers.get("connection", "").lower()
+        )
+        if self.status in (204, 304):
+            self._framing = _NONE
+        elif "chunked" in headers.get("transfer-encoding", "").lower():
+            self._framing = _CHUNKED
+        elif "content-length" in headers:
+            try:
+                self._left = int(headers["content-length"])
+            except ValueError:
+                raise BadResponse(
+                    f"a bad Content-Length: {headers['content-length'][:40]!r}"
+                ) from None
+            self._framing = _LENGTH if self._left else _NONE
+        else:
+            self._framing, self._keep_alive = _UNTIL_CLOSE, False
+
+    def _body(self, data: bytes) -> bool:
+        """Take body bytes; True once the body is whole (extra bytes are an error)."""
+        if self._framing == _CHUNKED:
+            return self._chunks(data)
+        if self._framing == _LENGTH:
+            if len(data) > self._left:
+                raise BadResponse("more body bytes than its Content-Length")
+            self._left -= len(data)
+            self._deliver(data)
+            return self._left == 0
+        if self._framing == _UNTIL_CLOSE:
+            self._deliver(data)
+            return False
+        if data:
+            raise BadResponse("body bytes in an answer that has none")
+        return True
+
+    def _chunks(self, data: bytes) -> bool:
+        conn = self._conn
+        assert conn is not None
+        buf = conn.pending + data if conn.pending else data
+        conn.pending = b""
+        pos, n, out = 0, len(buf), []
+        while pos < n:
+            state = self._chunk_state
+            if state == 1:  # data
+                end = min(n, pos + self._left)
+                out.append(buf[pos:end])
+                self._left -= end - pos
+                pos = end
+                if self._left == 0:
+                    self._chunk_state = 2
+                continue
+            i = buf.find(b"\r\n", pos)
+            if i < 0:
+                if n - pos > 4096:
+                    raise BadResponse("a chunk-size line longer than 4 KiB")
+                conn.pending = buf[pos:]
+                break
+            line, pos = buf[pos:i], i + 2
+            if state == 2:
+                if line:
+                    raise BadResponse("no CRLF after a chunk's data")
+                self._chunk_state = 0
+            elif state == 0:
+                try:
+                    size = int(line.split(b";", 1)[0], 16)
+                except ValueError:
+                    raise BadResponse(f"a bad chunk size: {line[:40]!r}") from None
+                if size:
+                    self._left, self._chunk_state = size, 1
+                else:
+                    self._chunk_state = 3
+            elif not line:  # state 3: trailers end with an empty line
+                if pos != n:
+                    raise BadResponse("bytes after the end of a chunked body")
+                if out:
+                    self._deliver(b"".join(out))
+                return True
+        if out:
+            self._deliver(out[0] if len(out) == 1 else b"".join(out))
+        return False
+
+    def _deliver(self, data: bytes) -> None:
+        if not data:
+            return
+        if self._on_data is not None:
+            self._on_data(data)
+            return
+        self._buf.append(data)
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _done(self) -> None:
+        """The body is whole: the connection goes back to its pool (or is closed)."""
+        self.complete = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.finished(keep=self._keep_alive)
+        self._end()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.complete or self.error is not None:
+            return
+        self.error = exc
+        self._conn = None
+        self._end()
+
+    def _end(self) -> None:
+        if self._on_end is not None:
+            on_end, self._on_data, self._on_end = self._on_end, None, None
+            on_end(self.error)
+        else:
+            self._wake()
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection to a worker; at most one answer at a time."""
+
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.resp: Response | None = None
+        self.head: asyncio.Future | None = None  # resolved with resp once its head is read
+        self.pending = b""  # bytes of an unfinished head or chunk-size line
+        self.last = time.monotonic()  # when it last got bytes, or went idle
+        self.lost = False
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.transport = transport
+
+    def send(self, request: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        self.resp = Response(self)
+        self.head = loop.create_future()
+        self.pending = b""
+        self.last = time.monotonic()
+        assert self.transport is not None
+        self.transport.write(request)
+        return self.head
+
+    def data_received(self, data: bytes) -> None:
+        self.last = time.monotonic()
+        resp = self.resp
+        if resp is None:  # bytes nobody asked for: this connection is not to be trusted
+            self.abort(BadResponse("bytes from the worker with no request open"))
+            return
+        try:
+            if self.head is not None:
+                buf = self.pending + data if self.pending else data
+                i = buf.find(b"\r\n\r\n")
+                if i < 0:
+                    if len(buf) > MAX_HEAD_BYTES:
+                        raise BadResponse(f"headers longer than {MAX_HEAD_BYTES} bytes")
+                    self.pending = buf
+                    return
+                self.pending = b""
+                resp._head(buf[:i])
+                data = buf[i + 4 :]
+                if 100 <= resp.status < 200:  # an interim answer: the real one follows
+                    resp.status, resp.headers = 0, {}
+                    self.data_received(data)
+                    return
+                head, self.head = self.head, None
+                if not head.done():
+                    head.set_result(resp)
+            if resp._body(data):
+                resp._done()
+        except BadResponse as e:
+            self.abort(e)
+
+    def eof_received(self) -> bool:
+        resp = self.resp
+        if resp is not None and resp._framing == _UNTIL_CLOSE and self.head is None:
+            resp._done()
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.transport = None
+        self.abort(exc)
+        self.pool.forget(self)
+
+    def abort(self, exc: BaseException | None) -> None:
+        """Close the connection; a request open on it fails (``exc``: why)."""
+        why = exc if isinstance(exc, ConnectionError | TimeoutError) else None
+        if why is None:
+            detail = f": {exc}" if exc else ""
+            why = UpstreamClosed(f"the worker closed the connection before its answer{detail}")
+        head, self.head = self.head, None
+        if head is not None and not head.done():
+            head.set_exception(why)
+            head.exception()  # a cancelled waiter never reads it
+        resp, self.resp = self.resp, None
+        if resp is not None:
+            resp._fail(why)
+            self.pool.done(self)
+        if self.transport is not None:
+            self.transport.close()
+
+    def finished(self, *, keep: bool) -> None:
+        self.resp = None
+        self.pool.done(self)
+        if keep and not self.pending and not self.lost:
+            self.last = time.monotonic()
+            self.pool.idle.append(self)
+        elif self.transport is not None:
+            self.transport.close()
+
+
+class Pool:
+    """Connections to one worker (``host:port``) and the requests in flight on them."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        headers: dict[str, str],
+        *,
+        limit: int,
+        connect_timeout_s: float,
+    ):
+        self.host, self.port = host, port
+        self.idle: list[_Conn] = []
+        self.busy: set[_Conn] = set()
+        self._slots = asyncio.Semaphore(limit)
+        self._connect_timeout_s = connect_timeout_s
+        fixed = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self._fixed = f"Host: {host}:{port}\r\n{fixed}".encode("latin-1")
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> Response:
+        """Send ``body`` (JSON) to ``path``; the answer once its status and headers came."""
+        await self._slots.acquire()
+        try:
+            conn = await self._conn()
+        except BaseException:
+            self._slots.release()
+            raise
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode() if headers else b""
+        request = b"POST %s HTTP/1.1\r\n%s%sContent-Length: %d\r\n\r\n%s" % (
+            path.encode(),
+            self._fixed,
+            extra,
+            len(body),
+            body,
+        )
+        self.busy.add(conn)
+        head = conn.send(request, asyncio.get_running_loop())
+        try:
+            return await head
+        except asyncio.CancelledError:
+            conn.abort(UpstreamClosed("the request was cancelled"))
+            raise
+
+    async def _conn(self) -> _Conn:
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn.lost and conn.transport is not None and not conn.transport.is_closing():
+                return conn
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port)
+        except TimeoutError:
+            raise UpstreamClosed(
+                f"connecting to {self.host}:{self.port} took over {self._connect_timeout_s:g} s"
+            ) from None
+        except OSError as e:
+            raise UpstreamClosed(f"cannot connect to {self.host}:{self.port}: {e}") from None
+        return conn
+
+    def done(self, conn: _Conn) -> None:
+        """``conn``'s request ended (whole or failed): its slot is free again."""
+        if conn in self.busy:
+            self.busy.discard(conn)
+            self._slots.release()
+
+    def forget(self, conn: _Conn) -> None:
+        with contextlib.suppress(ValueError):
+            self.idle.remove(conn)
+
+    def sweep(self, now: float, idle_s: float, read_timeout_s: float) -> None:
+        """Close connections idle over ``idle_s``; fail reads silent over ``read_timeout_s``."""
+        while self.idle and now - self.idle[0].last > idle_s:
+            conn = self.idle.pop(0)
+            if conn.transport is not None:
+                conn.transport.close()
+        for conn in [c for c in self.busy if now - c.last > read_timeout_s]:
+            conn.abort(
+                TimeoutError(f"no byte from {self.host}:{self.port} in {read_timeout_s:g} s")
+            )
+
+    def close(self) -> None:
+        for conn in [*self.idle, *self.busy]:
+            conn.abort(UpstreamClosed("the router is shutting down"))
+        self.idle.clear()
+
+
+class WorkerHTTP:
+    """The router's pools, one per worker URL, and their janitor."""
+
+    def __init__(
+        self,
+        headers: dict[str, str],
+        *,
+        limit_per_worker: int,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        idle_s: float = 3.0,
+    ):
+        self._headers = {"Content-Type": "application/json", **headers}
+        self._limit, self._connect_timeout_s = limit_per_worker, connect_timeout_s
+        self.read_timeout_s, self.idle_s = read_timeout_s, idle_s
+        self._pools: dict[str, Pool] = {}
+        self._janitor: asyncio.Task | None = None
+
+    def pool(self, url: str) -> Pool:
+        pool = self._pools.get(url)
+        if pool is None:
+            u = urlsplit(url)
+            if u.scheme != "http" or not u.hostname:
+                raise ValueError(f"a worker URL must be http://host:port, got {url!r}")
+            pool = self._pools[url] = Pool(
+                u.hostname,
+                u.port or 80,
+                self._headers,
+                limit=self._limit,
+                connect_timeout_s=self._connect_timeout_s,
+            )
+            if self._janitor is None:
+                self._janitor = asyncio.get_running_loop().create_task(
+                    self._sweep(), name="bana-router-http1"
+                )
+        return pool
+
+    async def post(self, url: str, path: str, body: bytes, headers: dict | None = None):
+        return await self.pool(url).post(path, body, headers)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for pool in list(self._pools.values()):
+                pool.sweep(now, self.idle_s, self.read_timeout_s)
+
+    async def close(self) -> None:
+        if self._janitor is not None:
+            self._janitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._janitor
+        for pool in self._pools.values():
+            pool.close()
