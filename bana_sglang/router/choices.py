@@ -121,7 +121,7 @@ class ChoicesMixin:
                         fwd = _choice_event(ev, i, usage)
                         if fwd is not None:
                             await events.put(fwd)
-                    chunk = await up.resp.content.readany()
+                    chunk = await up.resp.readany()
                 up.drained = True
             except BROKEN as e:
                 why = f"choice {i}: decode worker {up.d.url} failed mid-stream: {type(e).__name__}"

@@ -18,7 +18,6 @@ import contextlib
 import logging
 import time
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -30,6 +29,7 @@ from bana_sglang.router.errors import (
     sse_error,
 )
 from bana_sglang.router.generate import fix_logprob_window, merge_input_logprobs
+from bana_sglang.router.http1 import Response
 from bana_sglang.router.pairs import PairsMixin
 from bana_sglang.router.policy import RouteRequest
 from bana_sglang.router.splice import Splicer, mark, unmigratable_reason
@@ -41,6 +41,7 @@ from bana_sglang.router.upstream import (
     Opening,
     Upstream,
     prefill_stream_failure,
+    relay,
     store_load_failed,
 )
 from bana_sglang.router.workers import Worker
@@ -51,7 +52,13 @@ logger = logging.getLogger("bana_sglang.router.server")  # one logger for the ro
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST
 _JSON = "application/json"
-_JSON_HEADERS = {"Content-Type": _JSON}
+
+
+class StreamOut(web.StreamResponse):
+    """A streamed answer whose headers leave with its first bytes: one write, not two
+    (aiohttp's own ``Response`` buffers them the same way)."""
+
+    _send_headers_immediately = False
 
 
 class PDDispatchMixin(PairsMixin):
@@ -82,32 +89,34 @@ class PDDispatchMixin(PairsMixin):
     async def _post(self, w: Worker, path: str, body: dict | bytes) -> bytes:
         """POST (``body``: a dict or its JSON bytes) and read the whole answer; raises
         UpstreamError / ClientError."""
-        assert self.session is not None
+        assert self.http is not None
         payload = body if isinstance(body, bytes) else orjson.dumps(body)
+        resp = None
         try:
-            async with self.session.post(w.url + path, data=payload, headers=_JSON_HEADERS) as resp:
-                data = await resp.read()
-                if resp.status < 400 and data.startswith(b"data:"):
-                    failed = prefill_stream_failure(data)
-                    if failed is not None:
-                        status, message = failed
-                        if status >= 500:
-                            raise UpstreamError(
-                                w,
-                                f"aborted the request ({status}): {message[:200]}",
-                                status,
-                                error_body(status, message),
-                            )
-                        raise ClientError(status, error_body(status, message), _JSON)
-                if resp.status >= 500:
-                    raise UpstreamError(
-                        w, f"answered {resp.status}: {data[:200]!r}", resp.status, data
-                    )
-                if resp.status >= 400:
-                    raise ClientError(resp.status, data, resp.content_type)
-                return data
+            resp = await self.http.post(w.url, path, payload)
+            data = await resp.read()
         except BROKEN as e:
             raise UpstreamError(w, f"{type(e).__name__}: {e}") from None
+        finally:
+            if resp is not None:
+                resp.release()
+        if resp.status < 400 and data.startswith(b"data:"):
+            failed = prefill_stream_failure(data)
+            if failed is not None:
+                status, message = failed
+                if status >= 500:
+                    raise UpstreamError(
+                        w,
+                        f"aborted the request ({status}): {message[:200]}",
+                        status,
+                        error_body(status, message),
+                    )
+                raise ClientError(status, error_body(status, message), _JSON)
+        if resp.status >= 500:
+            raise UpstreamError(w, f"answered {resp.status}: {data[:200]!r}", resp.status, data)
+        if resp.status >= 400:
+            raise ClientError(resp.status, data, resp.content_type)
+        return data
 
     def _fail(self, w: Worker, why: str) -> None:
         self.metrics.worker_failures.labels(w.url, w.tier.value).inc()
@@ -285,11 +294,10 @@ class PDDispatchMixin(PairsMixin):
         that on the second try, and so on) is given up, though neither worker is marked
         down, and the next try prefers other workers. Returns the open upstream, a worker's 4xx answer (the client's
         problem), or why no pair could serve it."""
-        assert self.session is not None
+        assert self.http is not None
         tried_p: set = set()
         tried_d: set = {w.id for w in self.decode if w.url in avoid_d}
         slow: set = set()  # workers of pairs that timed out (avoided while there are others)
-        d_headers = dict(_JSON_HEADERS, **headers) if headers else _JSON_HEADERS
         last = "no worker"
         pairs = self._pairs(route, tried_p, tried_d, prefer_d=prefer_d, avoid=slow)
         for attempt, (p, d) in enumerate(pairs):
@@ -300,10 +308,8 @@ class PDDispatchMixin(PairsMixin):
                 # first try's late abort would end the retry with an empty answer.
                 body = mark(body, self._rooms)
             bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
-            resp: aiohttp.ClientResponse | None = None
-            post = asyncio.ensure_future(
-                self.session.post(d.url + path, data=bp, headers=d_headers)
-            )
+            resp: Response | None = None
+            post = asyncio.ensure_future(self.http.post(d.url, path, bp, headers))
             # doubled on each try: a long continuation on a busy prefill worker gets longer
             deadline = (
                 None if first_byte_s is None else time.monotonic() + first_byte_s * 2**attempt
@@ -329,7 +335,7 @@ class PDDispatchMixin(PairsMixin):
                     )
                 try:
                     resp = await post
-                except (TimeoutError, aiohttp.ClientConnectionError, ConnectionError) as e:
+                except (TimeoutError, ConnectionError) as e:
                     raise UpstreamError(d, f"{type(e).__name__}: {e}") from None
                 except asyncio.CancelledError:
                     opening.reraise()
@@ -344,7 +350,7 @@ class PDDispatchMixin(PairsMixin):
                     raise UpstreamError(
                         d, f"answered {resp.status}: {data[:200]!r}", resp.status, data
                     )
-                first = opening.fut = asyncio.ensure_future(resp.content.readany())
+                first = opening.fut = asyncio.ensure_future(resp.readany())
                 while True:
                     waiting = {first} if p_task.done() else {first, p_task}
                     done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -449,26 +455,28 @@ class PDDispatchMixin(PairsMixin):
             self._count(label, 502, t0)
             return error_response(502, f"no worker pair could serve the request: {up}")
         # ---- committed: relay chunk by chunk
-        out = web.StreamResponse(
+        out = StreamOut(
             status=200,
             headers={
-                "Content-Type": up.resp.headers.get("Content-Type", "text/event-stream"),
+                "Content-Type": up.resp.headers.get("content-type", "text/event-stream"),
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
             },
         )
-        chunk = up.first
+        chunk: bytes | None = up.first
         try:
             await out.prepare(request)
             self.metrics.ttfb_seconds.labels(label).observe(time.perf_counter() - t0)
             while True:
                 why = None
                 if splice is None:
-                    await out.write(chunk)
+                    if chunk:
+                        await out.write(chunk)
                 else:
-                    events = splice.feed(chunk)
-                    if events:  # one write for all the whole events of a chunk
-                        await out.write(b"".join(events))
+                    if chunk:
+                        events = splice.feed(chunk)
+                        if events:  # one write for all the whole events of a chunk
+                            await out.write(b"".join(events))
                     if splice.migrated is not None:
                         up.finish(drained=False)
                         nxt = await self._continue(splice, up, route)
@@ -481,13 +489,14 @@ class PDDispatchMixin(PairsMixin):
                         why = f"decode worker {up.d.url} aborted the request"
                 if why is None:
                     try:
-                        chunk = await up.resp.content.readany()
-                        up.since = time.monotonic()
+                        # b"": the stream's end; None: the splice needs this task (a handoff,
+                        # an abort), everything before it relayed
+                        chunk = await relay(up, out, request.transport, splice)
                     except BROKEN as e:
                         why = f"decode worker {up.d.url} failed mid-stream: {type(e).__name__}"
                         if not isinstance(e, asyncio.TimeoutError) and up.stalled is None:
                             self._fail(up.d, why)
-                    if why is None and not chunk and splice is not None and not splice.done:
+                    if why is None and chunk == b"" and splice is not None and not splice.done:
                         why = f"decode worker {up.d.url} ended the stream before its end"
                     if up.stalled is not None:  # ended by the stall watch, whatever the read saw
                         why = up.stalled
@@ -501,7 +510,7 @@ class PDDispatchMixin(PairsMixin):
                     self.metrics.stream_errors.inc()
                     await out.write(sse_error(why))
                     break
-                if not chunk:
+                if chunk == b"":
                     if splice is not None:
                         await out.write(splice.flush())
                     up.drained = True

@@ -41,6 +41,7 @@ the API key when one is set (401, compared in constant time).
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import random
@@ -59,6 +60,7 @@ from bana_sglang.router.continuation import ContinuationMixin
 from bana_sglang.router.dispatch import PDDispatchMixin
 from bana_sglang.router.errors import error_response
 from bana_sglang.router.generate import split_generate
+from bana_sglang.router.http1 import WorkerHTTP
 from bana_sglang.router.metrics import RouterMetrics
 from bana_sglang.router.monitor import WorkerMonitor
 from bana_sglang.router.policy import PageHash, RouteRequest, get_policy
@@ -119,7 +121,8 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin, StallWatchMixin):
             model_names=cfg.model_names,
             watch=cfg.watch,
         )
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # probes, admin and /get_server_info
+        self.http: WorkerHTTP | None = None  # requests (see http1.py)
         self._tasks: list[asyncio.Task] = []
         # open decode streams (Upstream) and unanswered halves (Opening): the stall watch's
         self._watched: set = set()
@@ -168,6 +171,12 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin, StallWatchMixin):
             # the workers require the cluster's worker key (never the clients' --api-key)
             headers=security.worker_headers(),
         )
+        self.http = WorkerHTTP(
+            security.worker_headers(),
+            limit_per_worker=self.cfg.max_upstream_connections,
+            connect_timeout_s=self.cfg.connect_timeout_s,
+            read_timeout_s=self.cfg.read_timeout_s,
+        )
         self._tasks += self.monitor.start(self.session)
         self._tasks.append(asyncio.create_task(self._stall_watch(), name="bana-router-stalls"))
         if self.admin.agents:
@@ -176,6 +185,10 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin, StallWatchMixin):
                     self.admin.speed_loop(self._busy, self._set_speeds), name="bana-router-speeds"
                 )
             )
+        # what start-up made (the tokenizer, the app) lives as long as the router: the
+        # cyclic collector, which otherwise walks it again and again, leaves it be
+        gc.collect()
+        gc.freeze()
         logger.info(
             "router on http://%s:%d: policy %s, %d prefill + %d decode workers, tokenizer %s",
             self.cfg.host,
@@ -202,6 +215,8 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin, StallWatchMixin):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+        if self.http is not None:
+            await self.http.close()
         self.admin.close()
         if self.global_index is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.global_index.close)

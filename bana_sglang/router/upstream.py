@@ -6,18 +6,18 @@ import asyncio
 import re
 import time
 
-import aiohttp
+from aiohttp import web
 
 from bana_sglang.router.errors import UpstreamError, streamed_failure
+from bana_sglang.router.http1 import Response
 from bana_sglang.router.workers import Worker
 
 #: what a broken connection to a worker raises while its answer is read
-BROKEN = (
-    TimeoutError,
-    aiohttp.ClientPayloadError,
-    aiohttp.ClientConnectionError,
-    ConnectionError,
-)
+#: (:mod:`~.http1` raises its :class:`~.http1.UpstreamClosed`, a ConnectionError)
+BROKEN = (TimeoutError, ConnectionError)
+#: the client's unsent bytes past which the relay stops reading its upstream, and under
+#: which it reads on (a slow client must not make the router buffer a whole answer)
+_HIGH_WATER, _LOW_WATER = 64 * 1024, 16 * 1024
 
 
 # SGLang 0.5.23's decode-side errors when its prefill peer cannot be reached or
@@ -69,7 +69,7 @@ class Upstream:
         self,
         p: Worker,
         d: Worker,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         first: bytes,
         p_task: asyncio.Task,
         d_tok: int,
@@ -169,3 +169,84 @@ class Opening:
 def _swallow(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()
+
+
+async def relay(
+    up: Upstream, out: web.StreamResponse, transport: asyncio.Transport | None, splice
+) -> bytes | None:
+    """Relay ``up``'s answer to the client until it ends (returns b""), its connection
+    breaks (raises one of :data:`BROKEN`), or ``splice`` (a :class:`~.splice.Splicer`,
+    or None) may need the caller: returns None, with everything so far relayed, when
+    the splice saw a handoff or an abort, and on a client that is not sent chunks.
+
+    The bytes go from the worker's connection callback straight to the client's
+    transport, framed as the chunks of ``out`` (already prepared): no task wakes per
+    chunk. A client that reads slowly makes it stop reading the worker until the
+    client's buffer drains; a client that went away raises ConnectionResetError. A
+    response that is not chunked (an HTTP/1.0 client) is relayed piece by piece by
+    this task instead."""
+    chunked = out.headers.get("Transfer-Encoding", "").lower() == "chunked"
+    if transport is None or not chunked or out.compression:
+        chunk = await up.resp.readany()
+        up.since = time.monotonic()
+        if not chunk:
+            return b""
+        if splice is not None:
+            events = splice.feed(chunk)
+            chunk = b"".join(events)
+        if chunk:
+            await out.write(chunk)
+        return None
+    await out.write(b"")  # the headers, if nothing was written yet (aiohttp holds them back)
+    while True:
+        why, exc = await _push(up, transport, splice)
+        if why == "end":
+            if exc is not None:
+                raise exc
+            return b""
+        if why == "gone":
+            raise ConnectionResetError("the client went away")
+        if why == "splice":
+            return None  # the connection is given up or resumed elsewhere: it stays paused
+        while transport.get_write_buffer_size() > _LOW_WATER:  # "drain"
+            if transport.is_closing():
+                raise ConnectionResetError("the client went away")
+            await asyncio.sleep(0.005)
+        up.resp.resume()
+
+
+async def _push(
+    up: Upstream, transport: asyncio.Transport, splice
+) -> tuple[str, BaseException | None]:
+    """Relay from the connection's callback until something needs the relay's task:
+    ("end", error or None), "splice", "drain" (the client's buffer is full) or "gone"."""
+    resp = up.resp
+    woke: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def stop(why: str, exc: BaseException | None = None) -> None:
+        if not woke.done():
+            woke.set_result((why, exc))
+
+    def on_data(data: bytes) -> None:
+        up.since = time.monotonic()
+        if splice is not None:
+            events = splice.feed(data)
+            data = events[0] if len(events) == 1 else b"".join(events)
+        if transport.is_closing():
+            resp.pause()
+            stop("gone")
+            return
+        if data:
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        if splice is not None and (splice.migrated is not None or splice.aborted):
+            resp.pause()
+            stop("splice")
+        elif transport.get_write_buffer_size() > _HIGH_WATER:
+            resp.pause()
+            stop("drain")
+
+    try:
+        resp.push(on_data, lambda exc: stop("end", exc))
+        return await woke
+    finally:
+        resp.pull()
