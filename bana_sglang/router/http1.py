@@ -105,12 +105,12 @@ class Response:
 
     def pause(self) -> None:
         """Stop reading from the worker (the client is slow); :meth:`resume` goes on."""
-        if self._conn is not None and self._conn.transport is not None:
-            self._conn.transport.pause_reading()
+        if self._conn is not None:
+            self._conn.reading(False)
 
     def resume(self) -> None:
-        if self._conn is not None and self._conn.transport is not None:
-            self._conn.transport.resume_reading()
+        if self._conn is not None:
+            self._conn.reading(True)
 
     # ------------------------------------------------------------------ ending
     def close(self) -> None:
@@ -271,6 +271,7 @@ class _Conn(asyncio.Protocol):
         self.pending = b""  # bytes of an unfinished head or chunk-size line
         self.last = time.monotonic()  # when it last got bytes, or went idle
         self.lost = False
+        self.paused = False  # reading paused (a slow client); never so in the pool
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
@@ -343,9 +344,17 @@ class _Conn(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def reading(self, on: bool) -> None:
+        if self.transport is not None and self.paused == on:
+            self.paused = not on
+            (self.transport.resume_reading if on else self.transport.pause_reading)()
+
     def finished(self, *, keep: bool) -> None:
         self.resp = None
         self.pool.done(self)
+        # an answer can end in the very bytes whose relay paused the reading: the next
+        # request on this connection must be read
+        self.reading(True)
         if keep and not self.pending and not self.lost:
             self.last = time.monotonic()
             self.pool.idle.append(self)

@@ -20,10 +20,10 @@ def run(coro, timeout: float = 30.0):
 class RawServer:
     """Answers each request (read up to its body's end) with ``answer(n)`` (n: the
     request's number on the server), written in pieces of ``step`` bytes with a yield
-    in between; ``then`` after it: "keep" the connection, "close" it, or "hang"."""
+    (``gap_s``) in between; ``then`` after it: "keep" the connection, "close" it, or "hang"."""
 
-    def __init__(self, answer, *, step: int = 0, then: str = "keep"):
-        self.answer, self.step, self.then = answer, step, then
+    def __init__(self, answer, *, step: int = 0, then: str = "keep", gap_s: float = 0.0):
+        self.answer, self.step, self.then, self.gap_s = answer, step, then, gap_s
         self.connections = 0
         self.requests: list[bytes] = []
         self.server: asyncio.AbstractServer | None = None
@@ -53,7 +53,7 @@ class RawServer:
                 for i in range(0, len(data), step):
                     writer.write(data[i : i + step])
                     await writer.drain()
-                    await asyncio.sleep(0)
+                    await asyncio.sleep(self.gap_s)
                 if self.then == "close":
                     writer.close()
                     return
@@ -325,3 +325,28 @@ def _split(framed: bytes, parts: list[bytes]) -> list[bytes]:
         pos = i + 4 + n
     assert b"".join(out) == b"".join(parts)
     return out
+
+
+def test_a_connection_whose_answer_ended_while_paused_reads_the_next_answer():
+    """The relay pauses a worker's connection from inside a piece that also ends the
+    answer (a handoff's last event, a full client buffer): the connection goes back to
+    the pool and must read the next request's answer."""
+
+    async def go():
+        head = len(_chunked()) - len(b"0\r\n\r\n")  # the head first, then the body
+        async with RawServer(lambda n: _chunked(b"answer %d" % n), step=head, gap_s=0.2) as url:
+            http = _client()
+            for n in (1, 2):
+                resp = await http.post(url, "/s", b"{}")
+                got, ended = [], asyncio.get_running_loop().create_future()
+
+                def on_data(data, resp=resp, got=got):
+                    got.append(data)
+                    resp.pause()
+
+                resp.push(on_data, ended.set_result)
+                assert await asyncio.wait_for(ended, 5) is None
+                assert got == [b"answer %d" % n]
+            await http.close()
+
+    run(go())
