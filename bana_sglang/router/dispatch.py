@@ -14,7 +14,6 @@ migration by :class:`~.continuation.ContinuationMixin`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -322,9 +321,7 @@ class PDDispatchMixin(PairsMixin):
                 p_open.raise_if_stalled(post)
                 early = None if post.done() or p_task.cancelled() else p_task.exception()
                 if isinstance(early, (UpstreamError, ClientError)):
-                    post.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await post
+                    _drop(post, None)
                     if isinstance(early, UpstreamError):
                         raise early
                     d.end(d_tok)
@@ -379,8 +376,7 @@ class PDDispatchMixin(PairsMixin):
                 if not chunk:
                     raise UpstreamError(d, "stream ended before the first byte")
             except HandshakeTimeout as e:
-                if resp is not None:
-                    resp.close()
+                _drop(post, resp)
                 p_task.cancel()
                 slow.update((p.id, d.id))
                 self.metrics.retries.labels("continuation_timeout").inc()
@@ -389,8 +385,7 @@ class PDDispatchMixin(PairsMixin):
                 d.end(d_tok)
                 continue
             except UpstreamError as e:
-                if resp is not None:
-                    resp.close()
+                _drop(post, resp)
                 if store_load_failed(e, p):  # retried, the worker stays routable
                     self.metrics.retries.labels("store_load_failed").inc()
                     last = str(e)
@@ -404,8 +399,8 @@ class PDDispatchMixin(PairsMixin):
                 d.end(d_tok)
                 continue
             except BaseException:
-                if resp is not None:
-                    resp.close()
+                opening.fut.cancel()  # the first byte's read, if it got that far
+                _drop(post, resp)
                 p_task.cancel()
                 d.end(d_tok)
                 raise
@@ -524,3 +519,19 @@ class PDDispatchMixin(PairsMixin):
             up.finish(drained=up.drained)
         self._count(label, 200, t0)
         return out
+
+
+def _drop(post: asyncio.Future, resp: Response | None) -> None:
+    """Give a decode half up: its answer, whether it came already or comes later, is
+    closed. An answer nobody reads would keep its connection, a slot of its worker's
+    pool and the worker's request until they timed out."""
+    if resp is not None:
+        resp.close()
+        return
+    post.cancel()
+    post.add_done_callback(_close_answer)
+
+
+def _close_answer(post: asyncio.Future) -> None:
+    if not post.cancelled() and post.exception() is None:
+        post.result().close()

@@ -347,6 +347,7 @@ class _Conn(asyncio.Protocol):
     def reading(self, on: bool) -> None:
         if self.transport is not None and self.paused == on:
             self.paused = not on
+            self.last = time.monotonic()  # paused is not silent: the read timeout restarts
             (self.transport.resume_reading if on else self.transport.pause_reading)()
 
     def finished(self, *, keep: bool) -> None:
@@ -400,10 +401,14 @@ class Pool:
         )
         self.busy.add(conn)
         head = conn.send(request, asyncio.get_running_loop())
+        resp = conn.resp
+        assert resp is not None
         try:
             return await head
         except asyncio.CancelledError:
-            conn.abort(UpstreamClosed("the request was cancelled"))
+            # closes the connection only while this answer holds it: a whole answer
+            # has given it back to the pool, maybe to another request already
+            resp.close()
             raise
 
     async def _conn(self) -> _Conn:
@@ -439,7 +444,7 @@ class Pool:
             conn = self.idle.pop(0)
             if conn.transport is not None:
                 conn.transport.close()
-        for conn in [c for c in self.busy if now - c.last > read_timeout_s]:
+        for conn in [c for c in self.busy if not c.paused and now - c.last > read_timeout_s]:
             conn.abort(
                 TimeoutError(f"no byte from {self.host}:{self.port} in {read_timeout_s:g} s")
             )

@@ -206,12 +206,19 @@ async def relay(
             return b""
         if why == "gone":
             raise ConnectionResetError("the client went away")
+        if why == "bug":
+            assert exc is not None
+            raise exc
         if why == "splice":
             return None  # the connection is given up or resumed elsewhere: it stays paused
-        while transport.get_write_buffer_size() > _LOW_WATER:  # "drain"
+        nap = 0.005  # "drain": a slow client, polled (aiohttp's drain is not public)
+        while transport.get_write_buffer_size() > _LOW_WATER:
             if transport.is_closing():
                 raise ConnectionResetError("the client went away")
-            await asyncio.sleep(0.005)
+            if up.resp.error is not None:  # closed meanwhile (the stall watch)
+                raise up.resp.error
+            await asyncio.sleep(nap)
+            nap = min(0.1, nap * 2)
         up.resp.resume()
 
 
@@ -219,7 +226,8 @@ async def _push(
     up: Upstream, transport: asyncio.Transport, splice
 ) -> tuple[str, BaseException | None]:
     """Relay from the connection's callback until something needs the relay's task:
-    ("end", error or None), "splice", "drain" (the client's buffer is full) or "gone"."""
+    ("end", error or None), "splice", "drain" (the client's buffer is full), "gone" or
+    ("bug", the splicer's exception)."""
     resp = up.resp
     woke: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -230,7 +238,12 @@ async def _push(
     def on_data(data: bytes) -> None:
         up.since = time.monotonic()
         if splice is not None:
-            events = splice.feed(data)
+            try:
+                events = splice.feed(data)
+            except Exception as e:  # noqa: BLE001  (the router's bug, not the worker's failure)
+                resp.pause()
+                stop("bug", e)
+                return
             data = events[0] if len(events) == 1 else b"".join(events)
         if transport.is_closing():
             resp.pause()

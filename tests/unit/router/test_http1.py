@@ -350,3 +350,47 @@ def test_a_connection_whose_answer_ended_while_paused_reads_the_next_answer():
             await http.close()
 
     run(go())
+
+
+def test_a_decode_half_given_up_after_its_answer_began_is_closed_not_left_open():
+    """The router gives a decode half up (its client went away, its prefill failed) after
+    the answer's head came but before anyone read it: the connection is closed and its
+    slot freed, not held until the worker's stream or the read timeout ends."""
+    from bana_sglang.router.dispatch import _drop
+
+    raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n"
+
+    async def go():
+        async with RawServer(lambda n: raw, then="hang") as url:
+            http = _client()
+            post = asyncio.ensure_future(http.post(url, "/s", b"{}"))
+            await asyncio.sleep(0.3)
+            assert post.done() and len(http.pool(url).busy) == 1
+            _drop(post, None)
+            await asyncio.sleep(0.1)
+            assert not http.pool(url).busy and not http.pool(url).idle
+            assert post.result().error is not None
+            await http.close()
+
+    run(go())
+
+
+def test_a_paused_connection_is_not_timed_out_for_the_silence_it_was_asked_for():
+    """A relay pauses a worker's connection while its client is slow: the pause is not
+    the worker's silence. Once reading again, a silent worker times out as before."""
+    raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n"
+
+    async def go():
+        async with RawServer(lambda n: raw, then="hang") as url:
+            http = _client(read_timeout_s=0.5)
+            resp = await http.post(url, "/s", b"{}")
+            assert await resp.readany() == b"one"
+            resp.pause()
+            await asyncio.sleep(2.2)  # two sweeps past the read timeout
+            assert resp.error is None
+            resp.resume()
+            with pytest.raises(TimeoutError):
+                await resp.readany()
+            await http.close()
+
+    run(go())
