@@ -94,7 +94,7 @@ class ChoicesMixin:
         bad = next((u for u in opened if not isinstance(u, Upstream)), None)
         if bad is not None:  # nothing was sent to the client yet: answer as one request
             for u in ups:
-                u.finish(drained=False)
+                u.finish()
             if isinstance(bad, web.Response):
                 self._count(label, bad.status, t0)
                 return bad
@@ -122,7 +122,6 @@ class ChoicesMixin:
                         if fwd is not None:
                             await events.put(fwd)
                     chunk = await up.resp.readany()
-                up.drained = True
             except BROKEN as e:
                 why = f"choice {i}: decode worker {up.d.url} failed mid-stream: {type(e).__name__}"
                 logger.warning("%s", why)
@@ -131,7 +130,7 @@ class ChoicesMixin:
                     self._fail(up.d, why)
                 await events.put(b"data: " + error_body(502, why))
             finally:
-                up.finish(drained=up.drained)
+                up.finish()
 
         tasks = [asyncio.create_task(pump(i, u)) for i, u in enumerate(ups)]
         done = asyncio.gather(*tasks)
@@ -158,7 +157,7 @@ class ChoicesMixin:
             for t in tasks:
                 t.cancel()
             for u in ups:
-                u.finish(drained=u.drained)
+                u.finish()
         self._count(label, 200, t0)
         return out
 

@@ -98,7 +98,7 @@ class PDDispatchMixin(PairsMixin):
             raise UpstreamError(w, f"{type(e).__name__}: {e}") from None
         finally:
             if resp is not None:
-                resp.release()
+                resp.close()
         if resp.status < 400 and data.startswith(b"data:"):
             failed = prefill_stream_failure(data)
             if failed is not None:
@@ -473,7 +473,7 @@ class PDDispatchMixin(PairsMixin):
                         if events:  # one write for all the whole events of a chunk
                             await out.write(b"".join(events))
                     if splice.migrated is not None:
-                        up.finish(drained=False)
+                        up.finish()
                         nxt = await self._continue(splice, up, route)
                         if isinstance(nxt, bytes):  # nothing could continue it: the client is told
                             await out.write(nxt)
@@ -499,7 +499,7 @@ class PDDispatchMixin(PairsMixin):
                     logger.warning("%s", why)
                     nxt = await self._resume(splice, up, route) if splice is not None else None
                     if nxt is not None:
-                        up.finish(drained=False)
+                        up.finish()
                         up, chunk = nxt, nxt.first
                         continue
                     self.metrics.stream_errors.inc()
@@ -508,7 +508,6 @@ class PDDispatchMixin(PairsMixin):
                 if chunk == b"":
                     if splice is not None:
                         await out.write(splice.flush())
-                    up.drained = True
                     break
             await out.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
@@ -516,7 +515,7 @@ class PDDispatchMixin(PairsMixin):
             up.p_task.cancel()
             raise
         finally:
-            up.finish(drained=up.drained)
+            up.finish()
         self._count(label, 200, t0)
         return out
 

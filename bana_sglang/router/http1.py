@@ -114,18 +114,13 @@ class Response:
 
     # ------------------------------------------------------------------ ending
     def close(self) -> None:
-        """Abort: the connection is closed unless the answer was already whole."""
+        """Done with the answer: a whole one's connection is back in the pool already;
+        otherwise the connection is closed (the answer is abandoned)."""
         conn, self._conn = self._conn, None
         why = UpstreamClosed("the router closed the connection before the answer's end")
         if conn is not None:
             conn.abort(why)
         self._fail(why)
-
-    def release(self) -> None:
-        """Done with the answer: its connection goes back to the pool if the body was
-        read to its end, and is closed otherwise."""
-        if not self.complete:
-            self.close()
 
     # ------------------------------------------------------------------ the connection's side
     def _head(self, head: bytes) -> None:

@@ -85,7 +85,6 @@ class Upstream:
             d_tok,
         )
         self.rid = rid  # the request id it was sent with (a migratable request's, for its handoff)
-        self.drained = False
         self._ended = False
         self.since = time.monotonic()  # when its last bytes came (the relay keeps it fresh)
         self.stalled: str | None = None  # why the router ended it for silence (see stalls.py)
@@ -105,14 +104,15 @@ class Upstream:
         self.stalled = why
         self.resp.close()
 
-    def finish(self, drained: bool) -> None:
-        """Give the connection back (read to the end) or abort it, and end the counts; idempotent."""
+    def finish(self) -> None:
+        """Close the answer (a whole one's connection is back in the pool already, see
+        :meth:`~.http1.Response.close`) and end the counts; idempotent."""
         if self._ended:
             return
         self._ended = True
         if self._watched is not None:
             self._watched.discard(self)
-        (self.resp.release if drained else self.resp.close)()
+        self.resp.close()
         self.d.end(self.d_tok)
         if not self.p_task.done():
             # the prefill answer is only bookkeeping once decode streams
@@ -191,9 +191,7 @@ async def relay(
         up.since = time.monotonic()
         if not chunk:
             return b""
-        if splice is not None:
-            events = splice.feed(chunk)
-            chunk = b"".join(events)
+        chunk = _for_client(chunk, splice)
         if chunk:
             await out.write(chunk)
         return None
@@ -222,6 +220,15 @@ async def relay(
         up.resp.resume()
 
 
+def _for_client(data: bytes, splice) -> bytes:
+    """What of the worker's ``data`` goes to the client: all of it, or the whole events
+    the splicer lets through."""
+    if splice is None:
+        return data
+    events = splice.feed(data)
+    return events[0] if len(events) == 1 else b"".join(events)
+
+
 async def _push(
     up: Upstream, transport: asyncio.Transport, splice
 ) -> tuple[str, BaseException | None]:
@@ -237,14 +244,12 @@ async def _push(
 
     def on_data(data: bytes) -> None:
         up.since = time.monotonic()
-        if splice is not None:
-            try:
-                events = splice.feed(data)
-            except Exception as e:  # noqa: BLE001  (the router's bug, not the worker's failure)
-                resp.pause()
-                stop("bug", e)
-                return
-            data = events[0] if len(events) == 1 else b"".join(events)
+        try:
+            data = _for_client(data, splice)
+        except Exception as e:  # noqa: BLE001  (the router's bug, not the worker's failure)
+            resp.pause()
+            stop("bug", e)
+            return
         if transport.is_closing():
             resp.pause()
             stop("gone")
