@@ -32,7 +32,7 @@ async def serve(
     router = Router(cfg)
     runner = web.AppRunner(router.build_app(), access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+    site = router.site(runner, cfg.host, cfg.port, reuse_address=True)
     await site.start()
     print(f"bana-router ready on http://{cfg.host}:{cfg.port}", flush=True)
     if ready is not None:

@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from bana_sglang.router.errors import error_body, error_response
+from bana_sglang.router.front import stream_out
 from bana_sglang.router.policy import RouteRequest
 from bana_sglang.router.splice import event_json
 from bana_sglang.router.upstream import BROKEN, Upstream
@@ -100,9 +101,9 @@ class ChoicesMixin:
                 return bad
             self._count(label, 502, t0)
             return error_response(502, f"no worker pair could serve the request: {bad}")
-        out = web.StreamResponse(
-            status=200,
-            headers={
+        out = stream_out(
+            request,
+            {
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
@@ -136,7 +137,7 @@ class ChoicesMixin:
         done = asyncio.gather(*tasks)
         try:
             await out.prepare(request)
-            self.metrics.ttfb_seconds.labels(label).observe(time.perf_counter() - t0)
+            self.metrics.first_byte(label, time.perf_counter() - t0)
             while not (done.done() and events.empty()):
                 get = asyncio.ensure_future(events.get())
                 await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)

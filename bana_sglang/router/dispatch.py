@@ -27,6 +27,7 @@ from bana_sglang.router.errors import (
     error_response,
     sse_error,
 )
+from bana_sglang.router.front import stream_out
 from bana_sglang.router.generate import fix_logprob_window, merge_input_logprobs
 from bana_sglang.router.http1 import Response
 from bana_sglang.router.pairs import PairsMixin
@@ -51,13 +52,6 @@ logger = logging.getLogger("bana_sglang.router.server")  # one logger for the ro
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST
 _JSON = "application/json"
-
-
-class StreamOut(web.StreamResponse):
-    """A streamed answer whose headers leave with its first bytes: one write, not two
-    (aiohttp's own ``Response`` buffers them the same way)."""
-
-    _send_headers_immediately = False
 
 
 class PDDispatchMixin(PairsMixin):
@@ -450,9 +444,9 @@ class PDDispatchMixin(PairsMixin):
             self._count(label, 502, t0)
             return error_response(502, f"no worker pair could serve the request: {up}")
         # ---- committed: relay chunk by chunk
-        out = StreamOut(
-            status=200,
-            headers={
+        out = stream_out(
+            request,
+            {
                 "Content-Type": up.resp.headers.get("content-type", "text/event-stream"),
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
@@ -461,7 +455,7 @@ class PDDispatchMixin(PairsMixin):
         chunk: bytes | None = up.first
         try:
             await out.prepare(request)
-            self.metrics.ttfb_seconds.labels(label).observe(time.perf_counter() - t0)
+            self.metrics.first_byte(label, time.perf_counter() - t0)
             while True:
                 why = None
                 if splice is None:

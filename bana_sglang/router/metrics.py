@@ -16,6 +16,8 @@ _SLOW = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._answered: dict[tuple[str, int], tuple] = {}
+        self._ttfb: dict[str, Histogram] = {}
         self.requests = Counter(
             "bana_router_requests_total",
             "Requests answered, by endpoint and status",
@@ -145,6 +147,25 @@ class RouterMetrics:
             buckets=_SLOW,
             registry=r,
         )
+
+    def answered(self, endpoint: str, status: int, seconds: float) -> None:
+        """Count an answer and its end-to-end time (labelled children kept: a lookup
+        by labels takes a lock and builds a key, per request)."""
+        key = (endpoint, status)
+        pair = self._answered.get(key)
+        if pair is None:
+            pair = self._answered[key] = (
+                self.requests.labels(endpoint, str(status)),
+                self.e2e_seconds.labels(endpoint),
+            )
+        pair[0].inc()
+        pair[1].observe(seconds)
+
+    def first_byte(self, endpoint: str, seconds: float) -> None:
+        child = self._ttfb.get(endpoint)
+        if child is None:
+            child = self._ttfb[endpoint] = self.ttfb_seconds.labels(endpoint)
+        child.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

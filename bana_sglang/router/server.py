@@ -59,6 +59,7 @@ from bana_sglang.router.config import RouterConfig
 from bana_sglang.router.continuation import ContinuationMixin
 from bana_sglang.router.dispatch import PDDispatchMixin
 from bana_sglang.router.errors import error_response
+from bana_sglang.router.front import FrontRequest, FrontSite
 from bana_sglang.router.generate import split_generate
 from bana_sglang.router.http1 import WorkerHTTP
 from bana_sglang.router.metrics import RouterMetrics
@@ -123,6 +124,7 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin, StallWatchMixin):
         )
         self.session: aiohttp.ClientSession | None = None  # probes, admin and /get_server_info
         self.http: WorkerHTTP | None = None  # requests (see http1.py)
+        self.listener: FrontSite | None = None  # see site()
         self._tasks: list[asyncio.Task] = []
         # open decode streams (Upstream) and unanswered halves (Opening): the stall watch's
         self._watched: set = set()
@@ -231,24 +233,57 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin, StallWatchMixin):
             raise
         except Exception as e:
             logger.exception("%s %s failed", request.method, request.path)
-            return error_response(500, f"internal error in the router: {type(e).__name__}")
+            return self._internal_error(e)
+
+    @staticmethod
+    def _internal_error(e: BaseException) -> web.Response:
+        return error_response(500, f"internal error in the router: {type(e).__name__}")
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler):
+        refused = self._refusal(request.headers)
+        return refused if refused is not None else await handler(request)
+
+    def _refusal(self, headers) -> web.Response | None:
+        """The 401 for a request without the clients' API key (None: let it in)."""
         key = self.cfg.api_key
-        if key:
-            got = request.headers.get("Authorization", "")
-            token = (
-                got[7:] if got[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-            )
-            if not hmac.compare_digest(token.encode(errors="surrogatepass"), key.encode()):
-                return error_response(
-                    401,
-                    "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                    type_="authentication_error",
-                    code="invalid_api_key",
-                )
-        return await handler(request)
+        if not key:
+            return None
+        got = headers.get("Authorization", "")
+        token = got[7:] if got[:7].lower() == "bearer " else headers.get("x-api-key", "")
+        if hmac.compare_digest(token.encode(errors="surrogatepass"), key.encode()):
+            return None
+        return error_response(
+            401,
+            "missing or wrong API key (send 'Authorization: Bearer KEY')",
+            type_="authentication_error",
+            code="invalid_api_key",
+        )
+
+    # ------------------------------------------------------------------ the listener
+    def site(self, runner: web.BaseRunner, host: str, port: int, **kwargs) -> FrontSite:
+        """The router's listener for ``runner`` (set up from :meth:`build_app`): the
+        generation endpoints on :mod:`.front`'s path, the rest through aiohttp."""
+        front = dict(
+            handler=self.handle_front,
+            max_body=self.cfg.max_body_bytes,
+            on_error=self._internal_error,
+        )
+        self.listener = FrontSite(runner, front, host, port, **kwargs)
+        return self.listener
+
+    async def handle_front(self, request: FrontRequest) -> web.StreamResponse:
+        """A generation request read by the listener (:mod:`.front`): the auth
+        middleware's check, then the route's own handler (the error middleware's part
+        is the listener's)."""
+        refused = self._refusal(request.headers)
+        if refused is not None:
+            return refused
+        if request.path == "/v1/completions":
+            return await self.handle_completions(request)
+        if request.path == "/v1/chat/completions":
+            return await self.handle_chat(request)
+        return await self.handle_generate(request)
 
     # ------------------------------------------------------------------ simple endpoints
     async def handle_health(self, request: web.Request) -> web.Response:
@@ -526,8 +561,7 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin, StallWatchMixin):
         return web.Response(status=e.status, body=orjson.dumps(e.body()), content_type=_JSON)
 
     def _count(self, label: str, status: int, t0: float) -> None:
-        self.metrics.requests.labels(label, str(status)).inc()
-        self.metrics.e2e_seconds.labels(label).observe(time.perf_counter() - t0)
+        self.metrics.answered(label, status, time.perf_counter() - t0)
 
 
 #: texts shorter than this are tokenized on the event loop (a thread hop costs more)

@@ -206,6 +206,11 @@ class Splicer:
                     out.append(fwd + b"\n\n")
         return out
 
+    @property
+    def finished(self) -> bool:
+        """The stream's end was relayed, and nothing is left for the router to do."""
+        return self.done and self.migrated is None and not self.aborted
+
     def flush(self) -> bytes:
         rest, self._buf = self._buf, b""
         return rest

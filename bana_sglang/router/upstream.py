@@ -9,6 +9,7 @@ import time
 from aiohttp import web
 
 from bana_sglang.router.errors import UpstreamError, streamed_failure
+from bana_sglang.router.front import FrontStream
 from bana_sglang.router.http1 import Response
 from bana_sglang.router.workers import Worker
 
@@ -172,7 +173,10 @@ def _swallow(task: asyncio.Task) -> None:
 
 
 async def relay(
-    up: Upstream, out: web.StreamResponse, transport: asyncio.Transport | None, splice
+    up: Upstream,
+    out: web.StreamResponse | FrontStream,
+    transport: asyncio.Transport | None,
+    splice,
 ) -> bytes | None:
     """Relay ``up``'s answer to the client until it ends (returns b""), its connection
     breaks (raises one of :data:`BROKEN`), or ``splice`` (a :class:`~.splice.Splicer`,
@@ -197,7 +201,7 @@ async def relay(
         return None
     await out.write(b"")  # the headers, if nothing was written yet (aiohttp holds them back)
     while True:
-        why, exc = await _push(up, transport, splice)
+        why, exc = await _push(up, out, transport, splice)
         if why == "end":
             if exc is not None:
                 raise exc
@@ -230,13 +234,14 @@ def _for_client(data: bytes, splice) -> bytes:
 
 
 async def _push(
-    up: Upstream, transport: asyncio.Transport, splice
+    up: Upstream, out: web.StreamResponse | FrontStream, transport: asyncio.Transport, splice
 ) -> tuple[str, BaseException | None]:
     """Relay from the connection's callback until something needs the relay's task:
     ("end", error or None), "splice", "drain" (the client's buffer is full), "gone" or
     ("bug", the splicer's exception)."""
     resp = up.resp
     woke: asyncio.Future = asyncio.get_running_loop().create_future()
+    closable = isinstance(out, FrontStream)  # its end can be written here
 
     def stop(why: str, exc: BaseException | None = None) -> None:
         if not woke.done():
@@ -254,8 +259,15 @@ async def _push(
             resp.pause()
             stop("gone")
             return
-        if data:
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        # the worker's last bytes: the client's answer ends in the same write
+        last = resp.ending and closable and (splice is None or splice.finished)
+        if last and splice is not None:
+            data += splice.flush()
+        framed = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+        if last:
+            framed += out.ending()
+        if framed:
+            transport.write(framed)
         if splice is not None and (splice.migrated is not None or splice.aborted):
             resp.pause()
             stop("splice")

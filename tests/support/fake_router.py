@@ -32,7 +32,7 @@ async def running(prefill: list[FakeWorker], decode: list[FakeWorker], **cfg_kw)
     router = Router(cfg)
     runner = web.AppRunner(router.build_app())
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await router.site(runner, "127.0.0.1", port).start()
     async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as client:
         for _ in range(100):  # until it knows the model
             async with client.get("/health", headers=auth_headers(cfg_kw)) as r:

@@ -118,7 +118,7 @@ def router_url():
         )
         runner = web.AppRunner(router.build_app())
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await router.site(runner, "127.0.0.1", port).start()
         box.update(runner=runner, fakes=fakes)
 
     def serve() -> None:
