@@ -4,8 +4,8 @@ A streamed request crosses the router as a few dozen small chunks, and with
 aiohttp's client each one costs a parser callback, a stream-reader buffer, a
 future and a task step before the relay can write it (``python -m bench.bench_router``
 measured the router at 1.7x the stock Rust router's CPU per request). This client
-does only what the router asks of a worker: ``POST`` a JSON body and read the
-answer, whole (:meth:`Response.read`), piece by piece (:meth:`Response.readany`),
+does only what the router asks of a worker: ``POST`` a JSON body (or ``GET``: the
+load polls) and read the answer, whole (:meth:`Response.read`), piece by piece (:meth:`Response.readany`),
 or pushed to a callback from the connection's own ``data_received``
 (:meth:`Response.push`) so that the relay writes each chunk to the client with no
 task switch at all. Bodies come framed by ``Content-Length``, chunked, or until the
@@ -383,6 +383,15 @@ class Pool:
 
     async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> Response:
         """Send ``body`` (JSON) to ``path``; the answer once its status and headers came."""
+        return await self._send(b"POST", path, body, headers)
+
+    async def get(self, path: str) -> Response:
+        """``GET path``; the answer once its status and headers came."""
+        return await self._send(b"GET", path, None, None)
+
+    async def _send(
+        self, method: bytes, path: str, body: bytes | None, headers: dict[str, str] | None
+    ) -> Response:
         await self._slots.acquire()
         try:
             conn = await self._conn()
@@ -390,13 +399,17 @@ class Pool:
             self._slots.release()
             raise
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode() if headers else b""
-        request = b"POST %s HTTP/1.1\r\n%s%sContent-Length: %d\r\n\r\n%s" % (
-            path.encode(),
-            self._fixed,
-            extra,
-            len(body),
-            body,
-        )
+        if body is None:
+            request = b"%s %s HTTP/1.1\r\n%s%s\r\n" % (method, path.encode(), self._fixed, extra)
+        else:
+            request = b"%s %s HTTP/1.1\r\n%s%sContent-Length: %d\r\n\r\n%s" % (
+                method,
+                path.encode(),
+                self._fixed,
+                extra,
+                len(body),
+                body,
+            )
         self.busy.add(conn)
         head = conn.send(request, asyncio.get_running_loop())
         resp = conn.resp
@@ -492,6 +505,9 @@ class WorkerHTTP:
 
     async def post(self, url: str, path: str, body: bytes, headers: dict | None = None):
         return await self.pool(url).post(path, body, headers)
+
+    async def get(self, url: str, path: str) -> Response:
+        return await self.pool(url).get(path)
 
     async def _sweep(self) -> None:
         while True:

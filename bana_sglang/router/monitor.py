@@ -17,6 +17,7 @@ import time
 import aiohttp
 import orjson
 
+from bana_sglang.router.http1 import BadResponse, WorkerHTTP
 from bana_sglang.router.metrics import RouterMetrics
 from bana_sglang.router.workers import Reported, Worker
 
@@ -51,10 +52,14 @@ class WorkerMonitor:
         self.models_json: bytes | None = None  # a worker's /v1/models answer, once known
         self.model_names: set[str] = set(model_names)
         self.session: aiohttp.ClientSession | None = None
+        self.http: WorkerHTTP | None = None
 
-    def start(self, session: aiohttp.ClientSession) -> list[asyncio.Task]:
-        """Start the pollers on ``session``; the caller cancels the returned tasks."""
+    def start(self, session: aiohttp.ClientSession, http: WorkerHTTP) -> list[asyncio.Task]:
+        """Start the pollers: load polls on ``http`` (the router's own client, cheaper
+        per call), probes and model lists on ``session``; the caller cancels the
+        returned tasks."""
         self.session = session
+        self.http = http
         return [
             asyncio.create_task(self._poll_loop(), name="bana-router-gauges"),
             *(
@@ -135,27 +140,30 @@ class WorkerMonitor:
             else:
                 w.mark_down(reason, now)
             return
+        assert self.http is not None
+        resp = None
         try:
-            async with self.session.get(
-                w.url + "/v1/loads",
-                params={"include": "core"},
-                timeout=aiohttp.ClientTimeout(total=LOADS_TIMEOUT_S),
-            ) as resp:
+            async with asyncio.timeout(LOADS_TIMEOUT_S):
+                resp = await self.http.get(w.url, "/v1/loads?include=core")
                 w.answered_at = time.monotonic()
                 if resp.status != 200:
                     return  # an old worker without /v1/loads: the router's own counts remain
-                body = await resp.json(loads=orjson.loads)
+                body = orjson.loads(await resp.read())
             w.reported = Reported.from_loads_json(body, time.monotonic())
         except TimeoutError as e:
             # Slow is not dead: a CPU worker deep in a long prefill answers late.
-            # (Caught before connection errors: aiohttp's socket timeouts are both.)
             logger.debug("load poll of %s timed out: %s", w.url, e)
             await self._liveness(w)
-        except (aiohttp.ClientConnectionError, ConnectionError) as e:
+        except BadResponse as e:  # it answered: not a connection failure
+            logger.debug("load poll of %s failed: %s", w.url, e)
+        except ConnectionError as e:
             if w.mark_down(f"load poll: {type(e).__name__}: {e}"):
                 self.metrics.worker_failures.labels(w.url, w.tier.value).inc()
-        except (aiohttp.ClientError, ValueError) as e:
+        except ValueError as e:
             logger.debug("load poll of %s failed: %s", w.url, e)
+        finally:
+            if resp is not None:
+                resp.close()  # a no-op on an answer read whole
 
     async def _liveness(self, w: Worker) -> None:
         """Whether the worker's HTTP server answers at all, after a load poll timed out:

@@ -179,7 +179,7 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin, StallWatchMixin):
             connect_timeout_s=self.cfg.connect_timeout_s,
             read_timeout_s=self.cfg.read_timeout_s,
         )
-        self._tasks += self.monitor.start(self.session)
+        self._tasks += self.monitor.start(self.session, self.http)
         self._tasks.append(asyncio.create_task(self._stall_watch(), name="bana-router-stalls"))
         if self.admin.agents:
             self._tasks.append(

@@ -43,9 +43,12 @@ class RawServer:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = next(
-                    int(line.split(b":", 1)[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
+                    (
+                        int(line.split(b":", 1)[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,  # a GET
                 )
                 self.requests.append(head + await reader.readexactly(length))
                 data = self.answer(len(self.requests))
@@ -113,6 +116,25 @@ def test_a_request_carries_the_worker_headers_and_its_own():
         for h in (b"authorization: bearer k", b"content-type: application/json", b"x-extra: yes"):
             assert h in head
         assert head.endswith(b'content-length: 7\r\n\r\n{"x":1}')
+
+    run(go())
+
+
+def test_a_get_has_no_body_and_its_answer_reads_back_on_the_same_connection():
+    async def go():
+        body = b'{"loads": []}'
+        raw = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        server = RawServer(lambda n: raw)
+        async with server as url:
+            http = _client()
+            for _ in range(2):
+                resp = await http.get(url, "/v1/loads?include=core")
+                assert (resp.status, await resp.read()) == (200, body)
+            assert server.connections == 1
+            await http.close()
+        head = server.requests[0].lower()
+        assert head.startswith(b"get /v1/loads?include=core http/1.1\r\n")
+        assert b"authorization: bearer k" in head and b"content-length" not in head
 
     run(go())
 
