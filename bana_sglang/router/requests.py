@@ -15,8 +15,10 @@ OpenAI-style message; the server turns them into 4xx answers.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from bana_sglang.router.policy import PageHash
 logger = logging.getLogger(__name__)
 
 BYTES_PER_TOKEN = 4  # estimate when no tokenizer is loaded
+_BLOCK = next(t for t in "IL" if array.array(t).itemsize == BYTES_PER_TOKEN)  # array typecode
 
 
 class BadRequest(Exception):
@@ -100,10 +103,11 @@ class PromptView:
         if self._tok is not None:
             return self._tok.encode(text, add_special_tokens=False).ids
         b = text.encode("utf-8", "surrogatepass")
-        return [
-            int.from_bytes(b[i : i + BYTES_PER_TOKEN], "little")
-            for i in range(0, len(b), BYTES_PER_TOKEN)
-        ]
+        b += bytes(-len(b) % BYTES_PER_TOKEN)  # the last block zero-padded: the same ints
+        ids = array.array(_BLOCK, b)  # unsigned ints, read as little-endian below
+        if sys.byteorder != "little":
+            ids.byteswap()
+        return ids.tolist()
 
     def count_and_ids(self, text: str, max_ids: int) -> tuple[list[int], int]:
         """(token ids, token count) of a long text, for a worker thread.
