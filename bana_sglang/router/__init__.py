@@ -8,7 +8,9 @@ the project.
 - :mod:`.policy`: pure routing policies (shared with the simulator);
   :mod:`.prefix_tree`: the approximate per-worker prefix trees of ``cache_aware``;
 - :mod:`.server`: the asynchronous OpenAI-compatible HTTP front (endpoints, auth,
-  input limits); :mod:`.dispatch`: the PD pairing, relay and retries;
+  input limits); :mod:`.front`: its listener (the generation requests on a path of
+  its own, the rest through aiohttp); :mod:`.http1`: its client for the workers;
+  :mod:`.dispatch`: the PD pairing, relay and retries;
   :mod:`.generate`: ``/generate`` batches and logprob windows;
   :mod:`.requests`: request validation, token counting and routing page hashes;
 - :mod:`.global_index`: how much of a prompt the global index holds;

@@ -12,10 +12,10 @@ import asyncio
 import json
 
 import pytest
+from support.fake_router import run, running
 
 from bana_sglang.router import front
 from bench.fake_pd import MODEL, FakeWorker
-from tests.support.fake_router import run, running
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 4, "stream": True}
 

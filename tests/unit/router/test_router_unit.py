@@ -42,6 +42,14 @@ def test_prompt_view_hashes_are_chained_and_prefix_stable():
     assert len(v.tokens("x" * 40)) == 10  # byte estimate without a tokenizer
 
 
+def test_without_a_tokenizer_each_four_bytes_of_a_text_are_one_little_endian_id():
+    v = PromptView(page_tokens=4)
+    for text in ["", "a", "abcd", "abcde", "h\u00e9llo \u2603 \udc80", "x" * 1001]:
+        b = text.encode("utf-8", "surrogatepass")
+        want = [int.from_bytes(b[i : i + 4], "little") for i in range(0, len(b), 4)]
+        assert v.tokens(text) == want, text
+
+
 def test_chat_messages_rejects_bad_messages():
     assert chat_messages([{"role": "user", "content": "hi"}]).startswith("hi")
     parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]
