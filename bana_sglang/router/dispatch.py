@@ -40,6 +40,7 @@ from bana_sglang.router.upstream import (
     HandshakeTimeout,
     Opening,
     Upstream,
+    first_done,
     prefill_stream_failure,
     relay,
     store_load_failed,
@@ -311,7 +312,7 @@ class PDDispatchMixin(PairsMixin):
             p_open = Opening(p, p_task, self._watched, deadline)
             try:
                 # a prefill that fails first leaves its decode waiting for KV: it decides
-                await asyncio.wait({post, p_task}, return_when=asyncio.FIRST_COMPLETED)
+                await first_done(post, p_task)
                 p_open.raise_if_stalled(post)
                 early = None if post.done() or p_task.cancelled() else p_task.exception()
                 if isinstance(early, (UpstreamError, ClientError)):
@@ -343,9 +344,8 @@ class PDDispatchMixin(PairsMixin):
                     )
                 first = opening.fut = asyncio.ensure_future(resp.readany())
                 while True:
-                    waiting = {first} if p_task.done() else {first, p_task}
-                    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                    if first in done:
+                    await (first_done(first) if p_task.done() else first_done(first, p_task))
+                    if first.done():
                         break
                     p_open.raise_if_stalled(first)
                     exc = p_task.exception()

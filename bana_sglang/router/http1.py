@@ -197,6 +197,21 @@ class Response:
                 conn.pending = buf[pos:]
                 break
             line, pos = buf[pos:i], i + 2
+            if state == 0 and line.isalnum():  # a plain size: the usual chunk, read at once
+                try:
+                    size = int(line, 16)
+                except ValueError:
+                    raise BadResponse(f"a bad chunk size: {line[:40]!r}") from None
+                end = pos + size
+                if size and end + 2 <= n and buf[end : end + 2] == b"\r\n":
+                    out.append(buf[pos:end])
+                    pos = end + 2
+                    continue
+                if size:
+                    self._left, self._chunk_state = size, 1
+                else:
+                    self._chunk_state = 3
+                continue
             if state == 2:
                 if line:
                     raise BadResponse("no CRLF after a chunk's data")

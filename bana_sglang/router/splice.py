@@ -27,6 +27,7 @@ from bana_sglang.wire.agent import CHAT_IDS_EVENT, CHAT_IDS_HEADER, MARK, PREFIX
 
 _DONE = b"data: [DONE]"
 _IDS = b"event: " + CHAT_IDS_EVENT.encode()
+_MARK = MARK.encode()
 # chat-only fields a /v1/completions continuation cannot take
 _CHAT_ONLY = (
     "messages",
@@ -225,7 +226,7 @@ class Splicer:
         obj = event_json(ev)
         if obj is None or "error" in obj:
             return ev
-        migration = self._migration_of(obj) if MARK.encode() in ev else None
+        migration = self._migration_of(obj) if _MARK in ev else None
         if migration is None and self._is_abort(obj):
             # SGLang ended the request (a failed KV transfer, an abort by rid): the client
             # would read an answer cut short, so the rest of this upstream is dropped and
