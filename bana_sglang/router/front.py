@@ -41,7 +41,8 @@ MAX_HEAD_BYTES = 16384  # a longer head is aiohttp's (it answers 431 or 400)
 #: pipelined bytes kept while a request is served, past which reading pauses
 MAX_PENDING_BYTES = 1 << 20
 KEEPALIVE_S = 75.0  # an idle connection (no request under way) is closed after this
-_REFUSED = (b"transfer-encoding", b"expect", b"upgrade", b"content-encoding")
+_REFUSED = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"content-encoding"))
+_BLANK = (b" ", b"\t")
 
 Handler = Callable[["FrontRequest"], Awaitable[web.StreamResponse]]
 OnError = Callable[[BaseException], web.Response]
@@ -66,14 +67,26 @@ class FrontRequest:
     """A request read by :class:`FrontConn`: what the router's handlers use of
     aiohttp's ``web.Request``."""
 
-    __slots__ = ("method", "path", "headers", "conn", "_body")
+    __slots__ = ("method", "path", "conn", "_lines", "_headers", "_body")
 
-    def __init__(self, conn: FrontConn, method: str, path: str, headers, body: bytes):
+    def __init__(self, conn: FrontConn, method: str, path: str, lines: list, body: bytes):
         self.conn = conn
         self.method = method
         self.path = path
-        self.headers = headers
+        self._lines = lines  # the head's header lines, checked by _parse_head
+        self._headers: CIMultiDict | None = None
         self._body = body
+
+    @property
+    def headers(self) -> CIMultiDict:
+        """The request's headers (built on first use: most requests never read them)."""
+        if self._headers is None:
+            pairs = []
+            for line in self._lines:
+                name, _, value = line.partition(b":")
+                pairs.append((name.decode("latin-1"), value.strip().decode("latin-1")))
+            self._headers = CIMultiDict(pairs)
+        return self._headers
 
     @property
     def transport(self) -> asyncio.Transport | None:
@@ -92,8 +105,7 @@ class FrontStream:
 
     def __init__(self, conn: FrontConn, headers: dict[str, str]):
         self.conn = conn
-        self.headers = CIMultiDict(headers)
-        self.headers["Transfer-Encoding"] = "chunked"
+        self.headers = {**headers, "Transfer-Encoding": "chunked"}
         self._head: bytes | None = _head(200, "OK", self.headers, conn.keep_alive)
         self.eof = False
 
@@ -214,14 +226,14 @@ class FrontConn(asyncio.Protocol):
         if req is None:
             self._hand_off()
             return
-        method, path, headers, length, close = req
+        path, lines, length, close = req
         start = end + 4
         if len(buf) < start + length:
             return  # the body is still coming
         body, self.buf = buf[start : start + length], buf[start + length :]
         self.keep_alive = not close
         self.sent = False
-        request = FrontRequest(self, method, path, headers, body)
+        request = FrontRequest(self, "POST", path, lines, body)
         self.task = asyncio.get_running_loop().create_task(self._serve(request))
 
     async def _serve(self, request: FrontRequest) -> None:
@@ -280,7 +292,7 @@ class FrontConn(asyncio.Protocol):
 
 
 def _parse_head(head: bytes, max_body: int):
-    """(method, path, headers, body length, close) of a request head this listener
+    """(path, header lines, body length, close) of a request head this listener
     serves, or None for one that aiohttp is to."""
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ")
@@ -289,16 +301,16 @@ def _parse_head(head: bytes, max_body: int):
     path = parts[1]
     if path not in HOT_PATHS:
         return None
-    pairs = []
+    del lines[0]
     length = -1
     close = False
-    for line in lines[1:]:
+    for line in lines:
         name, sep, value = line.partition(b":")
-        if not sep or not name or name[-1:] in (b" ", b"\t") or line[:1] in (b" ", b"\t"):
+        if not sep or not name or name[-1:] in _BLANK or line[:1] in _BLANK:
             return None
         key = name.lower()
-        value = value.strip()
         if key == b"content-length":
+            value = value.strip()
             if length >= 0 or not value.isdigit():
                 return None
             length = int(value)
@@ -306,10 +318,9 @@ def _parse_head(head: bytes, max_body: int):
             close = b"close" in value.lower()
         elif key in _REFUSED:
             return None
-        pairs.append((name.decode("latin-1"), value.decode("latin-1")))
     if length < 0 or length > max_body:
         return None
-    return "POST", path.decode(), CIMultiDict(pairs), length, close
+    return path.decode(), lines, length, close
 
 
 def _head(status: int, reason: str, headers, keep_alive: bool) -> bytes:

@@ -280,9 +280,9 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin, StallWatchMixin):
         if refused is not None:
             return refused
         if request.path == "/v1/completions":
-            return await self.handle_completions(request)
+            return await self._openai(request, "/v1/completions", "completions")
         if request.path == "/v1/chat/completions":
-            return await self.handle_chat(request)
+            return await self._openai(request, "/v1/chat/completions", "chat")
         return await self.handle_generate(request)
 
     # ------------------------------------------------------------------ simple endpoints

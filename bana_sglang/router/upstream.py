@@ -210,8 +210,10 @@ async def relay(
     client's buffer drains; a client that went away raises ConnectionResetError. A
     response that is not chunked (an HTTP/1.0 client) is relayed piece by piece by
     this task instead."""
-    chunked = out.headers.get("Transfer-Encoding", "").lower() == "chunked"
-    if transport is None or not chunked or out.compression:
+    chunked = isinstance(out, FrontStream) or (
+        out.headers.get("Transfer-Encoding", "").lower() == "chunked" and not out.compression
+    )
+    if transport is None or not chunked:
         chunk = await up.resp.readany()
         up.since = time.monotonic()
         if not chunk:

@@ -154,10 +154,14 @@ def test_a_router_bug_is_a_json_500_and_the_connection_serves_on(monkeypatch):
     async def go():
         async with running(*fakes()) as (router, _):
 
-            async def broken(request):
-                raise KeyError("boom")
+            real = router._openai
 
-            monkeypatch.setattr(router, "handle_completions", broken)
+            async def broken(request, path, label):
+                if label == "completions":
+                    raise KeyError("boom")
+                return await real(request, path, label)
+
+            monkeypatch.setattr(router, "_openai", broken)
             r, w = await connect(router)
             w.write(post("/v1/completions", BODY) + post("/v1/chat/completions", BODY))
             status, _, body = await answer(r)
