@@ -151,7 +151,11 @@ class FrontConn(asyncio.Protocol):
     def __init__(self, front: Front):
         self.front = front
         self.transport: asyncio.Transport | None = None
-        self.buf = b""
+        # bytes read and not yet served, in pieces (a large body comes in many: joined
+        # once, when it is whole); ``_want``: how many make the next request whole
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._want = 0
         self.task: asyncio.Task | None = None
         self.keep_alive = True
         self.sent = False  # whether any byte of the current answer was written
@@ -175,10 +179,12 @@ class FrontConn(asyncio.Protocol):
         self._wake_writer(ConnectionResetError("the client went away"))
 
     def data_received(self, data: bytes) -> None:
-        self.buf = self.buf + data if self.buf else data
+        self._parts.append(data)
+        self._size += len(data)
         if self.task is None:
-            self._next()
-        elif len(self.buf) > MAX_PENDING_BYTES and self.transport is not None:
+            if self._size >= self._want:
+                self._next()
+        elif self._size > MAX_PENDING_BYTES and self.transport is not None:
             self.transport.pause_reading()
             self._paused_reading = True
 
@@ -214,9 +220,15 @@ class FrontConn(asyncio.Protocol):
                 w.set_exception(exc)
 
     # ------------------------------------------------------------------ requests
+    def _buffered(self) -> bytes:
+        parts = self._parts
+        buf = parts[0] if len(parts) == 1 else b"".join(parts)
+        self._parts = [buf] if buf else []
+        return buf
+
     def _next(self) -> None:
         """Start serving the next whole request in the buffer, if there is one."""
-        buf = self.buf
+        buf = self._buffered()
         end = buf.find(b"\r\n\r\n")
         if end < 0:
             if len(buf) > MAX_HEAD_BYTES:
@@ -229,8 +241,10 @@ class FrontConn(asyncio.Protocol):
         path, lines, length, close = req
         start = end + 4
         if len(buf) < start + length:
-            return  # the body is still coming
-        body, self.buf = buf[start : start + length], buf[start + length :]
+            self._want = start + length  # the body is still coming
+            return
+        body, rest = buf[start : start + length], buf[start + length :]
+        self._parts, self._size, self._want = ([rest] if rest else []), len(rest), 0
         self.keep_alive = not close
         self.sent = False
         request = FrontRequest(self, "POST", path, lines, body)
@@ -259,6 +273,9 @@ class FrontConn(asyncio.Protocol):
                 self._close()
         except ConnectionResetError:
             self._close()
+        except Exception:
+            logger.exception("%s %s: its answer could not be written", request.method, request.path)
+            self._close()
         self.task = None
         self.idle_since = time.monotonic()
         if not self.keep_alive or self._eof:
@@ -267,7 +284,7 @@ class FrontConn(asyncio.Protocol):
             if self._paused_reading:
                 self._paused_reading = False
                 self.transport.resume_reading()
-            if self.buf:
+            if self._parts:
                 self._next()
 
     def _close(self) -> None:
@@ -286,7 +303,8 @@ class FrontConn(asyncio.Protocol):
         t.set_protocol(proto)
         if self._paused_reading:
             t.resume_reading()
-        buf, self.buf, self.transport = self.buf, b"", None
+        buf = b"".join(self._parts)
+        self._parts, self._size, self._want, self.transport = [], 0, 0, None
         if buf:
             proto.data_received(buf)
 

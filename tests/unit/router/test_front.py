@@ -134,6 +134,25 @@ def test_what_the_fast_path_does_not_take_is_aiohttps(request_bytes, status):
     run(go())
 
 
+def test_a_body_that_comes_in_pieces_is_served_whole_on_the_fast_path():
+    async def go():
+        async with running(*fakes()) as (router, _):
+            r, w = await connect(router)
+            big = dict(BODY, prompt="y" * 300_000)
+            data = post("/v1/completions", big) + post("/v1/completions", BODY)
+            for i in range(0, len(data), 8192):
+                w.write(data[i : i + 8192])
+                await w.drain()
+                await asyncio.sleep(0)
+            for _ in range(2):
+                status, headers, body = await answer(r)
+                assert status == 200 and "server" not in headers
+                assert body.endswith(b"data: [DONE]\n\n")
+            w.close()
+
+    run(go())
+
+
 def test_the_client_key_is_checked_on_the_fast_path():
     async def go():
         async with running(*fakes(), api_key="k3y") as (router, _):
@@ -153,7 +172,6 @@ def test_the_client_key_is_checked_on_the_fast_path():
 def test_a_router_bug_is_a_json_500_and_the_connection_serves_on(monkeypatch):
     async def go():
         async with running(*fakes()) as (router, _):
-
             real = router._openai
 
             async def broken(request, path, label):
