@@ -487,8 +487,8 @@ class PDDispatchMixin(PairsMixin):
                             self._fail(up.d, why)
                     if why is None and chunk == b"" and splice is not None and not splice.done:
                         why = f"decode worker {up.d.url} ended the stream before its end"
-                    if up.stalled is not None:  # ended by the stall watch, whatever the read saw
-                        why = up.stalled
+                    if up.stalled is not None and not up.resp.complete:
+                        why = up.stalled  # ended by the stall watch, whatever the read saw
                 if why is not None:
                     logger.warning("%s", why)
                     nxt = await self._resume(splice, up, route) if splice is not None else None

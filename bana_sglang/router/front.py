@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -37,12 +38,15 @@ logger = logging.getLogger("bana_sglang.router.server")
 
 #: the paths served here (query strings go to aiohttp)
 HOT_PATHS = frozenset((b"/v1/completions", b"/v1/chat/completions", b"/generate"))
-MAX_HEAD_BYTES = 16384  # a longer head is aiohttp's (it answers 431 or 400)
+MAX_HEAD_BYTES = 16384  # a longer request head is aiohttp's (it answers 431 or 400)
+MAX_LINE_BYTES = 8190  # a longer head line is aiohttp's (its own limit)
 #: pipelined bytes kept while a request is served, past which reading pauses
 MAX_PENDING_BYTES = 1 << 20
 KEEPALIVE_S = 75.0  # an idle connection (no request under way) is closed after this
 _REFUSED = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"content-encoding"))
-_BLANK = (b" ", b"\t")
+#: a header line as RFC 9110 has it: a token, a colon, a value with no control
+#: character but tab (so no bare CR or LF); anything else is aiohttp's to refuse
+_LINE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:[ \t]*[^\x00-\x08\x0a-\x1f\x7f]*")
 
 Handler = Callable[["FrontRequest"], Awaitable[web.StreamResponse]]
 OnError = Callable[[BaseException], web.Response]
@@ -106,6 +110,7 @@ class FrontStream:
     def __init__(self, conn: FrontConn, headers: dict[str, str]):
         self.conn = conn
         self.headers = {**headers, "Transfer-Encoding": "chunked"}
+        # made now: headers set after this are not sent (no caller sets any)
         self._head: bytes | None = _head(200, "OK", self.headers, conn.keep_alive)
         self.eof = False
 
@@ -124,7 +129,7 @@ class FrontStream:
         if out:
             await self.conn.send(out)
 
-    def ending(self) -> bytes:
+    def take_terminator(self) -> bytes:
         """The answer's last bytes, for a caller that writes them to the transport
         itself with the last chunk (one write, not two); :meth:`write_eof` then has
         nothing left to do. Only once the head is out."""
@@ -231,7 +236,7 @@ class FrontConn(asyncio.Protocol):
         buf = self._buffered()
         end = buf.find(b"\r\n\r\n")
         if end < 0:
-            if len(buf) > MAX_HEAD_BYTES:
+            if len(buf) > MAX_HEAD_BYTES or b"\n\n" in buf:  # too long, or bare LFs
                 self._hand_off()
             return
         req = _parse_head(buf[:end], self.front.max_body)
@@ -278,7 +283,7 @@ class FrontConn(asyncio.Protocol):
             self._close()
         self.task = None
         self.idle_since = time.monotonic()
-        if not self.keep_alive or self._eof:
+        if not self.keep_alive or self._eof or self.front.closing:
             self._close()
         elif self.transport is not None:
             if self._paused_reading:
@@ -301,8 +306,6 @@ class FrontConn(asyncio.Protocol):
         proto = self.front.aiohttp_protocol()
         proto.connection_made(t)
         t.set_protocol(proto)
-        if self._paused_reading:
-            t.resume_reading()
         buf = b"".join(self._parts)
         self._parts, self._size, self._want, self.transport = [], 0, 0, None
         if buf:
@@ -312,6 +315,8 @@ class FrontConn(asyncio.Protocol):
 def _parse_head(head: bytes, max_body: int):
     """(path, header lines, body length, close) of a request head this listener
     serves, or None for one that aiohttp is to."""
+    if len(head) > MAX_HEAD_BYTES:
+        return None
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ")
     if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
@@ -321,29 +326,35 @@ def _parse_head(head: bytes, max_body: int):
         return None
     del lines[0]
     length = -1
-    close = False
+    close = None
+    hosts = 0
     for line in lines:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name[-1:] in _BLANK or line[:1] in _BLANK:
+        if len(line) > MAX_LINE_BYTES or _LINE.fullmatch(line) is None:
             return None
+        name, _, value = line.partition(b":")
         key = name.lower()
         if key == b"content-length":
-            value = value.strip()
+            value = value.strip(b" \t")
             if length >= 0 or not value.isdigit():
                 return None
             length = int(value)
+        elif key == b"host":
+            hosts += 1
         elif key == b"connection":
+            if close is not None:  # more than one: aiohttp's to weigh
+                return None
             close = b"close" in value.lower()
         elif key in _REFUSED:
             return None
-    if length < 0 or length > max_body:
+    if length < 0 or length > max_body or hosts != 1:
         return None
-    return path.decode(), lines, length, close
+    return path.decode(), lines, length, bool(close)
 
 
 def _head(status: int, reason: str, headers, keep_alive: bool) -> bytes:
     lines = [f"HTTP/1.1 {status} {reason}", f"Date: {_date()}"]
-    lines += [f"{k}: {v}" for k, v in headers.items()]
+    # a value with a line break (a worker's content type, say) would split the head
+    lines += [f"{k}: {v}" for k, v in headers.items() if "\r" not in v and "\n" not in v]
     if not keep_alive:
         lines.append("Connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
@@ -389,28 +400,39 @@ class Front:
         self.max_body = max_body
         self.on_error = on_error
         self.conns: set[FrontConn] = set()
+        self.closing = False  # the site is stopping: no new request is begun
         self._janitor: asyncio.Task | None = None
 
     def start(self) -> None:
         self._janitor = asyncio.get_running_loop().create_task(self._sweep())
 
     async def _sweep(self) -> None:
-        """Close connections idle past :data:`KEEPALIVE_S` (a head trickled in that
-        long counts as idle), as aiohttp's keep-alive timeout does."""
+        """Close connections idle past :data:`KEEPALIVE_S`: no request under way and
+        none begun (a request still coming in is not idle)."""
         while True:
             await asyncio.sleep(min(5.0, KEEPALIVE_S / 4))
             cutoff = time.monotonic() - KEEPALIVE_S
-            for conn in [c for c in self.conns if c.task is None and c.idle_since < cutoff]:
-                conn._close()
+            for conn in self.conns.copy():
+                if conn.task is None and not conn._size and conn.idle_since < cutoff:
+                    conn._close()
 
-    async def close(self) -> None:
+    async def close(self, timeout: float) -> None:
+        """Close idle connections now; give the requests under way ``timeout`` seconds
+        to finish (as aiohttp gives its own connections), then cancel the rest."""
+        self.closing = True
         if self._janitor is not None:
             self._janitor.cancel()
         tasks = []
         for conn in list(self.conns):
             if conn.task is not None and not conn.task.done():
-                conn.task.cancel()
                 tasks.append(conn.task)
+            else:
+                conn._close()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        for task in tasks:
+            task.cancel()
+        for conn in list(self.conns):
             conn._close()
         self.conns.clear()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -447,4 +469,4 @@ class FrontSite(web.TCPSite):
     async def stop(self) -> None:
         await super().stop()
         if self.front is not None:
-            await self.front.close()
+            await self.front.close(getattr(self._runner, "_shutdown_timeout", 60.0))

@@ -56,7 +56,7 @@ class Response:
         self._on_data: Callable[[bytes], None] | None = None
         self._on_end: Callable[[BaseException | None], None] | None = None
         self.complete = False  # the whole body came
-        self.ending = False  # the bytes being delivered are the body's last
+        self.final = False  # the bytes being delivered are the body's last
         self.error: BaseException | None = None
 
     @property
@@ -164,9 +164,9 @@ class Response:
             if len(data) > self._left:
                 raise BadResponse("more body bytes than its Content-Length")
             self._left -= len(data)
-            self.ending = self._left == 0
+            self.final = self._left == 0
             self._deliver(data)
-            return self.ending
+            return self.final
         if self._framing == _UNTIL_CLOSE:
             self._deliver(data)
             return False
@@ -228,7 +228,7 @@ class Response:
             elif not line:  # state 3: trailers end with an empty line
                 if pos != n:
                     raise BadResponse("bytes after the end of a chunked body")
-                self.ending = True
+                self.final = True
                 if out:
                     self._deliver(b"".join(out))
                 return True

@@ -283,12 +283,12 @@ async def _push(
             stop("gone")
             return
         # the worker's last bytes: the client's answer ends in the same write
-        last = resp.ending and closable and (splice is None or splice.finished)
+        last = resp.final and closable and (splice is None or splice.finished)
         if last and splice is not None:
             data += splice.flush()
         framed = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
         if last:
-            framed += out.ending()
+            framed += out.take_terminator()
         if framed:
             transport.write(framed)
         if splice is not None and (splice.migrated is not None or splice.aborted):
