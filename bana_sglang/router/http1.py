@@ -285,6 +285,7 @@ class _Conn(asyncio.Protocol):
         self.last = time.monotonic()  # when it last got bytes, or went idle
         self.lost = False
         self.paused = False  # reading paused (a slow client); never so in the pool
+        self.slot = True  # its request holds one of the pool's slots
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
@@ -401,18 +402,29 @@ class Pool:
         return await self._send(b"POST", path, body, headers)
 
     async def get(self, path: str) -> Response:
-        """``GET path``; the answer once its status and headers came."""
-        return await self._send(b"GET", path, None, None)
+        """``GET path`` (the load polls: outside the per-worker limit, so that a worker
+        saturated with requests still has its load read); the answer once its status
+        and headers came."""
+        return await self._send(b"GET", path, None, None, limited=False)
 
     async def _send(
-        self, method: bytes, path: str, body: bytes | None, headers: dict[str, str] | None
+        self,
+        method: bytes,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str] | None,
+        *,
+        limited: bool = True,
     ) -> Response:
-        await self._slots.acquire()
+        if limited:
+            await self._slots.acquire()
         try:
             conn = await self._conn()
         except BaseException:
-            self._slots.release()
+            if limited:
+                self._slots.release()
             raise
+        conn.slot = limited
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode() if headers else b""
         if body is None:
             request = b"%s %s HTTP/1.1\r\n%s%s\r\n" % (method, path.encode(), self._fixed, extra)
@@ -458,7 +470,8 @@ class Pool:
         """``conn``'s request ended (whole or failed): its slot is free again."""
         if conn in self.busy:
             self.busy.discard(conn)
-            self._slots.release()
+            if conn.slot:
+                self._slots.release()
 
     def forget(self, conn: _Conn) -> None:
         with contextlib.suppress(ValueError):

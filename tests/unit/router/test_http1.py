@@ -139,6 +139,22 @@ def test_a_get_has_no_body_and_its_answer_reads_back_on_the_same_connection():
     run(go())
 
 
+def test_a_get_is_outside_the_per_worker_limit():
+    async def go():
+        body = b"{}"
+        whole = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n" + body
+        stuck = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nabc"  # never whole
+        async with RawServer(lambda n: stuck if n == 1 else whole) as url:
+            http = _client(limit_per_worker=1)
+            held = await http.post(url, "/generate", b"{}")  # holds the only slot
+            resp = await asyncio.wait_for(http.get(url, "/v1/loads"), 5)
+            assert (resp.status, await resp.read()) == (200, body)
+            held.close()
+            await http.close()
+
+    run(go())
+
+
 def test_connections_are_kept_and_reused_unless_the_worker_says_close():
     async def go():
         keep = RawServer(lambda n: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
