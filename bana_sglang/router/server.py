@@ -241,14 +241,16 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin, StallWatchMixin):
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler):
-        refused = self._refusal(request.headers)
+        refused = self._refusal(request)
         return refused if refused is not None else await handler(request)
 
-    def _refusal(self, headers) -> web.Response | None:
-        """The 401 for a request without the clients' API key (None: let it in)."""
+    def _refusal(self, request) -> web.Response | None:
+        """The 401 for a request without the clients' API key (None: let it in). A
+        router without a key never reads the headers (the listener builds them on use)."""
         key = self.cfg.api_key
         if not key:
             return None
+        headers = request.headers
         got = headers.get("Authorization", "")
         token = got[7:] if got[:7].lower() == "bearer " else headers.get("x-api-key", "")
         if hmac.compare_digest(token.encode(errors="surrogatepass"), key.encode()):
@@ -276,7 +278,7 @@ class Router(PDDispatchMixin, ContinuationMixin, ChoicesMixin, StallWatchMixin):
         """A generation request read by the listener (:mod:`.front`): the auth
         middleware's check, then the route's own handler (the error middleware's part
         is the listener's)."""
-        refused = self._refusal(request.headers)
+        refused = self._refusal(request)
         if refused is not None:
             return refused
         if request.path == "/v1/completions":
