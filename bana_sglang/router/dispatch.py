@@ -303,7 +303,7 @@ class PDDispatchMixin(PairsMixin):
                 body = mark(body, self._rooms)
             bp, d_tok, p_task = self._start_pair(p, d, path, body, route)
             resp: Response | None = None
-            post = asyncio.ensure_future(self.http.post(d.url, path, bp, headers))
+            post = self.http.begin(d.url, path, bp, headers)
             # doubled on each try: a long continuation on a busy prefill worker gets longer
             deadline = (
                 None if first_byte_s is None else time.monotonic() + first_byte_s * 2**attempt
@@ -342,7 +342,7 @@ class PDDispatchMixin(PairsMixin):
                     raise UpstreamError(
                         d, f"answered {resp.status}: {data[:200]!r}", resp.status, data
                     )
-                first = opening.fut = asyncio.ensure_future(resp.readany())
+                first = opening.fut = resp.next_bytes()
                 while True:
                     await (first_done(first) if p_task.done() else first_done(first, p_task))
                     if first.done():

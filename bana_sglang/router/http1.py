@@ -5,11 +5,14 @@ aiohttp's client each one costs a parser callback, a stream-reader buffer, a
 future and a task step before the relay can write it (``python -m bench.bench_router``
 measured the router at 1.7x the stock Rust router's CPU per request). This client
 does only what the router asks of a worker: ``POST`` a JSON body (or ``GET``: the
-load polls) and read the answer, whole (:meth:`Response.read`), piece by piece (:meth:`Response.readany`),
-or pushed to a callback from the connection's own ``data_received``
-(:meth:`Response.push`) so that the relay writes each chunk to the client with no
-task switch at all. Bodies come framed by ``Content-Length``, chunked, or until the
-worker closes; requests are small and sent whole.
+load polls) and read the answer, whole (:meth:`Response.read`), piece by piece (:meth:`Response.readany`,
+or :meth:`Response.next_bytes` as a future), or pushed to a callback from the
+connection's own ``data_received`` (:meth:`Response.push`) so that the relay writes
+each chunk to the client with no task switch at all. :meth:`Pool.begin` sends a
+request at once when a slot and an idle connection are free, and its answer's head
+is a future the connection resolves: a decode half's opening wakes no task of its own.
+Bodies come framed by ``Content-Length``, chunked, or until the worker closes;
+requests are small and sent whole.
 
 Connections are kept per worker (``host:port``) and reused; one idle longer than
 ``idle_s`` is closed before the worker's own keep-alive timeout could close it under
@@ -25,11 +28,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024  # a worker's status line and headers
 _CHUNKED, _LENGTH, _UNTIL_CLOSE, _NONE = range(4)
+_WS = " \t\r\n\x0b\x0c"  # what bytes.strip() strips (str.strip() strips more)
+
+
+def _digits(s: str) -> bool:
+    return s.isascii() and s.isdigit()
 
 
 class UpstreamClosed(ConnectionError):
@@ -53,6 +62,7 @@ class Response:
         self._keep_alive = True
         self._buf: list[bytes] = []
         self._waiter: asyncio.Future | None = None
+        self._next: asyncio.Future | None = None  # next_bytes()'s, resolved with the bytes
         self._on_data: Callable[[bytes], None] | None = None
         self._on_end: Callable[[BaseException | None], None] | None = None
         self.complete = False  # the whole body came
@@ -79,6 +89,14 @@ class Response:
         data = self._buf[0] if len(self._buf) == 1 else b"".join(self._buf)
         self._buf.clear()
         return data
+
+    def next_bytes(self) -> asyncio.Future:
+        """:meth:`readany` as a future, resolved from the connection's callback (no task
+        to wait on): the body bytes that came since the last read, b"" at its end, or
+        why it broke. Cancelling it leaves the bytes for the next read."""
+        fut = self._next = asyncio.get_running_loop().create_future()
+        self._wake()
+        return fut
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -125,21 +143,21 @@ class Response:
 
     # ------------------------------------------------------------------ the connection's side
     def _head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        lines = head.decode("latin-1").split("\r\n")  # one decode for the whole head
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not _digits(parts[1]):
             raise BadResponse(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
         self.status = int(parts[1])
         headers = self.headers
         for line in lines[1:]:
-            name, sep, value = line.partition(b":")
+            name, sep, value = line.partition(":")
             if not sep:
                 raise BadResponse(f"a malformed header line: {line[:80]!r}")
-            key = name.strip().lower().decode("latin-1")
-            val = value.strip().decode("latin-1")
+            key = name.strip(_WS).lower()
+            val = value.strip(_WS)
             headers[key] = f"{headers[key]}, {val}" if key in headers else val
         self._keep_alive = (
-            parts[0] == b"HTTP/1.1" and "close" not in headers.get("connection", "").lower()
+            parts[0] == "HTTP/1.1" and "close" not in headers.get("connection", "").lower()
         )
         if self.status in (204, 304):
             self._framing = _NONE
@@ -249,6 +267,21 @@ class Response:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
+        nxt = self._next
+        if nxt is None:
+            return
+        if nxt.done():  # cancelled
+            self._next = None
+        elif self._buf:
+            self._next = None
+            nxt.set_result(self._buf[0] if len(self._buf) == 1 else b"".join(self._buf))
+            self._buf.clear()
+        elif self.error is not None:
+            self._next = None
+            nxt.set_exception(self.error)
+        elif self.complete:
+            self._next = None
+            nxt.set_result(b"")
 
     def _done(self) -> None:
         """The body is whole: the connection goes back to its pool (or is closed)."""
@@ -392,7 +425,10 @@ class Pool:
         self.host, self.port = host, port
         self.idle: list[_Conn] = []
         self.busy: set[_Conn] = set()
-        self._slots = asyncio.Semaphore(limit)
+        # free request slots, and the requests waiting for one (a freed slot goes to the
+        # first of them still waiting)
+        self._free = limit
+        self._queue: deque[asyncio.Future] = deque()
         self._connect_timeout_s = connect_timeout_s
         fixed = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self._fixed = f"Host: {host}:{port}\r\n{fixed}".encode("latin-1")
@@ -400,6 +436,24 @@ class Pool:
     async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> Response:
         """Send ``body`` (JSON) to ``path``; the answer once its status and headers came."""
         return await self._send(b"POST", path, body, headers)
+
+    def begin(
+        self, path: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> asyncio.Future:
+        """:meth:`post` as a future. With a slot and an idle connection free (the usual
+        case) the request leaves now and the future is the connection's own, resolved
+        from its callback: no task. Else a task waits for them. Cancelling the future
+        before the answer's head came closes the connection, as cancelling :meth:`post`
+        does."""
+        if self._free > 0 and not self._queue:
+            conn = self._idle_conn()
+            if conn is not None:
+                self._free -= 1
+                head = self._issue(conn, b"POST", path, body, headers, limited=True)
+                resp = conn.resp
+                head.add_done_callback(lambda f: f.cancelled() and resp.close())
+                return head
+        return asyncio.ensure_future(self.post(path, body, headers))
 
     async def get(self, path: str) -> Response:
         """``GET path`` (the load polls: outside the per-worker limit, so that a worker
@@ -417,13 +471,35 @@ class Pool:
         limited: bool = True,
     ) -> Response:
         if limited:
-            await self._slots.acquire()
+            await self._acquire()
         try:
             conn = await self._conn()
         except BaseException:
             if limited:
-                self._slots.release()
+                self._release()
             raise
+        head = self._issue(conn, method, path, body, headers, limited=limited)
+        resp = conn.resp
+        assert resp is not None
+        try:
+            return await head
+        except asyncio.CancelledError:
+            # closes the connection only while this answer holds it: a whole answer
+            # has given it back to the pool, maybe to another request already
+            resp.close()
+            raise
+
+    def _issue(
+        self,
+        conn: _Conn,
+        method: bytes,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str] | None,
+        *,
+        limited: bool,
+    ) -> asyncio.Future:
+        """Send the request on ``conn``; the future of its answer's head."""
         conn.slot = limited
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode() if headers else b""
         if body is None:
@@ -438,22 +514,43 @@ class Pool:
                 body,
             )
         self.busy.add(conn)
-        head = conn.send(request, asyncio.get_running_loop())
-        resp = conn.resp
-        assert resp is not None
+        return conn.send(request, asyncio.get_running_loop())
+
+    async def _acquire(self) -> None:
+        if self._free > 0 and not self._queue:
+            self._free -= 1
+            return
+        slot = asyncio.get_running_loop().create_future()
+        self._queue.append(slot)
         try:
-            return await head
+            await slot  # _release hands its slot over by resolving this
         except asyncio.CancelledError:
-            # closes the connection only while this answer holds it: a whole answer
-            # has given it back to the pool, maybe to another request already
-            resp.close()
+            if slot.done() and not slot.cancelled():  # handed a slot, then cancelled
+                self._release()
+            else:
+                with contextlib.suppress(ValueError):
+                    self._queue.remove(slot)
             raise
 
-    async def _conn(self) -> _Conn:
+    def _release(self) -> None:
+        while self._queue:
+            slot = self._queue.popleft()
+            if not slot.done():
+                slot.set_result(None)
+                return
+        self._free += 1
+
+    def _idle_conn(self) -> _Conn | None:
         while self.idle:
             conn = self.idle.pop()
             if not conn.lost and conn.transport is not None and not conn.transport.is_closing():
                 return conn
+        return None
+
+    async def _conn(self) -> _Conn:
+        conn = self._idle_conn()
+        if conn is not None:
+            return conn
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
@@ -471,7 +568,7 @@ class Pool:
         if conn in self.busy:
             self.busy.discard(conn)
             if conn.slot:
-                self._slots.release()
+                self._release()
 
     def forget(self, conn: _Conn) -> None:
         with contextlib.suppress(ValueError):
@@ -533,6 +630,10 @@ class WorkerHTTP:
 
     async def post(self, url: str, path: str, body: bytes, headers: dict | None = None):
         return await self.pool(url).post(path, body, headers)
+
+    def begin(self, url: str, path: str, body: bytes, headers: dict | None = None):
+        """:meth:`Pool.begin` on ``url``'s pool: the answer's head as a future."""
+        return self.pool(url).begin(path, body, headers)
 
     async def get(self, url: str, path: str) -> Response:
         return await self.pool(url).get(path)

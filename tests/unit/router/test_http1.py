@@ -196,6 +196,7 @@ def test_an_idle_connection_is_closed_before_the_workers_keep_alive_could():
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", BadResponse),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -\r\n\r\n", BadResponse),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nab", BadResponse),
+        ("HTTP/1.1 2\u00b2 OK\r\n\r\n".encode("latin-1"), BadResponse),  # a digit, not 0-9
     ],
 )
 def test_a_cut_or_malformed_answer_fails_the_reader_with_a_connection_error(raw, error):
@@ -429,6 +430,99 @@ def test_a_paused_connection_is_not_timed_out_for_the_silence_it_was_asked_for()
             resp.resume()
             with pytest.raises(TimeoutError):
                 await resp.readany()
+            await http.close()
+
+    run(go())
+
+
+def test_begin_sends_at_once_on_an_idle_connection_and_reads_like_post():
+    async def go():
+        async with RawServer(lambda n: _chunked(b"one", b"two")) as url:
+            http = _client()
+            assert await (await http.post(url, "/g", b"{}")).read() == b"onetwo"  # one idle conn
+            head = http.begin(url, "/g", b"{}")
+            assert not isinstance(head, asyncio.Task)  # the connection's own future
+            resp = await head
+            assert resp.status == 200
+            assert await resp.next_bytes() in (b"one", b"onetwo")
+            await resp.read()
+            # no idle connection: a task opens one, and the answer is the same
+            head = http.begin(url, "/g", b"{}")
+            other = http.begin(url, "/g", b"{}")
+            assert isinstance(other, asyncio.Task)
+            assert [await (await f).read() for f in (head, other)] == [b"onetwo", b"onetwo"]
+            await http.close()
+
+    run(go())
+
+
+def test_a_begun_request_cancelled_before_its_head_closes_its_connection_and_frees_its_slot():
+    async def go():
+        async with RawServer(
+            lambda n: b"" if n == 2 else b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+            then="keep",
+        ) as url:
+            http = _client(limit_per_worker=1)
+            assert await (await http.post(url, "/g", b"{}")).read() == b"ok"
+            pool = http.pool(url)
+            head = http.begin(url, "/g", b"{}")  # the worker never answers this one
+            await asyncio.sleep(0.1)
+            assert len(pool.busy) == 1 and not head.done()
+            head.cancel()
+            await asyncio.sleep(0.1)
+            assert not pool.busy and not pool.idle  # closed, not pooled
+            # the slot is free again: the next request goes out and is answered
+            assert await (await http.post(url, "/g", b"{}")).read() == b"ok"
+            await http.close()
+
+    run(go())
+
+
+def test_next_bytes_gives_what_came_then_the_end_or_why_it_broke():
+    async def go():
+        raw = _chunked(b"one", b"two")
+        async with RawServer(lambda n: raw, step=len(raw) - 5, gap_s=0.1) as url:
+            http = _client()
+            resp = await http.post(url, "/g", b"{}")
+            first = resp.next_bytes()
+            assert not first.done() or first.result()
+            assert (await first) in (b"one", b"onetwo")
+            pending = resp.next_bytes()
+            pending.cancel()  # a cancelled wait leaves the bytes for the next read
+            rest = b""
+            while chunk := await resp.next_bytes():
+                rest += chunk
+            assert (await first) + rest == b"onetwo" and resp.complete
+            assert await resp.next_bytes() == b""
+            await http.close()
+        cut = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf"
+        async with RawServer(lambda n: cut, then="close") as url:
+            http = _client()
+            resp = await http.post(url, "/g", b"{}")
+            got = b""
+            with pytest.raises(UpstreamClosed):
+                while chunk := await resp.next_bytes():
+                    got += chunk
+            assert got == b"half"
+            await http.close()
+
+    run(go())
+
+
+def test_a_waiter_cancelled_after_it_was_handed_a_slot_gives_the_slot_on():
+    async def go():
+        async with RawServer(lambda n: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok") as url:
+            http = _client(limit_per_worker=1)
+            pool = http.pool(url)
+            await pool._acquire()  # the only slot
+            waiter = asyncio.create_task(pool._acquire())
+            queued = asyncio.create_task(http.post(url, "/g", b"{}"))
+            await asyncio.sleep(0.05)
+            pool._release()  # handed to the waiter, which is cancelled before it runs
+            waiter.cancel()
+            await asyncio.gather(waiter, return_exceptions=True)
+            assert await (await asyncio.wait_for(queued, 5)).read() == b"ok"
+            assert pool._free == 1 and not pool._queue
             await http.close()
 
     run(go())
