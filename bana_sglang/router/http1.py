@@ -86,8 +86,13 @@ class Response:
                 await self._waiter
             finally:
                 self._waiter = None
-        data = self._buf[0] if len(self._buf) == 1 else b"".join(self._buf)
-        self._buf.clear()
+        return self._take()
+
+    def _take(self) -> bytes:
+        """The buffered body bytes, taken."""
+        buf = self._buf
+        data = buf[0] if len(buf) == 1 else b"".join(buf)
+        buf.clear()
         return data
 
     def next_bytes(self) -> asyncio.Future:
@@ -113,9 +118,7 @@ class Response:
         why it broke). :meth:`pull` goes back to :meth:`readany`."""
         self._on_data, self._on_end = on_data, on_end
         if self._buf:
-            data = b"".join(self._buf)
-            self._buf.clear()
-            on_data(data)
+            on_data(self._take())
         if self.complete or self.error is not None:
             self._end()
 
@@ -270,18 +273,16 @@ class Response:
         nxt = self._next
         if nxt is None:
             return
-        if nxt.done():  # cancelled
-            self._next = None
-        elif self._buf:
-            self._next = None
-            nxt.set_result(self._buf[0] if len(self._buf) == 1 else b"".join(self._buf))
-            self._buf.clear()
-        elif self.error is not None:
-            self._next = None
-            nxt.set_exception(self.error)
-        elif self.complete:
-            self._next = None
-            nxt.set_result(b"")
+        if not nxt.done():  # else cancelled: the bytes stay for the next read
+            if self._buf:
+                nxt.set_result(self._take())
+            elif self.error is not None:
+                nxt.set_exception(self.error)
+            elif self.complete:
+                nxt.set_result(b"")
+            else:
+                return  # nothing yet
+        self._next = None
 
     def _done(self) -> None:
         """The body is whole: the connection goes back to its pool (or is closed)."""
@@ -324,8 +325,12 @@ class _Conn(asyncio.Protocol):
         self.transport = transport
 
     def send(self, request: bytes, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
-        self.resp = Response(self)
+        """Send ``request``; the future of its answer (resolved once the head came).
+        Cancelling that future closes the answer (and so the connection): nobody will
+        read it."""
+        resp = self.resp = Response(self)
         self.head = loop.create_future()
+        self.head.add_done_callback(lambda f: f.cancelled() and resp.close())
         self.pending = b""
         self.last = time.monotonic()
         assert self.transport is not None
@@ -445,14 +450,11 @@ class Pool:
         from its callback: no task. Else a task waits for them. Cancelling the future
         before the answer's head came closes the connection, as cancelling :meth:`post`
         does."""
-        if self._free > 0 and not self._queue:
+        if self._take_slot():
             conn = self._idle_conn()
             if conn is not None:
-                self._free -= 1
-                head = self._issue(conn, b"POST", path, body, headers, limited=True)
-                resp = conn.resp
-                head.add_done_callback(lambda f: f.cancelled() and resp.close())
-                return head
+                return self._issue(conn, b"POST", path, body, headers, limited=True)
+            self._release()  # nobody queues (_take_slot): the slot is simply free again
         return asyncio.ensure_future(self.post(path, body, headers))
 
     async def get(self, path: str) -> Response:
@@ -484,7 +486,8 @@ class Pool:
         try:
             return await head
         except asyncio.CancelledError:
-            # closes the connection only while this answer holds it: a whole answer
+            # cancelled with the head already come (a cancelled head closed it already):
+            # closes the connection only while this answer holds it, since a whole answer
             # has given it back to the pool, maybe to another request already
             resp.close()
             raise
@@ -516,9 +519,15 @@ class Pool:
         self.busy.add(conn)
         return conn.send(request, asyncio.get_running_loop())
 
-    async def _acquire(self) -> None:
+    def _take_slot(self) -> bool:
+        """Take a free slot now if there is one and nobody queues for it."""
         if self._free > 0 and not self._queue:
             self._free -= 1
+            return True
+        return False
+
+    async def _acquire(self) -> None:
+        if self._take_slot():
             return
         slot = asyncio.get_running_loop().create_future()
         self._queue.append(slot)
