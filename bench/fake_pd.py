@@ -48,21 +48,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
+import os
 import sys
 
 from aiohttp import web
 
+from bana_sglang.launch.procs import PortAllocator
 from bana_sglang.wire.agent import CHAT_IDS_HEADER
 
 MODEL = "fake-model"
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
 
+# Below the kernel's ephemeral range (32768+ on Linux), where an outgoing connection
+# made between choosing a port and binding it could take it first (seen in CI: a
+# router's port taken while its fakes polled each other), and below the launcher's
+# and the live tests' ports (30000+). One block per process so that two processes
+# (a bench and its fakes, two test runs) rarely probe the same ports.
+_PORTS = PortAllocator("127.0.0.1", 20000 + (os.getpid() % 4) * 2000, end=30000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, for a server that binds it later in this process or a child."""
+    return _PORTS.take()
 
 
 def next_token(ids: list[int]) -> int:
