@@ -8,14 +8,16 @@ in one run:
 - **publish**: ``--pages`` pages through the linker's :class:`Publisher` (intent,
   frame in the arena, one batched put, commit) against a raw batched put of the
   same bytes (Mooncake ``batch_put_from_multi_buffers``, one slice per object);
-- **load**, for each ``--modes`` (``staged``, ``direct``): the linker's
-  :class:`Loader` reads the pages back, group of layers by group, into other
-  pool pages while a simulated forward (``--layer-ms`` of compute per layer, on
-  the CPU or the CUDA current stream) waits for each layer on the linker's
-  :class:`LayerCounter`. Reported: load time and GB/s against a raw batched get
-  of the same objects (one slice per object, no verification), the share of the
-  load hidden under the forward (``1 - (forward with load - forward alone) /
-  load``), and whether every loaded byte equals what was published.
+- **load**, for each ``--modes`` (``staged``, ``direct``, and on a CPU pool
+  ``local``: whole pages through the storage process's shared-memory arena): the
+  linker's :class:`Loader` reads the pages back into other pool pages while a
+  simulated forward (``--layer-ms`` of compute per layer, on the CPU or the CUDA
+  current stream) waits for each layer on the linker's :class:`LayerCounter`.
+  Reported: load time and GB/s against a raw batched get of the same objects
+  over the transfer engine (one slice per object, no verification; for
+  ``local`` also the storage process's raw get into the shared arena), the share
+  of the load hidden under the forward (``1 - (forward with load - forward
+  alone) / load``), and whether every loaded byte equals what was published.
 
 The device check (``scripts/device_check.sh``) runs it on a GPU. ``--json``
 writes one record per measurement.
@@ -44,6 +46,7 @@ from bana_sglang.radix_global.loader import Loader
 from bana_sglang.radix_global.mooncake_kv import StoreConfig, page_key
 from bana_sglang.radix_global.pool import Arena, KVPool
 from bana_sglang.radix_global.publisher import Offload, Publisher
+from bana_sglang.radix_global.shm_arena import LocalLoads
 from bana_sglang.radix_global.store import PageStore
 from bench.local_store import local_store
 
@@ -182,6 +185,19 @@ def run(args) -> list[dict]:
                 assert all(rc == obj for rc in rcs), rcs[:4]
             return time.perf_counter() - t0
 
+        local = None
+        if "local" in args.modes:
+            local = LocalLoads(ls.storage, "bench/load", args.arena_mb << 20)
+
+        def raw_local_get() -> float:  # the storage process's whole-object get, nothing else
+            shared = local.arena()
+            assert shared is not None, "the storage process did not map the load arena"
+            keys = [page_key(p) for p in chain]
+            t0 = time.perf_counter()
+            rcs = local.get(keys, [j * obj for j in range(len(keys))], obj)
+            assert all(rc == obj for rc in rcs), rcs[:4]
+            return time.perf_counter() - t0
+
         forward = Forward(device, args.layer_ms / 1e3)
         alone = statistics.median(forward.run(spec.num_layers, None) for _ in range(3))
         for mode in args.modes:
@@ -189,11 +205,17 @@ def run(args) -> list[dict]:
                 for buf in pool.buffers():
                     store.kv.register(buf.data_ptr(), buf.numel() * buf.element_size())
             loader = Loader(
-                pool, mode, arena, growth=args.growth, min_slice_bytes=args.min_slice_kb << 10
+                pool,
+                "staged" if mode == "local" else mode,
+                arena,
+                growth=args.growth,
+                min_slice_bytes=args.min_slice_kb << 10,
+                local=local if mode == "local" else None,
             )
             loader.register_headers(store.kv)
             for trial in range(args.trials):
                 raw_s = raw_get()
+                raw_local_s = raw_local_get() if mode == "local" else None
                 for buf in pool.buffers():  # the destination pages start as garbage
                     Device.pages_view(buf, page)[dst_ids] = 0
                 counter = LayerCounter(spec.num_layers, device)
@@ -212,7 +234,8 @@ def run(args) -> list[dict]:
                 ) -> None:
                     t0 = time.perf_counter()
                     read = store.layerwise(chain, macs)
-                    miss = read.start()
+                    # as the linker: a load through the storage process opens no session
+                    miss = read.start(session=not loader.goes_local(len(chain), obj))
                     assert miss is None, miss
                     miss, stats = loader.load(
                         read, dst_ids, lambda layer, ev: counter.complete(index, layer, ev)
@@ -250,12 +273,18 @@ def run(args) -> list[dict]:
                         gbps=total / load_s / 1e9,
                         raw_get_gbps=args.pages * obj / raw_s / 1e9,
                         ratio_to_raw=raw_s / load_s,
+                        raw_local_get_gbps=(
+                            args.pages * obj / raw_local_s / 1e9 if raw_local_s else None
+                        ),
+                        ratio_to_raw_local=raw_local_s / load_s if raw_local_s else None,
                         forward_alone_s=alone,
                         forward_with_load_s=with_load,
                         hidden=max(0.0, min(1.0, 1 - (with_load - alone) / load_s)),
                     )
                 )
                 logger.info("load: %s", records[-1])
+        if local is not None:
+            local.close()
         store.kv.remove_many(raw_keys, force=True)
         store.kv.close()
     return records
@@ -269,14 +298,22 @@ def table(records: Sequence[dict]) -> str:
                 f"publish {r['pages']} pages ({r['mb']:.1f} MB): {r['gbps']:.3f} GB/s, raw put "
                 f"{r['raw_put_gbps']:.3f} GB/s (ratio {r['ratio']:.2f}), complete={r['ok']}"
             )
-    lines.append("| mode | load ms | GB/s | raw get GB/s | ratio to raw | hidden | bytes equal |")
-    lines.append("|---|---|---|---|---|---|---|")
+    lines.append(
+        "| mode | load ms | GB/s | raw get GB/s | ratio to raw | raw local get GB/s "
+        "| ratio to raw local | hidden | bytes equal |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for mode in dict.fromkeys(r["mode"] for r in records if r["what"] == "load"):
         rs = [r for r in records if r.get("mode") == mode]
         med = lambda k, rs=rs: statistics.median(r[k] for r in rs)  # noqa: E731
+        local = (
+            f"{med('raw_local_get_gbps'):.3f} | {med('ratio_to_raw_local'):.2f}"
+            if rs[0]["raw_local_get_gbps"]
+            else "- | -"
+        )
         lines.append(
             f"| {mode} | {1e3 * med('load_s'):.1f} | {med('gbps'):.3f} | {med('raw_get_gbps'):.3f} | "
-            f"{med('ratio_to_raw'):.2f} | {med('hidden'):.0%} | "
+            f"{med('ratio_to_raw'):.2f} | {local} | {med('hidden'):.0%} | "
             f"{all(r['bytes_equal'] and r['landed'] for r in rs)} |"
         )
     return "\n".join(lines)
@@ -293,7 +330,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--pages", type=int, default=87, help="pages per load (87: a 1400-token prompt)")
-    p.add_argument("--modes", default="staged,direct")
+    p.add_argument(
+        "--modes",
+        default="staged,direct,local",
+        help="comma-separated: staged, direct, local (CPU only)",
+    )
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--layer-ms", type=float, default=5.0, help="simulated compute per layer")
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads of the CPU forward")
@@ -306,6 +347,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
+    for mode in args.modes:
+        if mode not in ("staged", "direct", "local"):
+            p.error(f"unknown mode {mode!r}: choose from staged, direct, local")
+    if "local" in args.modes and args.device != "cpu":
+        p.error("the local mode loads into a CPU pool: leave it out with --device cuda")
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -1,9 +1,10 @@
 """The global store's three processes on 127.0.0.1, for benchmarks and tests of its data path.
 
-:func:`local_store` starts ``mooncake_master``, the storage process and (unless
-told not to) the index service with the launcher's own command lines
-(:mod:`bana_sglang.launch.parts`), waits until each is ready, and stops all of
-them when the block ends, also on an error.
+:func:`local_store` starts ``mooncake_master``, the storage process (with its
+storage channel, as the launcher starts it) and (unless told not to) the index
+service with the launcher's own command lines (:mod:`bana_sglang.launch.parts`),
+waits until each is ready, and stops all of them when the block ends, also on an
+error.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bana_sglang import mooncake_env
-from bana_sglang.launch.parts import master_part, store_parts
+from bana_sglang.launch.parts import master_part, storage_endpoint, store_parts
 from bana_sglang.launch.procs import ManagedProcess, PortAllocator, stop_all, tcp_open, wait_until
 
 
@@ -25,6 +26,7 @@ class LocalStore:
     metrics: str  # host:port of the master's metrics (HTTP /metrics)
     index: str | None  # tcp://host:port of the index service
     procs: tuple[ManagedProcess, ...]
+    storage: str | None = None  # the storage channel (shared-memory puts and loads)
 
 
 @contextlib.contextmanager
@@ -37,12 +39,14 @@ def local_store(
 ) -> Iterator[LocalStore]:
     host = "127.0.0.1"
     ports = PortAllocator(host, first_port)
-    rpc, metrics, index_port = ports.take(), ports.take(), ports.take()
+    rpc, metrics, index_port, put_port = ports.take(), ports.take(), ports.take(), ports.take()
     env = dict(os.environ)
     mooncake_env.apply_defaults(env)
     env.setdefault("MC_TCP_BIND_ADDRESS", host)
     master = master_part(host, rpc, metrics, for_store=True)
-    storage, idx = store_parts(host, host, f"{host}:{rpc}", index_port, segment_bytes)
+    storage, idx = store_parts(
+        host, host, f"{host}:{rpc}", index_port, segment_bytes, put_port=put_port
+    )
     procs: list[ManagedProcess] = []
     try:
         m = ManagedProcess("mooncake-master", master.argv, env, log_dir=log_dir)
@@ -69,6 +73,7 @@ def local_store(
             f"{host}:{metrics}",
             f"tcp://{host}:{index_port}" if index else None,
             tuple(procs),
+            storage_endpoint(put_port),
         )
     finally:
         stop_all(procs[::-1], timeout=10)

@@ -243,6 +243,14 @@ BANA_STORE_ARENA_BYTES = _var(
     "each of a worker's two host arenas (loads, publishes), in bytes (pinned on CUDA)",
     minimum=1 << 20,
 )
+BANA_STORE_LOCAL_LOADS = _var(
+    "BANA_STORE_LOCAL_LOADS",
+    bool,
+    True,
+    "a CPU worker on the storage process's host loads a hit's whole pages through it (a local "
+    "copy into a shared-memory arena) instead of layer groups over the transfer engine; a load "
+    "larger than the arena, or one the storage process does not answer, reads over the engine",
+)
 BANA_STORE_GROUP_GROWTH = _var(
     "BANA_STORE_GROUP_GROWTH",
     float,

@@ -84,15 +84,35 @@ class LayerwiseRead:
         self.layer_bytes = store._payload // layout.num_layers
 
     @property
+    def keys(self) -> list[str]:
+        """The store keys of :attr:`pages`."""
+        return list(self._keys)
+
+    @property
+    def object_size(self) -> int:
+        """A page's whole object: header and payload."""
+        return self.store.object_size
+
+    @property
     def macs(self) -> list[bytes]:
         """The stored MACs of :attr:`pages` (after :meth:`start`)."""
         return list(self._macs)
 
-    def start(self) -> Miss | None:
+    def start(self, *, session: bool = True) -> Miss | None:
         """Open the session and verify headers; ``self.pages`` shrinks to the
-        verified prefix, and the returned miss says why it stopped (None: all)."""
+        verified prefix, and the returned miss says why it stopped (None: all).
+
+        ``session=False`` (a read whose headers come inline or whose MACs are given)
+        asks nothing of the store yet: a whole-page read through the storage process
+        needs no session, and :meth:`read_regions` opens one when it is first called
+        (a missing page is then its miss)."""
         st = self.store
         if not self.pages:
+            return None
+        if not session:
+            if not (self._verified or self.headers_inline):
+                raise ValueError("a read without a session takes its headers inline or its MACs")
+            self._truncate(len(self.pages))
             return None
         try:
             codes = st.kv.get_session_start(self._keys)
@@ -116,6 +136,23 @@ class LayerwiseRead:
             keep, miss = self._read_headers(keep, miss)
         self._truncate(keep)
         return miss
+
+    def _open_session(self) -> Miss | None:
+        """The session of a read started without one, over every page; the first page
+        the store does not hold is the miss."""
+        try:
+            codes = self.store.kv.get_session_start(self._keys)
+        except StoreError as e:
+            return Miss(self.pages[0], miss_reason(e), str(e))
+        self._session = True
+        for page, rc in zip(self.pages, codes):
+            if rc != 0:
+                return Miss(
+                    page,
+                    "missing" if rc == NOT_FOUND else "store_error",
+                    f"session: {describe(rc)}",
+                )
+        return None
 
     def check_header(self, i: int, header) -> Miss | None:
         """Verify page i's header (read inline with its first layers) and keep its MAC."""
@@ -179,6 +216,10 @@ class LayerwiseRead:
             )
         if not regions:
             return None
+        if not self._session:
+            miss = self._open_session()
+            if miss is not None:
+                return miss
         head = self.header_first(lo)
         want = (hi - lo) * self.layer_bytes + (HEADER_SIZE if head else 0)
         off = 0 if head else HEADER_SIZE + lo * self.layer_bytes

@@ -25,7 +25,9 @@ What happens per request (``UnifiedCacheLinkerWrapper`` drives the calls):
   slots; ``start_layer_wise_loading`` hands the batch to the load thread, which
   runs the :class:`~loader.Loader` (staged through the host arena or direct
   into the pool, ``BANA_STORE_MODE``) group of layers by group, completing each
-  layer on the :class:`~layer_counter.LayerCounter` the forward waits on. Each
+  layer on the :class:`~layer_counter.LayerCounter` the forward waits on (a CPU
+  worker on the storage process's host has it copy the whole pages into a shared
+  arena instead, ``BANA_STORE_LOCAL_LOADS``). Each
   page's header comes with its first layers and is checked before they are
   used; the last layer is released only after every page's MAC matched.
 - After an insert into the device tree, the write-through chain offloads new
@@ -84,7 +86,9 @@ from bana_sglang.radix_global.loader import Loader
 from bana_sglang.radix_global.mooncake_kv import StoreConfig
 from bana_sglang.radix_global.pool import Arena, KVPool
 from bana_sglang.radix_global.publisher import Offload, Publisher, RoundStats
+from bana_sglang.radix_global.shm_arena import LocalLoads
 from bana_sglang.radix_global.store import PageStore
+from bana_sglang.wire.storage import MAX_ARENA_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -183,12 +187,24 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         if self.mode == "direct":
             for buf in self.pool.buffers():  # ranged reads land straight in the pool
                 self.store.kv.register(buf.data_ptr(), buf.numel() * buf.element_size())
+        self.local_loads = None
+        if (
+            self.cfg.storage
+            and envs.BANA_STORE_LOCAL_LOADS.get()
+            and self.mode == "staged"
+            and not self.device.is_cuda
+            and arena_bytes <= MAX_ARENA_BYTES
+        ):
+            self.local_loads = LocalLoads(
+                self.cfg.storage, f"{self.cfg.owner}/tp{tp_rank}/load", arena_bytes
+            )
         self.loader = Loader(
             self.pool,
             self.mode,
             arena,
             growth=envs.BANA_STORE_GROUP_GROWTH.get(),
             min_slice_bytes=envs.BANA_STORE_MIN_SLICE_BYTES.get(),
+            local=self.local_loads,
         )
         if self.mode == "direct":
             self.loader.register_headers(self.store.kv)
@@ -381,7 +397,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         chain = [p for ld in loads for p in ld.chain]
         page_ids = torch.cat([ld.page_ids for ld in loads])
         read = self.store.layerwise(chain, headers_inline=True)
-        miss = read.start()
+        miss = read.start(session=not self.loader.goes_local(len(chain), self.store.object_size))
         t_started = time.perf_counter()
         if miss is not None:
             read.close()
@@ -506,6 +522,8 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         self.load_queue.put(None)
         self._load_thread.join(timeout=10)
         self.publisher.close()
+        if self.local_loads is not None:
+            self.local_loads.close()
         logger.info("global KV store linker stats: %s", self.metrics.summary())
         for client in (self.index, self._loss_index, self.publisher.index):
             client.close()

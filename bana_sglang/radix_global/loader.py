@@ -26,6 +26,16 @@ Two modes, the same pages and the same checks:
   CUDA (a device checksum cannot authenticate a page; the key never leaves the
   host). On CUDA the load waits on the CPU for ``ready`` before Mooncake writes.
 
+A staged load into a CPU pool on the storage process's host goes through it
+when it can (``local``, :class:`~bana_sglang.radix_global.shm_arena.LocalLoads`):
+the storage process copies every page, whole, into a shared-memory arena (one
+local copy, no transfer), and the load thread checks the headers, then copies
+each layer into the pool and releases it, feeding its bytes to the MACs. Over
+TCP a slice costs about as much as 64 KiB of payload and both processes' CPU
+for the stack; the local copy costs neither, so reading everything at once
+beats reading layer groups. A load larger than the arena, or one the storage
+process does not serve, is read over the engine as above.
+
 Over TCP the staged mode moves far fewer slices (one per page per group against
 two per page per layer), which is why it is the default on CPU too.
 
@@ -36,6 +46,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,8 +55,10 @@ import torch
 
 from bana_sglang.radix_global.layer_counter import LoadGate
 from bana_sglang.radix_global.layerwise import LayerwiseRead
+from bana_sglang.radix_global.mooncake_kv import NOT_FOUND
 from bana_sglang.radix_global.page_format import HEADER_SIZE, Miss
 from bana_sglang.radix_global.pool import Arena, KVPool
+from bana_sglang.radix_global.shm_arena import LocalLoads, LocalStorageError
 
 MODES = ("staged", "direct")
 DIRECT_CHUNK_PAGES = 256  # pages per native call in direct mode (bounds one call's slices)
@@ -109,6 +122,7 @@ class Loader:
         *,
         growth: float = 2.0,
         min_slice_bytes: int = 0,
+        local: LocalLoads | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"load mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -119,9 +133,12 @@ class Loader:
                 f"the arena ({arena.nbytes} bytes) must hold two pages "
                 f"({2 * pool.num_layers * pool.layer_bytes} bytes)"
             )
+        if local is not None and (mode != "staged" or pool.device.is_cuda):
+            raise ValueError("loads through the storage process are staged loads into a CPU pool")
         self.pool = pool
         self.mode = mode
         self.arena = arena
+        self.local = local
         self.groups = layer_groups(pool.num_layers, growth, pool.layer_bytes, min_slice_bytes)
         self._busy: list[object] = [None, None]  # last copy out of each arena half (CUDA)
         # direct mode reads each page's header into this (registered by register_headers)
@@ -129,6 +146,14 @@ class Loader:
         self._reader = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="bana-store-read"
         )
+
+    def goes_local(self, pages: int, object_size: int) -> bool:
+        """Whether a load of ``pages`` pages goes through the storage process (its read
+        then needs no session: :meth:`LayerwiseRead.start` with ``session=False``)."""
+        if self.local is None:
+            return False
+        shared = self.local.arena()
+        return shared is not None and pages * object_size <= shared.nbytes
 
     def register_headers(self, kv) -> None:
         """Register the direct mode's header buffer with the load's Mooncake client."""
@@ -155,6 +180,8 @@ class Loader:
         if not read.pages:
             return read.finish(), stats
         run = self._staged if self.mode == "staged" else self._direct
+        if self.goes_local(len(read.pages), read.object_size):
+            run = functools.partial(self._local, self.local.arena())
         try:
             if gate is not None:
                 gate.check()  # given up before it began: read nothing
@@ -253,6 +280,58 @@ class Loader:
         finally:
             if pending is not None:  # never leave a read running into a closing session
                 pending.result()
+        return None
+
+    # -- local
+    def _local(self, shared, read, page_ids, release, ready, stats: LoadStats, gate) -> Miss | None:
+        """Whole pages through the storage process on this host (``self.local``): one
+        local copy of every page into the shared arena, then each layer copied into the
+        pool and released in turn, then every page's bytes fed to its MAC. A get the
+        storage process does not serve reads over the engine instead (:meth:`_staged`)."""
+        pool = self.pool
+        n, last, obj = len(read.pages), pool.num_layers - 1, read.object_size
+        host_ids = page_ids.numpy()
+        pool.check_page_ids(host_ids)
+        t0 = time.perf_counter()
+        try:
+            codes = self.local.get(read.keys, [j * obj for j in range(n)], obj)
+        except LocalStorageError:
+            stats.read_s += time.perf_counter() - t0
+            return self._staged(read, page_ids, release, ready, stats, gate)
+        t1 = time.perf_counter()
+        stats.read_s += t1 - t0
+        for j, rc in enumerate(codes):
+            if rc != obj:
+                return Miss(
+                    read.pages[j],
+                    "missing" if rc == NOT_FOUND else "store_error",
+                    f"whole page read: {rc if rc < 0 else f'{rc} bytes'}",
+                )
+        host = shared.buffer[: n * obj].view(n, obj).numpy()
+        if read.header_first(0):
+            for j in range(n):
+                miss = read.check_header(j, host[j, :HEADER_SIZE])
+                if miss is not None:
+                    return miss
+        stats.verify_s += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        off = HEADER_SIZE
+        for i, part in enumerate(pool.host_pages()):  # the payload's order: K, V by layer
+            with gate or contextlib.nullcontext():
+                part[host_ids] = host[:, off : off + pool.page_rows_nbytes]
+            off += pool.page_rows_nbytes
+            layer, is_v = divmod(i, 2)
+            if is_v and layer < last:
+                release(layer, None)
+        t3 = time.perf_counter()
+        stats.copy_s += t3 - t2
+        # The MACs after every copy (the bytes stay put: the storage process writes the
+        # arena only inside a get, and the next get is this thread's next load), so that
+        # the forward runs its layers meanwhile and waits only for the last one.
+        for j in range(n):
+            read.feed(j, host[j, HEADER_SIZE:])
+        stats.verify_s += time.perf_counter() - t3
+        stats.groups += pool.num_layers
         return None
 
     # -- direct

@@ -58,14 +58,16 @@ from bana_sglang.radix_global.keys import PageHash
 from bana_sglang.radix_global.mooncake_kv import page_key
 from bana_sglang.radix_global.page_format import HEADER_SIZE
 from bana_sglang.radix_global.pool import Arena, KVPool
-from bana_sglang.radix_global.shm_arena import LocalPut, LocalPutError, SharedArena
+from bana_sglang.radix_global.shm_arena import (
+    REMAP_AFTER_S,
+    LocalStorage,
+    LocalStorageError,
+    SharedArena,
+)
 from bana_sglang.radix_global.store import PageStore, PutResult
 from bana_sglang.wire.storage import MAX_ARENA_BYTES, MAX_PAGES
 
 logger = logging.getLogger(__name__)
-
-#: after a put the storage process did not take, how long before mapping a fresh arena
-REMAP_AFTER_S = 5.0
 
 
 @dataclass
@@ -138,7 +140,7 @@ class Publisher:
         self._max_delay_s = max_delay_s
         # a CUDA pool keeps its pinned arena (a shared one is pageable: slower copies out)
         self._local = (
-            LocalPut(storage, arena_owner or owner, timeout_s=storage_timeout_s)
+            LocalStorage(storage, arena_owner or owner, timeout_s=storage_timeout_s)
             if storage and not pool.device.is_cuda and 0 < arena_bytes <= MAX_ARENA_BYTES
             else None
         )
@@ -293,7 +295,7 @@ class Publisher:
                 codes = local.put(
                     [page_key(p) for p in keys], [j * obj for j in range(len(keys))], obj
                 )
-            except LocalPutError as e:
+            except LocalStorageError as e:
                 logger.warning("the storage process did not take a put (%s): put directly", e)
                 local.arena = None  # not written again: this round stops, the next replaces it
                 # a restarted storage process maps a fresh arena at once; a silent one is

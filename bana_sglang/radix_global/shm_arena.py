@@ -14,7 +14,7 @@ a worker's exit loses nothing (:mod:`.store`'s invariant).
 - :class:`SharedArena`: the worker's side of the memory (the arena interface of
   :class:`~.pool.Arena`); the file is unlinked once the storage process has
   mapped it, so nothing is left in ``/dev/shm`` when either process exits.
-- :class:`LocalPut`: the worker's client of the storage channel.
+- :class:`LocalStorage`: the worker's client of the storage channel.
 - :class:`ArenaHost`: the storage process's side: maps arenas after checking the
   file (the caller's own 0600 regular file directly in ``/dev/shm``, of the stated
   size; no symlink), one per owner, and puts objects from them; an arena whose
@@ -36,6 +36,7 @@ import secrets
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,9 +50,10 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 PREFIX = "bana-arena-"  # the only file names the storage process maps
+REMAP_AFTER_S = 5.0  # after the storage process did not answer, try a fresh arena this late
 
 
-class LocalPutError(RuntimeError):
+class LocalStorageError(RuntimeError):
     """The storage process did not take a request (``reason``: the channel's, or
     ``unavailable`` when no answer came)."""
 
@@ -111,7 +113,7 @@ class SharedArena:
             self._mm = None
 
 
-class LocalPut:
+class LocalStorage:
     """The worker's client of its host's storage process (see the module docstring)."""
 
     def __init__(self, endpoint: str, owner: str, *, timeout_s: float = 5.0):
@@ -123,9 +125,9 @@ class LocalPut:
         try:
             reply = self._client.request(make, **fields)
         except ChannelError as e:
-            raise LocalPutError("unavailable", e.detail) from None
+            raise LocalStorageError("unavailable", e.detail) from None
         if isinstance(reply, m.Error):
-            raise LocalPutError(reply.reason, reply.detail)
+            raise LocalStorageError(reply.reason, reply.detail)
         return reply
 
     def map(self, arena: SharedArena) -> None:
@@ -139,7 +141,7 @@ class LocalPut:
     def put(self, keys: Sequence[str], offsets: Sequence[int], size: int) -> list[int]:
         """Mooncake's code per key for objects ``[offsets[i], offsets[i] + size)`` of the arena."""
         if self.arena is None:
-            raise LocalPutError("unknown_arena", "no arena is mapped")
+            raise LocalStorageError("unknown_arena", "no arena is mapped")
         reply = self._call(
             m.PutPages,
             arena=self.arena,
@@ -149,11 +151,101 @@ class LocalPut:
             size=size,
         )
         if len(reply.codes) != len(keys):
-            raise LocalPutError("malformed", f"{len(reply.codes)} codes for {len(keys)} keys")
+            raise LocalStorageError("malformed", f"{len(reply.codes)} codes for {len(keys)} keys")
+        return list(reply.codes)
+
+    def get(self, keys: Sequence[str], offsets: Sequence[int], size: int) -> list[int]:
+        """Read the whole objects ``keys`` (``size`` bytes each) into arena bytes
+        ``[offsets[i], offsets[i] + size)``; per key the bytes read or Mooncake's code.
+        After a :class:`LocalStorageError` the storage process may still write the
+        arena: the caller must not read it again."""
+        if self.arena is None:
+            raise LocalStorageError("unknown_arena", "no arena is mapped")
+        reply = self._call(
+            m.GetPages,
+            arena=self.arena,
+            owner=self.owner,
+            keys=list(keys),
+            offsets=list(offsets),
+            size=size,
+        )
+        if len(reply.codes) != len(keys):
+            raise LocalStorageError("malformed", f"{len(reply.codes)} codes for {len(keys)} keys")
         return list(reply.codes)
 
     def close(self) -> None:
         self._client.close()
+
+
+class LocalLoads:
+    """The load thread's way through the storage process: a shared arena of its own
+    (``owner``: not the publisher's) and whole-page gets into it.
+
+    :meth:`arena` maps one when there is none (again :data:`REMAP_AFTER_S` after a
+    failure); :meth:`get` reads pages into it. After a get that failed the storage
+    process may still write the arena late, so it is dropped and never read again.
+    Not thread-safe: the load thread's alone."""
+
+    def __init__(self, endpoint: str, owner: str, nbytes: int, *, timeout_s: float = 5.0):
+        self.nbytes = nbytes
+        self._client = LocalStorage(endpoint, owner, timeout_s=timeout_s)
+        self._arena: SharedArena | None = None
+        self._remap_at = 0.0
+        self._off = False  # no shared memory on this host: loads read over the engine
+
+    @property
+    def endpoint(self) -> str:
+        return self._client.endpoint
+
+    def arena(self) -> SharedArena | None:
+        """The mapped arena, or None (none yet, or the storage process does not answer)."""
+        if self._arena is not None or self._off or time.monotonic() < self._remap_at:
+            return self._arena
+        try:
+            arena = SharedArena(self.nbytes)
+        except OSError as e:
+            logger.warning("no shared arena for loads (%s): loads read over the engine", e)
+            self._off = True
+            return None
+        try:
+            self._client.map(arena)
+        except LocalStorageError as e:
+            logger.warning("the storage process did not map the load arena (%s)", e)
+            arena.close()
+            self._remap_at = time.monotonic() + REMAP_AFTER_S
+            return None
+        finally:
+            arena.unlink()
+        logger.info("loading through the storage process at %s", self.endpoint)
+        self._arena = arena
+        return arena
+
+    def get(self, keys: Sequence[str], offsets: Sequence[int], size: int) -> list[int]:
+        """:meth:`LocalStorage.get` into :meth:`arena`'s bytes; raises
+        :class:`LocalStorageError` (and drops the arena) when the storage process did
+        not answer or refused."""
+        if self._arena is None:
+            raise LocalStorageError("unknown_arena", "no arena is mapped")
+        try:
+            return self._client.get(keys, offsets, size)
+        except LocalStorageError as e:
+            logger.warning(
+                "the storage process did not serve a load (%s): reading over the engine", e
+            )
+            self._client.arena = None
+            self._arena.close()
+            self._arena = None
+            # a restarted storage process maps a fresh arena at once; a silent one waits
+            self._remap_at = time.monotonic() + (
+                0.0 if e.reason == "unknown_arena" else REMAP_AFTER_S
+            )
+            raise
+
+    def close(self) -> None:
+        self._client.close()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
 
 
 # ------------------------------------------------------------------ the storage process's side
@@ -216,7 +308,7 @@ class _Mapped:
 class ArenaHost:
     """The storage process's arenas and the channel's handlers. ``store``: its
     ``MooncakeDistributedStore`` (``register_buffer``, ``unregister_buffer``,
-    ``batch_put_from``). The handlers run on the channel's serving thread and
+    ``batch_put_from``, ``batch_get_into``). The handlers run on the channel's serving thread and
     :meth:`reap` on another; a lock keeps an arena from going while it is read."""
 
     def __init__(self, store: Any, directory: str = SHM_DIR):
@@ -225,7 +317,7 @@ class ArenaHost:
         self._lock = threading.Lock()
 
     def handlers(self) -> dict:
-        return {m.MapArena: self.map, m.PutPages: self.put}
+        return {m.MapArena: self.map, m.PutPages: self.put, m.GetPages: self.get}
 
     def map(self, req: m.MapArena) -> Any:
         try:
@@ -253,9 +345,26 @@ class ArenaHost:
 
     def put(self, req: m.PutPages) -> Any:
         with self._lock:
-            return self._put(req)
+            a = self._objects(req)
+            if isinstance(a, m.Error):
+                return a
+            codes = self._store.batch_put_from(
+                list(req.keys), [a.ptr + o for o in req.offsets], [req.size] * len(req.keys)
+            )
+        return m.Put(id=req.id, codes=[int(c) for c in codes])
 
-    def _put(self, req: m.PutPages) -> Any:
+    def get(self, req: m.GetPages) -> Any:
+        with self._lock:
+            a = self._objects(req)
+            if isinstance(a, m.Error):
+                return a
+            codes = self._store.batch_get_into(
+                list(req.keys), [a.ptr + o for o in req.offsets], [req.size] * len(req.keys)
+            )
+        return m.Got(id=req.id, codes=[int(c) for c in codes])
+
+    def _objects(self, req: m.PutPages | m.GetPages) -> _Mapped | m.Error:
+        """The arena of a put or get, once its objects are checked to lie inside it."""
         a = self._arenas.get(req.arena)
         if a is None or a.owner != req.owner:
             return m.Error(
@@ -274,10 +383,7 @@ class ArenaHost:
                 reason="invalid",
                 detail=f"an object ends at byte {end}, past the arena's {a.nbytes}",
             )
-        codes = self._store.batch_put_from(
-            list(req.keys), [a.ptr + o for o in req.offsets], [req.size] * len(req.keys)
-        )
-        return m.Put(id=req.id, codes=[int(c) for c in codes])
+        return a
 
     @property
     def arenas(self) -> int:

@@ -1,12 +1,13 @@
 """Typed, versioned messages of the storage channel (a worker on the storage
 process's host -> the storage process).
 
-A worker on the same host as the storage process publishes its pages through
-it rather than over the transfer engine: the worker frames the pages in a
-shared-memory arena (a 0600 file in ``/dev/shm`` it created), the storage
-process maps that file once (:class:`MapArena`) and, for each batch
-(:class:`PutPages`), puts the framed objects into its own Mooncake segment with
-a local copy. The envelope is :mod:`bana_sglang.wire`'s; besides its reasons:
+A worker on the same host as the storage process publishes and loads its pages
+through it rather than over the transfer engine: the worker has a shared-memory
+arena (a 0600 file in ``/dev/shm`` it created), the storage process maps that
+file once (:class:`MapArena`) and, for each batch, puts the framed objects from
+it into its own Mooncake segment (:class:`PutPages`) or gets whole objects from
+its segment into it (:class:`GetPages`), each a local copy. The envelope is
+:mod:`bana_sglang.wire`'s; besides its reasons:
 
 - ``invalid``: well-formed but refused (a path outside ``/dev/shm``, a file not
   the caller's own 0600 regular file, a size that does not match, an object out of
@@ -74,7 +75,18 @@ class PutPages(_Request, tag="put_pages"):
     size: Annotated[int, msgspec.Meta(ge=1, le=MAX_ARENA_BYTES)]
 
 
-Request = Union[MapArena, PutPages]
+class GetPages(_Request, tag="get_pages"):
+    """Read the whole objects ``keys[i]`` (``size`` bytes each) into bytes
+    ``[offsets[i], offsets[i] + size)`` of ``arena`` (``owner``'s, as for :class:`PutPages`)."""
+
+    arena: int
+    owner: Owner
+    keys: Annotated[list[PageKey], msgspec.Meta(min_length=1, max_length=MAX_PAGES)]
+    offsets: Annotated[list[Offset], msgspec.Meta(min_length=1, max_length=MAX_PAGES)]
+    size: Annotated[int, msgspec.Meta(ge=1, le=MAX_ARENA_BYTES)]
+
+
+Request = Union[MapArena, PutPages, GetPages]
 
 
 class Mapped(_Reply, tag="mapped"):
@@ -89,6 +101,12 @@ class Put(_Reply, tag="put"):
     codes: list[int]
 
 
-Reply = Union[Mapped, Put, Error]
+class Got(_Reply, tag="got"):
+    """Per key, the bytes read (``size``: the whole object) or Mooncake's negative code."""
+
+    codes: list[int]
+
+
+Reply = Union[Mapped, Put, Got, Error]
 
 CHANNEL = Channel("the storage process", PROTOCOL_VERSION, Request, Reply)

@@ -274,9 +274,12 @@ def test_pages_published_through_the_storage_process_are_read_back_exactly(moonc
     """A worker on the storage process's host frames its pages in a shared-memory arena
     and the real storage process puts them into its segment (a local copy): another
     client reads every page back, verified, equal to the pool's rows; the worker's own
-    Mooncake client put nothing."""
-    from bana_sglang.radix_global.pool import KVPool
+    Mooncake client put nothing. A load through the storage process (one whole-page get
+    into a shared arena) lands the same rows in other pool pages."""
+    from bana_sglang.radix_global.loader import Loader
+    from bana_sglang.radix_global.pool import Arena, KVPool
     from bana_sglang.radix_global.publisher import Offload, Publisher
+    from bana_sglang.radix_global.shm_arena import LocalLoads
 
     n = 6
     g = torch.Generator().manual_seed(5)
@@ -312,15 +315,41 @@ def test_pages_published_through_the_storage_process_are_read_back_exactly(moonc
                 [torch.stack([pool.k[j][rows], pool.v[j][rows]]) for j in range(LAYOUT.num_layers)]
             )
             assert torch.equal(reader.get_page(page), want)
+        # ... and loaded back through it: whole pages copied into the load arena by the
+        # real storage process, then layer by layer into other pool pages
+        pool2 = KVPool(
+            [torch.zeros(shape) for _ in range(LAYOUT.num_layers)],
+            [torch.zeros(shape) for _ in range(LAYOUT.num_layers)],
+            LAYOUT.page_size,
+        )
+        local = LocalLoads(mooncake.puts, "w-local/load", 1 << 20)
+        gets = []
+        real_get = local.get
+        local.get = lambda *a: gets.append(a) or real_get(*a)
+        loader = Loader(pool2, "staged", Arena(pool2.device, 1 << 20, reader.kv), local=local)
+        read = reader.layerwise(chain, headers_inline=True)
+        assert read.start() is None
+        released = []
+        dst = torch.arange(n, 0, -1)
+        miss, _ = loader.load(read, dst, lambda layer, ev: released.append(layer))
+        assert miss is None and len(gets) == 1
+        assert released == list(range(LAYOUT.num_layers - 1))
+        for i, d in enumerate(dst.tolist()):
+            src = slice(LAYOUT.page_size * (i + 1), LAYOUT.page_size * (i + 2))
+            got = slice(LAYOUT.page_size * d, LAYOUT.page_size * (d + 1))
+            for j in range(LAYOUT.num_layers):
+                assert torch.equal(pool2.k[j][got], pool.k[j][src])
+                assert torch.equal(pool2.v[j][got], pool.v[j][src])
+        local.close()
         reader.kv.close()
         pub.close()
 
 
 WORKER_THAT_MAPS = """
 import sys, time
-from bana_sglang.radix_global.shm_arena import LocalPut, SharedArena
+from bana_sglang.radix_global.shm_arena import LocalStorage, SharedArena
 arena = SharedArena(1 << 20)
-LocalPut(sys.argv[1], "w-killed").map(arena)
+LocalStorage(sys.argv[1], "w-killed").map(arena)
 arena.unlink()
 print(arena.path, flush=True)
 time.sleep(120)

@@ -212,6 +212,32 @@ def test_a_bad_page_is_a_miss_after_its_layers_landed_never_silent(kv):
     assert kv.sessions == 0
 
 
+def test_a_read_started_without_a_session_opens_one_when_it_first_reads(kv):
+    """A load through the storage process needs no read session, so the linker starts
+    its read without one; when such a read is done over the engine after all, its first
+    ranged read opens the session, and a page the store lost is that read's miss."""
+    pool, index = make_pool(), FakeIndex()
+    chain = page_chain(range(N * LAYOUT.page_size), LAYOUT)
+    src, dst = torch.arange(1, N + 1), torch.arange(N + 1, 2 * N + 1)
+    publish(pool, kv, index, chain, src).close()
+    store = PageStore(LAYOUT, kv, mac_key=KEY)
+    loader = Loader(pool, "staged", Arena(pool.device, 1 << 20, store.kv))
+    read = store.layerwise(chain, headers_inline=True)
+    assert read.start(session=False) is None and "session" not in kv.calls
+    miss, _ = loader.load(read, dst, lambda layer, ev: None)
+    assert miss is None and kv.calls["session"] == 1 and kv.sessions == 0
+    for a, b in zip(pages_of(pool, dst), pages_of(pool, src)):
+        assert torch.equal(a, b)
+    del kv.objects[page_key(chain[1])]
+    read = store.layerwise(chain, headers_inline=True)
+    assert read.start(session=False) is None
+    miss, _ = loader.load(read, dst, lambda layer, ev: None)
+    assert miss is not None and miss.reason == "missing" and miss.page == chain[1]
+    assert kv.sessions == 0
+    with pytest.raises(ValueError, match="without a session"):
+        store.layerwise(chain).start(session=False)  # its headers need the store
+
+
 def test_the_lookup_sees_what_the_store_holds(kv):
     pool, index = make_pool(), FakeIndex()
     chain = page_chain(range(N * LAYOUT.page_size), LAYOUT)

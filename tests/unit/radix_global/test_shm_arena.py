@@ -1,6 +1,7 @@
-"""Publishing through the storage process (``shm_arena``): a worker's shared-memory
-arena, the storage channel over real ZMQ on 127.0.0.1, the storage process's checks
-on what it maps, and the direct put a worker falls back to. The storage process's
+"""Publishing and loading through the storage process (``shm_arena``): a worker's
+shared-memory arenas, the storage channel over real ZMQ on 127.0.0.1, the storage
+process's checks on what it maps, and the direct put and the engine's reads a worker
+falls back to. The storage process's
 Mooncake client is a fake here (the live test in ``tests/live/test_page_store.py``
 runs the real one)."""
 
@@ -19,14 +20,16 @@ from support.fake_mooncake import FakeIndex, FakeKV
 
 from bana_sglang.radix_global import publisher as publisher_mod
 from bana_sglang.radix_global.keys import KVLayout, page_chain
-from bana_sglang.radix_global.mooncake_kv import page_key
-from bana_sglang.radix_global.pool import KVPool
+from bana_sglang.radix_global.loader import Loader
+from bana_sglang.radix_global.mooncake_kv import NOT_FOUND, page_key
+from bana_sglang.radix_global.pool import Arena, KVPool
 from bana_sglang.radix_global.publisher import Offload, Publisher
 from bana_sglang.radix_global.shm_arena import (
     SHM_DIR,
     ArenaHost,
-    LocalPut,
-    LocalPutError,
+    LocalLoads,
+    LocalStorage,
+    LocalStorageError,
     SharedArena,
     process_start,
 )
@@ -61,6 +64,20 @@ class FakeNative:
             assert any(r <= p and p + s <= r + n for r, n in self.regions.items())
             self.objects[k] = ctypes.string_at(p, s)
         return [0] * len(keys)
+
+    def batch_get_into(self, keys, ptrs, sizes) -> list[int]:
+        codes = []
+        for k, p, s in zip(keys, ptrs, sizes):
+            assert any(r <= p and p + s <= r + n for r, n in self.regions.items())
+            obj = self.objects.get(k)
+            if obj is None:
+                codes.append(NOT_FOUND)
+            elif len(obj) > s:
+                codes.append(-600)  # Mooncake's "buffer too small"
+            else:
+                ctypes.memmove(p, obj, len(obj))
+                codes.append(len(obj))
+        return codes
 
 
 class Storage:
@@ -152,7 +169,7 @@ def _file(path: str, nbytes: int, mode: int = 0o600) -> str:
 
 
 def test_the_storage_process_maps_only_a_workers_own_arena_file(storage, tmp_path):
-    client = LocalPut(storage.endpoint, "w", timeout_s=5)
+    client = LocalStorage(storage.endpoint, "w", timeout_s=5)
     bad = []
     outside = _file(str(tmp_path / "bana-arena-x"), 4096)
     bad.append((outside, 4096, "not a bana-arena-\\* file directly in"))
@@ -175,7 +192,7 @@ def test_the_storage_process_maps_only_a_workers_own_arena_file(storage, tmp_pat
         for path, nbytes, why in bad:
             arena = SharedArena.__new__(SharedArena)
             arena.path, arena.nbytes = path, nbytes
-            with pytest.raises(LocalPutError, match=why) as e:
+            with pytest.raises(LocalStorageError, match=why) as e:
                 client.map(arena)
             assert e.value.reason == "invalid"
         assert storage.host.arenas == 0 and not storage.native.regions
@@ -186,9 +203,9 @@ def test_the_storage_process_maps_only_a_workers_own_arena_file(storage, tmp_pat
 
 
 def test_puts_are_checked_against_the_arena_and_the_channel(storage):
-    client = LocalPut(storage.endpoint, "w", timeout_s=5)
+    client = LocalStorage(storage.endpoint, "w", timeout_s=5)
     key = page_key(page_chain(range(LAYOUT.page_size), LAYOUT)[0])
-    with pytest.raises(LocalPutError, match="no arena is mapped"):
+    with pytest.raises(LocalStorageError, match="no arena is mapped"):
         client.put([key], [0], 16)
     arena = SharedArena(1 << 16)
     try:
@@ -198,15 +215,15 @@ def test_puts_are_checked_against_the_arena_and_the_channel(storage):
         arena.rows(1, 64)[0] = torch.arange(64, dtype=torch.uint8)
         assert client.put([key], [0], 64) == [0]
         assert storage.native.objects[key] == bytes(range(64))
-        with pytest.raises(LocalPutError, match="past the arena's 65536") as e:
+        with pytest.raises(LocalStorageError, match="past the arena's 65536") as e:
             client.put([key], [1 << 16], 1)
         assert e.value.reason == "invalid"
-        with pytest.raises(LocalPutError, match="2 keys but 1 offsets"):
+        with pytest.raises(LocalStorageError, match="2 keys but 1 offsets"):
             client.put([key, key], [0], 1)
-        with pytest.raises(LocalPutError) as e:
+        with pytest.raises(LocalStorageError) as e:
             client.put(["not/a/page"], [0], 1)  # the channel stores KV pages only
         assert e.value.reason == "malformed"
-        with pytest.raises(LocalPutError) as e:
+        with pytest.raises(LocalStorageError) as e:
             client.put([key] * (m.MAX_PAGES + 1), [0] * (m.MAX_PAGES + 1), 1)
         assert e.value.reason == "malformed"
         # the same owner mapping again drops its first arena; the old id is gone
@@ -217,16 +234,16 @@ def test_puts_are_checked_against_the_arena_and_the_channel(storage):
         assert client.arena != first and storage.host.arenas == 1
         assert len(storage.native.unregistered) == 1
         client.arena = first
-        with pytest.raises(LocalPutError) as e:
+        with pytest.raises(LocalStorageError) as e:
             client.put([key], [0], 1)
         assert e.value.reason == "unknown_arena"
         # another owner cannot put from this owner's arena, even knowing its id
-        other = LocalPut(storage.endpoint, "other", timeout_s=5)
+        other = LocalStorage(storage.endpoint, "other", timeout_s=5)
         third = SharedArena(1 << 16)
         client.map(third)
         third.unlink()
         other.arena = client.arena
-        with pytest.raises(LocalPutError) as e:
+        with pytest.raises(LocalStorageError) as e:
             other.put([key], [0], 1)
         assert e.value.reason == "unknown_arena"
         assert client.put([key], [0], 1) == [0]
@@ -320,3 +337,103 @@ def test_a_process_is_named_by_its_pid_and_its_start_time():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert process_start(child.pid) is None
+
+
+def pool_pages(pool: KVPool, ids) -> list[torch.Tensor]:
+    p = LAYOUT.page_size
+    return [
+        torch.stack(
+            [
+                torch.stack([pool.k[i][p * j : p * (j + 1)], pool.v[i][p * j : p * (j + 1)]])
+                for i in range(LAYOUT.num_layers)
+            ]
+        )
+        for j in ids.tolist()
+    ]
+
+
+def local_load(store: PageStore, loader: Loader, chain, dst) -> tuple:
+    released: list[int] = []
+    read = store.layerwise(chain, headers_inline=True)
+    miss = read.start(session=not loader.goes_local(len(chain), store.object_size))  # as the linker
+    if miss is not None:
+        return miss, None, released
+    miss, stats = loader.load(read, dst, lambda layer, ev: released.append(layer))
+    return miss, stats, released
+
+
+def test_a_load_copies_whole_pages_through_the_storage_process_then_layer_by_layer(storage):
+    """Published through the storage process, loaded back through it: one local get of
+    every whole page, no ranged read over the engine, every layer but the last released
+    in order (the last waits for the MACs), the pool pages exactly the published ones."""
+    pool, index, kv = make_pool(), FakeIndex(), FakeKV()
+    chain = page_chain(range(N * LAYOUT.page_size), LAYOUT)
+    src, dst = torch.arange(1, N + 1), torch.arange(2 * N, N, -1)
+    pub = publisher(pool, kv, index, storage.endpoint)
+    assert publish(pub, chain, src) is True
+    pub.close()
+    kv.objects = storage.native.objects  # the worker's client sees the same store
+    store = PageStore(LAYOUT, kv, mac_key=KEY)
+    local = LocalLoads(storage.endpoint, "w/load", 1 << 20)
+    loader = Loader(pool, "staged", Arena(pool.device, 1 << 20, store.kv), local=local)
+    miss, stats, released = local_load(store, loader, chain, dst)
+    assert miss is None and stats.pages == N
+    assert released == list(range(LAYOUT.num_layers - 1))
+    assert kv.slices.get("ranges", 0) == 0, "nothing was read over the engine"
+    assert kv.calls.get("session", 0) == 0, "a whole-page read needs no read session"
+    for a, b in zip(pool_pages(pool, dst), pool_pages(pool, src)):
+        assert torch.equal(a, b)
+    assert storage.host.arenas == 2, "the publisher's arena and the loads'"
+    assert kv.sessions == 0
+    # a byte of the last layer flipped in the store: the MAC, not the header, says so
+    key = page_key(chain[3])
+    good = storage.native.objects[key]
+    storage.native.objects[key] = good[:-2] + bytes([good[-2] ^ 1]) + good[-1:]
+    miss, _, released = local_load(store, loader, chain, dst)
+    assert miss is not None and miss.reason == "checksum" and miss.page == chain[3]
+    assert LAYOUT.num_layers - 1 not in released, "the last layer is never released"
+    # written without the cluster's key: a valid header, no valid MAC
+    forger = PageStore(LAYOUT, FakeKV(), mac_key=b"not the cluster's")
+    forger.put_pages([chain[3]], [torch.randn(LAYOUT.page_shape)])
+    storage.native.objects[key] = forger.kv.objects[key]
+    assert local_load(store, loader, chain, dst)[0].reason == "checksum"
+    storage.native.objects[key] = good
+    assert local_load(store, loader, chain, dst)[0] is None
+    local.close()
+
+
+def test_a_load_larger_than_the_arena_or_unserved_reads_over_the_engine(monkeypatch):
+    """A load that does not fit the shared arena reads layer groups over the engine; so
+    does one the storage process does not answer, and its arena is dropped (the storage
+    process may still write it) until a fresh one maps."""
+    first = Storage()
+    pool, index, kv = make_pool(), FakeIndex(), FakeKV()
+    chain = page_chain(range(N * LAYOUT.page_size), LAYOUT)
+    src, dst = torch.arange(1, N + 1), torch.arange(N + 1, 2 * N + 1)
+    pub = publisher(pool, kv, index, first.endpoint)
+    assert publish(pub, chain, src) is True
+    pub.close()
+    kv.objects = first.native.objects
+    store = PageStore(LAYOUT, kv, mac_key=KEY)
+    obj = store.object_size
+    small = LocalLoads(first.endpoint, "w/small", 2 * obj)  # holds two pages, not five
+    loader = Loader(pool, "staged", Arena(pool.device, 1 << 20, store.kv), local=small)
+    assert local_load(store, loader, chain, dst)[0] is None
+    assert kv.slices["ranges"] > 0
+    for a, b in zip(pool_pages(pool, dst), pool_pages(pool, src)):
+        assert torch.equal(a, b)
+    small.close()
+    local = LocalLoads(first.endpoint, "w/load", 1 << 20, timeout_s=1.0)
+    loader = Loader(pool, "staged", Arena(pool.device, 1 << 20, store.kv), local=local)
+    assert local.arena() is not None
+    first.stop()  # no answer now
+    before = kv.slices["ranges"]
+    for b in pool.buffers():  # compared with the stored pages below
+        b.zero_()
+    miss, stats, released = local_load(store, loader, chain, dst)
+    assert miss is None and kv.slices["ranges"] > before, "read over the engine instead"
+    assert released == list(range(LAYOUT.num_layers - 1))
+    assert_pages(kv.objects, chain, pool, dst)
+    assert local.arena() is None, "the unanswered arena is never used again, for now"
+    assert kv.sessions == 0, "the session the fallback opened is closed"
+    local.close()
