@@ -168,6 +168,8 @@ def rows(
         if tok and tok_p and sec and sec_p
         else "no forward overlapped a publish"
     )
+    loaded = tot.get("loaded_pages", 0.0)
+    local_share = f"{tot.get('local_loaded_pages', 0.0) / loaded:.0%}" if loaded else "-"
     out += [
         ("worker: index round trip per lookup", per_call("lookup_index_seconds")),
         ("worker: presence check per hit lookup", per_call("lookup_header_seconds")),
@@ -176,7 +178,11 @@ def rows(
             f"{tot.get('recomputed_hit_pages', 0.0) / n:.1f} per request",
         ),
         ("worker: load batch", per_call("load_batch_seconds")),
-        ("worker: of which Mooncake reads", ms("load_read_seconds")),
+        ("worker: of which read sessions", ms("load_session_seconds")),
+        ("worker: of which reads (Mooncake or the storage process)", ms("load_read_seconds")),
+        ("worker: of which header and MAC checks", ms("load_verify_seconds")),
+        ("worker: of which copies into the KV pool", ms("load_copy_seconds")),
+        ("worker: loaded pages copied by the storage process", local_share),
         ("worker: forward waiting for layers", ms("load_wait_seconds")),
         ("worker: publishing wall time", ms("publish_seconds")),
         ("worker: publishing CPU time (publish thread)", ms("publish_cpu_seconds")),

@@ -428,6 +428,10 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         self.metrics.add("loaded_bytes", stats.bytes)
         self.metrics.add("load_seconds", seconds)
         self.metrics.add("load_read_seconds", stats.read_s)
+        self.metrics.add("load_session_seconds", t_started - t0)
+        self.metrics.add("load_verify_seconds", stats.verify_s)
+        self.metrics.add("load_copy_seconds", stats.copy_s)
+        self.metrics.add("local_loaded_pages", stats.local_pages)
         self.durations.observe("load_batch_seconds", seconds)
 
     # -- forwards (the scheduler's run_batch hook)

@@ -22,7 +22,12 @@ class StoreMetrics(CounterSet):
         "loaded_pages": "Pages loaded from the global store",
         "loaded_bytes": "Bytes loaded from the global store",
         "load_seconds": "Time the load thread spent loading (start to last layer)",
-        "load_read_seconds": "Time loads spent in Mooncake reads",
+        "load_read_seconds": "Time loads spent reading (Mooncake, or the storage process's copy)",
+        "load_session_seconds": "Time loads spent opening Mooncake read sessions before reading",
+        "load_verify_seconds": "Time loads spent checking headers and MACs",
+        "load_copy_seconds": "Time loads spent copying into the KV pool",
+        "local_loaded_pages": "Pages of those the storage process copied into this worker's "
+        "shared-memory load arena (the rest: read over the transfer engine)",
         "load_wait_seconds": "Time the forward pass waited for a layer to land",
         "load_failures": "Load batches that failed after starting",
         "load_timeouts": "Load batches given up: a layer did not land within the deadline",

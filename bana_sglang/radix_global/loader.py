@@ -108,6 +108,7 @@ class LoadStats:
     verify_s: float = 0.0  # feeding MACs (and, direct on CUDA, the copy back to the host)
     copy_s: float = 0.0  # queueing copies into the pool (CPU: doing them)
     groups: int = 0
+    local_pages: int = 0  # pages the storage process copied (the rest: read over the engine)
     event: object = None  # after the last layer's copies (CUDA staged; else None)
 
 
@@ -300,6 +301,7 @@ class Loader:
             return self._staged(read, page_ids, release, ready, stats, gate)
         t1 = time.perf_counter()
         stats.read_s += t1 - t0
+        stats.local_pages = n
         for j, rc in enumerate(codes):
             if rc != obj:
                 return Miss(

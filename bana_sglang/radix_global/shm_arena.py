@@ -1,4 +1,4 @@
-"""Publishing through the storage process: a shared-memory arena and a local put.
+"""Publishing and loading through the storage process: shared-memory arenas and local copies.
 
 A worker's publish thread put its framed pages into the store with Mooncake's
 transfer engine: over TCP into the storage process's segment, its calling thread
@@ -9,21 +9,29 @@ a :class:`SharedArena` (a 0600 file in ``/dev/shm``, mapped by both processes)
 and asks the storage process (:mod:`bana_sglang.wire.storage`, on the project's
 authenticated transport) to put them: a local copy into its own segment, no
 transfer and no poll. The pages still live in the storage process's segment, so
-a worker's exit loses nothing (:mod:`.store`'s invariant).
+a worker's exit loses nothing (:mod:`.store`'s invariant). Loads are the mirror
+image: the load thread's own arena, into which the storage process copies whole
+pages (:class:`LocalLoads`); over TCP a load cost a slice per page per layer
+group on both processes' CPU.
 
 - :class:`SharedArena`: the worker's side of the memory (the arena interface of
   :class:`~.pool.Arena`); the file is unlinked once the storage process has
   mapped it, so nothing is left in ``/dev/shm`` when either process exits.
-- :class:`LocalStorage`: the worker's client of the storage channel.
+- :class:`LocalStorage`: the worker's client of the storage channel (map, put, get).
+- :class:`LocalLoads`: the load thread's arena and gets, and what it does when the
+  storage process does not answer.
 - :class:`ArenaHost`: the storage process's side: maps arenas after checking the
   file (the caller's own 0600 regular file directly in ``/dev/shm``, of the stated
-  size; no symlink), one per owner, and puts objects from them; an arena whose
-  worker process is gone (exited or killed) is unmapped (:meth:`ArenaHost.reap`).
+  size; no symlink), one per owner, and puts objects from them and gets objects
+  into them; an arena whose worker process is gone (exited or killed) is unmapped
+  (:meth:`ArenaHost.reap`).
 
-The arena is also registered with the worker's own Mooncake client, so a put the
-storage process cannot take (it restarted, it does not answer) falls back to the
-direct put from the same bytes; the arena is then replaced before it is written
-again, so a put the storage process runs late never reads a reused slot.
+The publish arena is also registered with the worker's own Mooncake client, so a
+put the storage process cannot take (it restarted, it does not answer) falls back
+to the direct put from the same bytes; the arena is then replaced before it is
+written again, so a put the storage process runs late never reads a reused slot.
+A load the storage process does not serve reads over the engine into the load
+thread's private arena, and its shared arena is dropped for the same reason.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ segment is mounted, binds 127.0.0.1 by default, and exits cleanly on SIGTERM.
 With ``--put-listen tcp://HOST:PORT`` it also answers the storage channel
 (:mod:`bana_sglang.wire.storage`, authenticated like every channel): workers on
 this host frame their pages in shared-memory arenas and it puts them into its
-own segment with a local copy (:mod:`.shm_arena`). Every 0.5 s it unmaps the
+own segment with a local copy, and it copies the pages of their loads into their
+load arenas (:mod:`.shm_arena`). Every 0.5 s it unmaps the
 arenas of workers whose process is gone.
 
 Lifecycle: setup retries until the master answers (a storage process may start
@@ -72,8 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--put-listen",
         default=None,
         metavar="tcp://HOST:PORT",
-        help="also serve puts from the shared-memory arenas of workers on this host "
-        "(the storage channel); default: off",
+        help="also serve puts from and loads into the shared-memory arenas of workers on "
+        "this host (the storage channel); default: off",
     )
     p.add_argument(
         "--setup-timeout", type=float, default=60.0, help="give up if the master never answers"
