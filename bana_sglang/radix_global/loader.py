@@ -298,6 +298,8 @@ class Loader:
             codes = self.local.get(read.keys, [j * obj for j in range(n)], obj)
         except LocalStorageError:
             stats.read_s += time.perf_counter() - t0
+            if gate is not None:
+                gate.check()  # given up while the storage process did not answer
             return self._staged(read, page_ids, release, ready, stats, gate)
         t1 = time.perf_counter()
         stats.read_s += t1 - t0

@@ -116,9 +116,9 @@ class PDCluster:
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory) -> Iterator[PDCluster]:
-    """2P1D with the store. prefill-0 loads through the host arena (``staged``, the
-    default), prefill-1 straight into its KV pool (``direct``): a reuse on either worker
-    exercises one mode. Every hit is loaded (``BANA_STORE_LOAD_POLICY=always``): the
+    """2P1D with the store. prefill-0 loads ``staged`` (the default; on the storage
+    process's host, through it), prefill-1 straight into its KV pool (``direct``): a reuse
+    on either worker exercises one mode. Every hit is loaded (``BANA_STORE_LOAD_POLICY=always``): the
     tests assert exact hit sizes, which the measured choice of recomputing may change."""
     # a small decode KV pool: finished requests' pages must be released after publishing
     cfg = LaunchConfig(
@@ -212,19 +212,28 @@ def test_prefix_computed_on_one_prefill_worker_is_reused_by_another(pd, single_s
     assert m1["loaded_bytes"] > 0 and m1["load_seconds"] > 0
 
 
-def test_a_staged_load_and_a_direct_load_give_the_plain_tokens(pd, single_server):
-    """The same prompt computed on prefill-1 and loaded by prefill-0 (staged: through the
-    host arena), then another computed on prefill-0 and loaded by prefill-1 (direct: into
-    the pool's slots); both give a plain worker's greedy tokens."""
+def test_a_load_through_the_storage_process_and_a_direct_load_give_the_plain_tokens(
+    pd, single_server
+):
+    """The same prompt computed on prefill-1 and loaded by prefill-0 (staged, on the
+    storage process's host: the storage process copies the whole pages into its shared
+    load arena), then another computed on prefill-0 and loaded by prefill-1 (direct: over
+    the transfer engine into the pool's slots); both give a plain worker's greedy tokens.
+    (Staged loads over the engine run live in ``test_multihost.py``: there the loading
+    worker is on another host than the store.)"""
+    pages = (420 - 1) // PAGE
     for seed, (computes, loads) in ((21, (1, 0)), (22, (0, 1))):
         ids = prompt(seed, 420)
         pl = pd.prefill[loads][0]
         d0, _ = pd.generate(computes, ids, n=10)
         wait_indexed(pd, ids)
-        loaded = pd.metrics(pl).get("loaded_pages", 0)
+        before = pd.metrics(pl)
         d1, p1 = pd.generate(loads, ids, n=10)
-        assert p1["meta_info"]["cached_tokens"] == (420 - 1) // PAGE * PAGE
-        assert pd.metrics(pl)["loaded_pages"] - loaded == (420 - 1) // PAGE
+        assert p1["meta_info"]["cached_tokens"] == pages * PAGE
+        after = pd.metrics(pl)
+        assert after["loaded_pages"] - before.get("loaded_pages", 0) == pages
+        local = after.get("local_loaded_pages", 0) - before.get("local_loaded_pages", 0)
+        assert local == (pages if loads == 0 else 0)
         assert d1["output_ids"] == d0["output_ids"] == plain_tokens(single_server, ids, 10)
 
 

@@ -20,6 +20,7 @@ from support.fake_mooncake import FakeIndex, FakeKV
 
 from bana_sglang.radix_global import publisher as publisher_mod
 from bana_sglang.radix_global.keys import KVLayout, page_chain
+from bana_sglang.radix_global.layer_counter import LoadCancelled, LoadGate
 from bana_sglang.radix_global.loader import Loader
 from bana_sglang.radix_global.mooncake_kv import NOT_FOUND, page_key
 from bana_sglang.radix_global.pool import Arena, KVPool
@@ -436,4 +437,31 @@ def test_a_load_larger_than_the_arena_or_unserved_reads_over_the_engine(monkeypa
     assert_pages(kv.objects, chain, pool, dst)
     assert local.arena() is None, "the unanswered arena is never used again, for now"
     assert kv.sessions == 0, "the session the fallback opened is closed"
+    local.close()
+
+
+def test_a_load_given_up_while_the_storage_process_was_silent_reads_nothing_more(storage):
+    """The forward gives the load up while the storage process does not answer its get:
+    the load stops there (LoadCancelled) instead of reading over the engine."""
+    pool, index, kv = make_pool(), FakeIndex(), FakeKV()
+    chain = page_chain(range(N * LAYOUT.page_size), LAYOUT)
+    pub = publisher(pool, kv, index, storage.endpoint)
+    assert publish(pub, chain, torch.arange(1, N + 1)) is True
+    pub.close()
+    kv.objects = storage.native.objects
+    store = PageStore(LAYOUT, kv, mac_key=KEY)
+    local = LocalLoads(storage.endpoint, "w/load", 1 << 20)
+    loader = Loader(pool, "staged", Arena(pool.device, 1 << 20, store.kv), local=local)
+    gate = LoadGate(pool.device)
+
+    def silent(*_):
+        gate.cancel()  # the forward's deadline passed meanwhile
+        raise LocalStorageError("unavailable", "no answer within the timeout")
+
+    local.get = silent
+    read = store.layerwise(chain, headers_inline=True)
+    assert read.start(session=False) is None
+    with pytest.raises(LoadCancelled):
+        loader.load(read, torch.arange(N + 1, 2 * N + 1), lambda layer, ev: None, gate=gate)
+    assert "ranges" not in kv.calls and "session" not in kv.calls
     local.close()
