@@ -372,6 +372,8 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         return landed
 
     def _serve(self) -> None:
+        if self.local_loads is not None:
+            self.local_loads.arena()  # mapped now rather than by the first load
         while True:
             task = self.load_queue.get()
             try:
