@@ -148,29 +148,20 @@ class LocalStorage:
 
     def put(self, keys: Sequence[str], offsets: Sequence[int], size: int) -> list[int]:
         """Mooncake's code per key for objects ``[offsets[i], offsets[i] + size)`` of the arena."""
-        if self.arena is None:
-            raise LocalStorageError("unknown_arena", "no arena is mapped")
-        reply = self._call(
-            m.PutPages,
-            arena=self.arena,
-            owner=self.owner,
-            keys=list(keys),
-            offsets=list(offsets),
-            size=size,
-        )
-        if len(reply.codes) != len(keys):
-            raise LocalStorageError("malformed", f"{len(reply.codes)} codes for {len(keys)} keys")
-        return list(reply.codes)
+        return self._objects(m.PutPages, keys, offsets, size)
 
     def get(self, keys: Sequence[str], offsets: Sequence[int], size: int) -> list[int]:
         """Read the whole objects ``keys`` (``size`` bytes each) into arena bytes
         ``[offsets[i], offsets[i] + size)``; per key the bytes read or Mooncake's code.
         After a :class:`LocalStorageError` the storage process may still write the
         arena: the caller must not read it again."""
+        return self._objects(m.GetPages, keys, offsets, size)
+
+    def _objects(self, make: Any, keys: Sequence[str], offsets: Sequence[int], size: int):
         if self.arena is None:
             raise LocalStorageError("unknown_arena", "no arena is mapped")
         reply = self._call(
-            m.GetPages,
+            make,
             arena=self.arena,
             owner=self.owner,
             keys=list(keys),
@@ -362,14 +353,24 @@ class ArenaHost:
         return m.Put(id=req.id, codes=[int(c) for c in codes])
 
     def get(self, req: m.GetPages) -> Any:
+        # Mooncake's batch_get_into fills only the last destination of a key that is asked
+        # for twice (and reports every one filled): a load of two requests with the same
+        # prefix asks so. Each key is read once, then copied to its other destinations.
+        first: dict[str, int] = {}
+        for k, o in zip(req.keys, req.offsets):
+            first.setdefault(k, o)
         with self._lock:
             a = self._objects(req)
             if isinstance(a, m.Error):
                 return a
-            codes = self._store.batch_get_into(
-                list(req.keys), [a.ptr + o for o in req.offsets], [req.size] * len(req.keys)
+            got = self._store.batch_get_into(
+                list(first), [a.ptr + o for o in first.values()], [req.size] * len(first)
             )
-        return m.Got(id=req.id, codes=[int(c) for c in codes])
+            code = {k: int(c) for k, c in zip(first, got)}
+            for k, o in zip(req.keys, req.offsets):
+                if o != first[k] and code[k] > 0:
+                    ctypes.memmove(a.ptr + o, a.ptr + first[k], code[k])
+        return m.Got(id=req.id, codes=[code[k] for k in req.keys])
 
     def _objects(self, req: m.PutPages | m.GetPages) -> _Mapped | m.Error:
         """The arena of a put or get, once its objects are checked to lie inside it."""
