@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build .devcarry/: what scripts/device_check.sh needs on a GPU machine that has torch but no
 # package registry (see the README's "GPU" section), in at most ~50 MB:
-#   - wheels for Python 3.12: pyzmq, msgspec, orjson, pydantic (the project's code needs them);
+#   - wheels for Python 3.12: pyzmq, msgspec, orjson, blake3, pydantic (the project's code needs them);
 #   - Mooncake's CUDA 13 build, trimmed to what the store and the transfer engine load
 #     (its wheel is 98 MB; the process-group, expert-parallel and benchmark binaries stay
 #     behind) and packed with xz;
@@ -21,7 +21,7 @@ trap 'rm -rf "$TMP"' EXIT
 PIP=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
      --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64
      --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-"${PIP[@]}" -d "$OUT" pyzmq msgspec orjson pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
+"${PIP[@]}" -d "$OUT" pyzmq msgspec orjson blake3 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
 "${PIP[@]}" -d "$TMP/whl" "$MOONCAKE" "$ROUTER"
 
 # Mooncake: the package's Python modules, the store and engine extensions, mooncake_master

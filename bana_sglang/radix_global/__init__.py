@@ -18,7 +18,7 @@ Modules (one role each):
 - ``mooncake_kv``: the only caller of ``MooncakeDistributedStore``: native codes
   -> ``StoreError``, outage gate; :class:`~mooncake_kv.StoreConfig`.
 - ``page_format``: the stored form of a page (192-byte header: magic, version,
-  layout digest, page hash, dtype, shape, length, an HMAC-SHA256 MAC; then the
+  layout digest, page hash, dtype, shape, length, a keyed BLAKE3 MAC; then the
   payload) and its verification.
 - ``store``: :class:`~store.PageStore`, framed and verified pages, zero-copy
   multi-buffer puts/gets, and :class:`~layerwise.LayerwiseRead`, ranged reads of

@@ -4,7 +4,7 @@
 :mod:`~bana_sglang.radix_global.page_format` header, then the payload) through
 :class:`~bana_sglang.radix_global.mooncake_kv.MooncakeKV` (the binding: native
 codes -> ``StoreError``, outage gate), and verifies every header field and the
-page MAC (HMAC-SHA256 under the cluster secret) on load. :class:`~bana_sglang.radix_global.layerwise.LayerwiseRead`
+page MAC (keyed BLAKE3 under the cluster secret) on load. :class:`~bana_sglang.radix_global.layerwise.LayerwiseRead`
 (its own module) reads ranges of layers of many pages (the SGLang linker's loads).
 
 Invariants:

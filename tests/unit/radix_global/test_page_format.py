@@ -57,16 +57,21 @@ def test_another_key_a_flipped_byte_or_another_page_is_refused(payload):
     assert other_layout.verify(PAGE, header, memoryview(payload)).reason == "layout_mismatch"
 
 
-def test_the_mac_is_truncated_hmac_sha256_of_purpose_fields_and_payload(payload):
-    """The MAC is the standard library's HMAC-SHA256 (OpenSSL), nothing home-made:
-    recomputed here from its definition, it matches what the format stores."""
-    import hashlib
-    import hmac
+def test_the_mac_is_truncated_keyed_blake3_of_fields_and_payload(payload):
+    """The MAC is keyed BLAKE3 (the reference implementation's bindings), its key from
+    BLAKE3's own key derivation, nothing home-made: recomputed here from its
+    definition, it matches what the format stores; unkeyed, it is plain BLAKE3."""
+    import blake3
 
     key = b"k" * 32
     fmt = PageFormat(LAYOUT, key)
     header = framed(fmt, payload)
     _, stored = fmt.verify_header(PAGE, header)
     fields = header[: header.index(stored)]
-    want = hmac.new(key, b"bana-kv-page" + fields + payload, hashlib.sha256).digest()[:16]
-    assert stored == want
+    mac_key = blake3.blake3(
+        key, derive_key_context="bana_sglang 2026-12-07 KV page MAC v4"
+    ).digest()
+    assert stored == blake3.blake3(fields + payload, key=mac_key).digest(16)
+    unkeyed = PageFormat(LAYOUT)
+    _, plain = unkeyed.verify_header(PAGE, framed(unkeyed, payload))
+    assert plain == blake3.blake3(fields + payload).digest(16)
