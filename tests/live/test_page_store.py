@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from support.cluster import free_port
-from support.mooncake_procs import Mooncake
+from support.mooncake_procs import Mooncake, master_and_storage
 from support.radix_index import index_service
 
 from bana_sglang.radix_global.client import IndexClient
@@ -32,13 +32,8 @@ LAYOUT = KVLayout("store-test", "float32", page_size=4, num_kv_heads=2, head_dim
 
 @pytest.fixture(scope="module")
 def mooncake() -> Iterator[Mooncake]:
-    mc = Mooncake()
-    try:
-        mc.start_master()
-        mc.start_storage()
+    with master_and_storage() as mc:
         yield mc
-    finally:
-        mc.stop()
 
 
 @pytest.fixture()

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from support.cluster import free_port
-from support.mooncake_procs import ENV, Mooncake
+from support.mooncake_procs import ENV, Mooncake, master_and_storage
 from support.radix_index import index_service
 
 from bana_sglang.launch.procs import wait_until
@@ -28,13 +28,8 @@ LAYOUT = KVLayout("store-test", "float32", page_size=4, num_kv_heads=2, head_dim
 
 @pytest.fixture(scope="module")
 def mooncake() -> Iterator[Mooncake]:
-    mc = Mooncake()
-    try:
-        mc.start_master()
-        mc.start_storage()
+    with master_and_storage() as mc:
         yield mc
-    finally:
-        mc.stop()
 
 
 def test_pages_published_through_the_storage_process_are_read_back_exactly(mooncake):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 from support.cluster import free_port
 
@@ -88,3 +90,15 @@ class Mooncake:
         for p in (self.storage, self.master):
             if p is not None:
                 p.stop(timeout=10)
+
+
+@contextlib.contextmanager
+def master_and_storage() -> Iterator[Mooncake]:
+    """A started master and storage process on 127.0.0.1, stopped on exit."""
+    mc = Mooncake()
+    try:
+        mc.start_master()
+        mc.start_storage()
+        yield mc
+    finally:
+        mc.stop()
