@@ -28,6 +28,11 @@ def as_bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def code_miss(page: PageHash, rc: int, detail: str) -> Miss:
+    """The miss of a Mooncake read that returned ``rc`` for ``page`` (not its size)."""
+    return Miss(page, "missing" if rc == NOT_FOUND else "store_error", detail)
+
+
 class LayerwiseRead:
     """Read ranges of layers of many pages into scattered destinations, verifying the
     pages as they land.
@@ -106,7 +111,6 @@ class LayerwiseRead:
         asks nothing of the store yet: a whole-page read through the storage process
         needs no session, and :meth:`read_regions` opens one when it is first called
         (a missing page is then its miss)."""
-        st = self.store
         if not self.pages:
             return None
         if not session:
@@ -114,45 +118,28 @@ class LayerwiseRead:
                 raise ValueError("a read without a session takes its headers inline or its MACs")
             self._truncate(len(self.pages))
             return None
-        try:
-            codes = st.kv.get_session_start(self._keys)
-        except StoreError as e:
-            first = self.pages[0]
+        keep, miss = self._open_session()
+        if not self._session:  # the store did not answer: nothing is kept
             self.pages, self._keys, self._macs = [], [], []
-            return Miss(first, miss_reason(e), str(e))
-        self._session = True
-        miss: Miss | None = None
-        keep = len(self.pages)
-        for i, rc in enumerate(codes):
-            if rc != 0:
-                keep = i
-                miss = Miss(
-                    self.pages[i],
-                    "missing" if rc == NOT_FOUND else "store_error",
-                    f"session: {describe(rc)}",
-                )
-                break
+            return miss
         if not self._verified and not self.headers_inline:
             keep, miss = self._read_headers(keep, miss)
         self._truncate(keep)
         return miss
 
-    def _open_session(self) -> Miss | None:
-        """The session of a read started without one, over every page; the first page
-        the store does not hold is the miss."""
+    def _open_session(self) -> tuple[int, Miss | None]:
+        """Open the read session over every page: (how many leading pages the store
+        holds, the miss of the first it does not). A store that does not answer opens
+        no session."""
         try:
             codes = self.store.kv.get_session_start(self._keys)
         except StoreError as e:
-            return Miss(self.pages[0], miss_reason(e), str(e))
+            return 0, Miss(self.pages[0], miss_reason(e), str(e))
         self._session = True
-        for page, rc in zip(self.pages, codes):
+        for i, rc in enumerate(codes):
             if rc != 0:
-                return Miss(
-                    page,
-                    "missing" if rc == NOT_FOUND else "store_error",
-                    f"session: {describe(rc)}",
-                )
-        return None
+                return i, code_miss(self.pages[i], rc, f"session: {describe(rc)}")
+        return len(self.pages), None
 
     def check_header(self, i: int, header) -> Miss | None:
         """Verify page i's header (read inline with its first layers) and keep its MAC."""
@@ -177,11 +164,7 @@ class LayerwiseRead:
                 for i, rc in enumerate(rcs):
                     page = self.pages[lo + i]
                     if rc != HEADER_SIZE:
-                        bad = Miss(
-                            page,
-                            "missing" if rc == NOT_FOUND else "store_error",
-                            f"header read: {rc}",
-                        )
+                        bad = code_miss(page, rc, f"header read: {rc}")
                     else:
                         header = st._headers_np[i * HEADER_SIZE : (i + 1) * HEADER_SIZE].tobytes()
                         bad, mac = st.format.verify_header(page, header)
@@ -217,7 +200,7 @@ class LayerwiseRead:
         if not regions:
             return None
         if not self._session:
-            miss = self._open_session()
+            _, miss = self._open_session()
             if miss is not None:
                 return miss
         head = self.header_first(lo)
@@ -245,9 +228,9 @@ class LayerwiseRead:
             return Miss(self.pages[start], miss_reason(e), str(e))
         for i, rc in enumerate(rcs):
             if rc != want:
-                return Miss(
+                return code_miss(
                     self.pages[start + i],
-                    "missing" if rc == NOT_FOUND else "store_error",
+                    rc,
                     f"layers {lo}:{hi} read: {rc if rc < 0 else f'{rc} bytes'}",
                 )
         return None

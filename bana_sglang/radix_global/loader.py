@@ -54,8 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from bana_sglang.radix_global.layer_counter import LoadGate
-from bana_sglang.radix_global.layerwise import LayerwiseRead
-from bana_sglang.radix_global.mooncake_kv import NOT_FOUND
+from bana_sglang.radix_global.layerwise import LayerwiseRead, code_miss
 from bana_sglang.radix_global.page_format import HEADER_SIZE, Miss
 from bana_sglang.radix_global.pool import Arena, KVPool
 from bana_sglang.radix_global.shm_arena import LocalLoads, LocalStorageError
@@ -306,10 +305,8 @@ class Loader:
         stats.local_pages = n
         for j, rc in enumerate(codes):
             if rc != obj:
-                return Miss(
-                    read.pages[j],
-                    "missing" if rc == NOT_FOUND else "store_error",
-                    f"whole page read: {rc if rc < 0 else f'{rc} bytes'}",
+                return code_miss(
+                    read.pages[j], rc, f"whole page read: {rc if rc < 0 else f'{rc} bytes'}"
                 )
         host = shared.buffer[: n * obj].view(n, obj).numpy()
         if read.header_first(0):
