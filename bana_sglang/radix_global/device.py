@@ -49,8 +49,13 @@ class Device:
 
     # -- memory
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        """A host byte buffer: pinned on CUDA (asynchronous copies), plain on CPU."""
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.is_cuda)
+        """A host byte buffer: pinned on CUDA (asynchronous copies), plain on CPU, where
+        it is written once now so that the first transfer into it does not fault in
+        each 4 KiB page (pinned memory is resident already)."""
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.is_cuda)
+        if not self.is_cuda:
+            buf.zero_()
+        return buf
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on this device (asynchronous from pinned memory, on the current stream)."""
