@@ -34,6 +34,7 @@ def register() -> None:
     from bana_sglang.radix_global.hooks import (
         decode_queue_hook,
         init_cache_linker_hook,
+        prebuilt_hook,
         run_batch_hook,
     )
 
@@ -107,6 +108,12 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue",
         decode_queue_hook,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode_schedule_batch_mixin."
+        "ScheduleBatchDisaggregationDecodeMixin.process_prebuilt",
+        prebuilt_hook,
         HookType.AROUND,
     )
     # The linker's cost model times the prefill forwards that load nothing.

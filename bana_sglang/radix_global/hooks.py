@@ -28,6 +28,25 @@ def decode_queue_hook(original, scheduler, *args, **kwargs):
     return original(scheduler, *args, **kwargs)
 
 
+def prebuilt_hook(original, batch, *args, **kwargs):
+    """AROUND hook on the PD decode batch's ``process_prebuilt``: a request whose KV
+    has just arrived from its prefill worker is put into the decode worker's tree
+    there, before its first token goes out, and the write-through would offer our
+    linker every page of its prompt. Those pages are the prefill worker's to
+    publish (it had them first); the linker declines them here
+    (:meth:`BanaGlobalLinker.offload` while ``arrivals`` is set) and publishes the
+    request's pages when it finishes."""
+    wrapper = getattr(getattr(batch, "tree_cache", None), "linker", None)
+    linker = getattr(wrapper, "cache_linker", None)
+    if type(linker).__name__ != LINKER_NAME:
+        return original(batch, *args, **kwargs)
+    linker.arrivals = True
+    try:
+        return original(batch, *args, **kwargs)
+    finally:
+        linker.arrivals = False
+
+
 def init_cache_linker_hook(original, cache, cache_linker):
     """AROUND hook on ``UnifiedRadixCache.init_cache_linker``: our linker gets
     its own wrapper (:meth:`BanaGlobalLinker.make_wrapper`: the parent page of each

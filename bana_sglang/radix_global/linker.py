@@ -33,7 +33,11 @@ What happens per request (``UnifiedCacheLinkerWrapper`` drives the calls):
 - After an insert into the device tree, the write-through chain offloads new
   nodes (parents first) -> :meth:`offload`: the :class:`~publisher.Publisher`
   thread publishes them in batches, at a lower priority (prefill workers
-  publish prompts; decode workers finished requests).
+  publish prompts; decode workers finished requests). A decode worker declines
+  the offer SGLang makes when a request's KV arrives from its prefill worker
+  (``hooks.prebuilt_hook``: that offer comes before the request's first token,
+  and the prompt is the prefill worker's to publish); the request's pages are
+  offered again when it finishes.
 
 The worker's pool may be on the CPU or on a CUDA device
 (:class:`~device.Device`): on CUDA the load's copies run on a side stream after
@@ -85,7 +89,12 @@ from bana_sglang.radix_global.linker_metrics import StoreDurations, StoreMetrics
 from bana_sglang.radix_global.loader import Loader
 from bana_sglang.radix_global.mooncake_kv import StoreConfig
 from bana_sglang.radix_global.pool import Arena, KVPool
-from bana_sglang.radix_global.publisher import Offload, Publisher, RoundStats
+from bana_sglang.radix_global.publisher import (
+    Offload,
+    Publisher,
+    RoundStats,
+    name_native_thread,
+)
 from bana_sglang.radix_global.shm_arena import LocalLoads
 from bana_sglang.radix_global.store import PageStore
 from bana_sglang.wire.storage import MAX_ARENA_BYTES
@@ -230,6 +239,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         self.pending_loads: dict[str, _Load] = {}
         self.load_queue: queue.Queue[tuple[int, list[_Load], object] | None] = queue.Queue()
         self.next_offload_parent: str | None = None  # set by BanaLinkerWrapper per node
+        self.arrivals = False  # set by hooks.prebuilt_hook (decode workers)
         self._wait_acc = 0.0
         self._timers: collections.deque = collections.deque()
         self._load_thread = threading.Thread(
@@ -372,6 +382,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         return landed
 
     def _serve(self) -> None:
+        name_native_thread("bana-load")
         if self.local_loads is not None:
             self.local_loads.arena()  # mapped now rather than by the first load
         while True:
@@ -473,6 +484,9 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         parent, self.next_offload_parent = self.next_offload_parent, None
         got = self._pages(transfers)
         if got is None:
+            return False
+        if self.arrivals:  # a decode worker's copy of a prompt: its prefill worker publishes it
+            self.metrics.add("publish_declined_arrival_pages", len(got[0].keys))
             return False
         kv, page_ids = got
         if not self.publisher.accepts(len(kv.keys)):

@@ -291,7 +291,11 @@ def test_decode_pool_is_released_after_publishing(pd):
         return m.get("published_pages", 0) + m.get("publish_skipped_pages", 0)
 
     poll_until(lambda: offered() >= 18 * n, f"{18 * n} pages offered by decode")
-    assert pd.metrics(pd.decode[0]).get("published_pages", 0) > 0
+    m = pd.metrics(pd.decode[0])
+    assert m.get("published_pages", 0) > 0
+    # ... at the end: when each one's KV arrived, before its first token, the decode
+    # worker declined its prompt's pages (the prefill worker publishes them)
+    assert m.get("publish_declined_arrival_pages", 0) >= 18 * n
 
 
 def test_a_load_stuck_on_a_stopped_storage_process_is_given_up_and_recomputed(pd, single_server):

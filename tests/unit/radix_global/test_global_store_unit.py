@@ -1,18 +1,22 @@
 """Fast unit tests of the global store's wiring (no processes): the linker's
 configuration, the model identity in page keys, the worker flags the launcher
-adds, and the counters table."""
+adds, the counters table, and the decode worker's hook on arriving KV."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
+from types import SimpleNamespace
 
 import pytest
 
 from bana_sglang import launch
 from bana_sglang.radix_global import config as flags
-from bana_sglang.radix_global import summary
+from bana_sglang.radix_global import hooks, summary
 from bana_sglang.radix_global.keys import KVLayout, model_identity, namespaced
+from bana_sglang.radix_global.publisher import name_native_thread
 
 
 def test_linker_flags_are_what_sglang_parses():
@@ -152,3 +156,53 @@ def test_a_page_takes_its_allocators_size_class(nbytes, taken):
     assert allocation_size(taken) == taken  # a class rounds to itself
     if nbytes >= 16:
         assert taken - nbytes < taken / 8  # never more than an eighth over
+
+
+class BanaGlobalLinker:  # recognised by its class name, as the hooks recognise ours
+    arrivals = False
+
+
+def _batch(linker):
+    return SimpleNamespace(tree_cache=SimpleNamespace(linker=SimpleNamespace(cache_linker=linker)))
+
+
+def test_a_decode_worker_declines_a_prompt_while_its_kv_arrives():
+    """While a decode batch takes in requests whose KV came from their prefill
+    workers (``process_prebuilt`` puts them into the tree), our linker is told so
+    (it declines those offers); before and after, and when the call raises, not."""
+    linker, seen = BanaGlobalLinker(), []
+
+    def prebuilt(batch, future_map):
+        seen.append(linker.arrivals)
+        return future_map
+
+    assert hooks.prebuilt_hook(prebuilt, _batch(linker), "fm") == "fm"
+    assert seen == [True] and linker.arrivals is False
+
+    def failing(batch, future_map):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        hooks.prebuilt_hook(failing, _batch(linker), None)
+    assert linker.arrivals is False
+
+    other = SimpleNamespace(arrivals=False)  # another linker (or none): untouched
+    assert hooks.prebuilt_hook(lambda b, f: other.arrivals, _batch(other), None) is False
+    assert hooks.prebuilt_hook(lambda b, f: "ok", SimpleNamespace(), None) == "ok"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux names threads in /proc")
+def test_the_store_threads_carry_their_names_in_the_os():
+    """``top -H`` and per-thread CPU accounting tell the publish and load threads
+    from the scheduler's (each names itself when it starts; 15 bytes at most)."""
+    got = []
+
+    def run():
+        name_native_thread("bana-publish-and-more")
+        tid = threading.get_native_id()
+        got.append(open(f"/proc/self/task/{tid}/comm").read().strip())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert got == ["bana-publish-an"]
