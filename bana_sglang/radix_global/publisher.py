@@ -1,8 +1,8 @@
 """Publishing a worker's new KV pages to the global store, off the forward's way.
 
 SGLang hands the linker each new tree node to offload (prefill workers: prompts;
-decode workers: finished requests, not the copy of a prompt that has just arrived). :class:`Publisher` does the rest on one
-thread of its own:
+decode workers: finished requests, not the copy of a prompt that has just
+arrived). :class:`Publisher` does the rest on one thread of its own:
 
 - **batched**: it takes every offload queued since its last round at once, asks
   the index for each chain's intent, frames all granted pages in its host
