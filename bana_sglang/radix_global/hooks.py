@@ -34,11 +34,10 @@ def prebuilt_hook(original, batch, *args, **kwargs):
     there, before its first token goes out, and the write-through would offer our
     linker every page of its prompt. Those pages are the prefill worker's to
     publish (it had them first); the linker declines them here
-    (:meth:`BanaGlobalLinker.offload` while ``arrivals`` is set) and publishes the
-    request's pages when it finishes."""
-    wrapper = getattr(getattr(batch, "tree_cache", None), "linker", None)
-    linker = getattr(wrapper, "cache_linker", None)
-    if type(linker).__name__ != LINKER_NAME:
+    (:meth:`BanaGlobalLinker.offload` while ``arrivals`` is set), and SGLang offers
+    the request's pages again when it finishes."""
+    linker = _bana_linker(batch)
+    if linker is None:
         return original(batch, *args, **kwargs)
     linker.arrivals = True
     try:
@@ -58,9 +57,9 @@ def init_cache_linker_hook(original, cache, cache_linker):
     return None
 
 
-def _bana_linker(scheduler):
-    """The scheduler's BanaGlobalLinker, or None."""
-    wrapper = getattr(getattr(scheduler, "tree_cache", None), "linker", None)
+def _bana_linker(owner):
+    """The BanaGlobalLinker of ``owner``'s tree cache (a scheduler's or a batch's), or None."""
+    wrapper = getattr(getattr(owner, "tree_cache", None), "linker", None)
     linker = getattr(wrapper, "cache_linker", None)
     return linker if type(linker).__name__ == LINKER_NAME else None
 

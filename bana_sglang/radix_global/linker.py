@@ -482,11 +482,12 @@ class BanaGlobalLinker(UnifiedCacheLinker):
     # -- offloads (publishing)
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
         parent, self.next_offload_parent = self.next_offload_parent, None
+        if self.arrivals:  # a decode worker's copy of a prompt: its prefill worker publishes it
+            kv = self._kv(transfers)
+            self.metrics.add("publish_declined_arrival_pages", len(kv.keys) if kv else 0)
+            return False
         got = self._pages(transfers)
         if got is None:
-            return False
-        if self.arrivals:  # a decode worker's copy of a prompt: its prefill worker publishes it
-            self.metrics.add("publish_declined_arrival_pages", len(got[0].keys))
             return False
         kv, page_ids = got
         if not self.publisher.accepts(len(kv.keys)):
