@@ -307,6 +307,14 @@ BANA_STORE_PUBLISH_MAX_DELAY_MS = _var(
     "the longest a publish waits for such a quiet moment",
     minimum=0,
 )
+BANA_STORE_PUBLISH_ARRIVAL_DELAY_MS = _var(
+    "BANA_STORE_PUBLISH_ARRIVAL_DELAY_MS",
+    int,
+    50,
+    "a decode worker publishes the prompt of a request whose KV has just arrived this long "
+    "after, when the request's first token is out",
+    minimum=0,
+)
 BANA_STORE_PROBE_INTERVAL_S = _var(
     "BANA_STORE_PROBE_INTERVAL_S",
     float,

@@ -31,11 +31,10 @@ def decode_queue_hook(original, scheduler, *args, **kwargs):
 def prebuilt_hook(original, batch, *args, **kwargs):
     """AROUND hook on the PD decode batch's ``process_prebuilt``: a request whose KV
     has just arrived from its prefill worker is put into the decode worker's tree
-    there, before its first token goes out, and the write-through would offer our
-    linker every page of its prompt. Those pages are the prefill worker's to
-    publish (it had them first); the linker declines them here
-    (:meth:`BanaGlobalLinker.offload` while ``arrivals`` is set), and SGLang offers
-    the request's pages again when it finishes."""
+    there, before its first token goes out, and the write-through offers our linker
+    every page of its prompt. Publishing them at once would run on the first
+    token's way; while ``arrivals`` is set, :meth:`BanaGlobalLinker.offload` holds
+    them back until the first token is out."""
     linker = _bana_linker(batch)
     if linker is None:
         return original(batch, *args, **kwargs)

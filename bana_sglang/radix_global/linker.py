@@ -181,6 +181,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         if settle_ms < 0:  # auto: a CPU forward competes with publishing for the cores
             settle_ms = 0 if self.device.is_cuda else 50
         self._settle_s = settle_ms / 1e3
+        self._arrival_delay_s = envs.BANA_STORE_PUBLISH_ARRIVAL_DELAY_MS.get() / 1e3
         self._forwarding = False
         self._last_forward_end = 0.0
         arena_bytes = envs.BANA_STORE_ARENA_BYTES.get()
@@ -239,7 +240,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
         self.pending_loads: dict[str, _Load] = {}
         self.load_queue: queue.Queue[tuple[int, list[_Load], object] | None] = queue.Queue()
         self.next_offload_parent: str | None = None  # set by BanaLinkerWrapper per node
-        self.arrivals = False  # set by hooks.prebuilt_hook (decode workers)
+        self.arrivals = False  # set by hooks.prebuilt_hook (decode workers): offers are held
         self._wait_acc = 0.0
         self._timers: collections.deque = collections.deque()
         self._load_thread = threading.Thread(
@@ -482,10 +483,6 @@ class BanaGlobalLinker(UnifiedCacheLinker):
     # -- offloads (publishing)
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
         parent, self.next_offload_parent = self.next_offload_parent, None
-        if self.arrivals:  # a decode worker's copy of a prompt: its prefill worker publishes it
-            kv = self._kv(transfers)
-            self.metrics.add("publish_declined_arrival_pages", len(kv.keys) if kv else 0)
-            return False
         got = self._pages(transfers)
         if got is None:
             return False
@@ -494,12 +491,17 @@ class BanaGlobalLinker(UnifiedCacheLinker):
             self.metrics.add("publish_skipped_pages", len(kv.keys))
             return False
         ready = self.record_offload_ready() if self.device.is_cuda else []
+        not_before = 0.0
+        if self.arrivals:  # a prompt whose KV has just arrived: after its first token is out
+            not_before = time.monotonic() + self._arrival_delay_s
+            self.metrics.add("publish_held_arrival_pages", len(kv.keys))
         self.publisher.submit(
             Offload(
                 self._chain(kv.keys),
                 namespaced(parent, self.layout) if parent else None,
                 page_ids,
                 ready,
+                not_before=not_before,
             )
         )
         return True

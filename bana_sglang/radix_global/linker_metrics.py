@@ -40,9 +40,8 @@ class StoreMetrics(CounterSet):
         "publish_cpu_seconds": "CPU time of the publish thread in its rounds",
         "publish_skipped_pages": "Pages offered but not written (present, pending elsewhere, "
         "no room, down, backlog full)",
-        "publish_declined_arrival_pages": "Pages a decode worker declined when a request's "
-        "KV arrived (its prefill worker publishes the prompt; the decode worker offers the "
-        "request's pages again when it finishes)",
+        "publish_held_arrival_pages": "Pages a decode worker took when a request's KV "
+        "arrived and held back until the request's first token was out",
         "forward_tokens": "Tokens of prefill forwards without a load",
         "forward_seconds": "Time of prefill forwards without a load",
         "forward_tokens_publishing": "Tokens of such forwards that ran while a publish was written",

@@ -1,8 +1,8 @@
 """Publishing a worker's new KV pages to the global store, off the forward's way.
 
 SGLang hands the linker each new tree node to offload (prefill workers: prompts;
-decode workers: finished requests, not the copy of a prompt that has just
-arrived). :class:`Publisher` does the rest on one thread of its own:
+decode workers: the prompt of a request whose KV has just arrived, and what it
+generated). :class:`Publisher` does the rest on one thread of its own:
 
 - **batched**: it takes every offload queued since its last round at once, asks
   the index for each chain's intent, frames all granted pages in its host
@@ -26,6 +26,9 @@ arrived). :class:`Publisher` does the rest on one thread of its own:
   while after its last forward ended, when the request's KV has gone to its
   decode worker and the first token is being computed (a publish on the 2-core
   VM made exactly those slower); at most ``max_delay_s`` after the offload came;
+  and never before an offload's ``not_before`` (a decode worker's copy of a
+  prompt that has just arrived waits until the request's first token is out; a
+  round takes no later offload that is not due yet);
 - **through the storage process** when the worker shares its host (``storage``:
   the storage process's endpoint) and its pool is on the CPU: the arena is then a
   :class:`~bana_sglang.radix_global.shm_arena.SharedArena` and the storage process
@@ -81,6 +84,9 @@ class Offload:
     page_ids: torch.Tensor  # pool page of each page (CPU int64)
     ready: list = field(default_factory=list)  # events to wait for before reading (CUDA)
     submitted: float = field(default_factory=time.monotonic)
+    # not written before this time (``time.monotonic``): a decode worker's copy of a prompt
+    # that has just arrived waits until the request's first token is out
+    not_before: float = 0.0
 
 
 @dataclass
@@ -96,6 +102,12 @@ class RoundStats:
     index_s: float = 0.0
     put_s: float = 0.0
     local_pages: int = 0  # of ``written``, put by the storage process from the shared arena
+
+
+def _sleep_until(t: float) -> None:
+    left = t - time.monotonic()
+    if left > 0:
+        time.sleep(left)
 
 
 def lower_thread_priority(nice: int) -> None:
@@ -161,6 +173,7 @@ class Publisher:
         )
         self._remap_at = 0.0  # when to map a fresh shared arena (after a failed local put)
         self._queue: queue.Queue[Offload | None] = queue.Queue()
+        self._next: Offload | None = None  # taken from the queue, not due in the last round
         self._lock = threading.Lock()
         self._pending = 0
         self._busy = threading.Event()
@@ -213,20 +226,24 @@ class Publisher:
         finally:
             self._ready.set()
         while True:
-            task = self._queue.get()
+            task, self._next = self._next or self._queue.get(), None
             if task is None:
                 self._queue.task_done()
                 return
+            _sleep_until(task.not_before)
             self._wait_quiet(task.submitted)
             tasks = [task]
             stop = False
-            while True:  # everything queued since the last round
+            while True:  # everything queued since the last round that is due
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if more is None:
                     stop = True
+                    break
+                if more.not_before > time.monotonic():  # the next round's first
+                    self._next = more
                     break
                 tasks.append(more)
             try:

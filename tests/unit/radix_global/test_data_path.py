@@ -125,6 +125,30 @@ def test_queued_offloads_go_out_in_one_round_after_a_quiet_moment_results_in_ord
     pub2.close()
 
 
+def test_an_offload_is_not_written_before_it_is_due_and_holds_back_no_other(kv):
+    """A decode worker's copy of a prompt that has just arrived waits for its
+    ``not_before``; an offload due before it goes out in a round of its own at once,
+    and results keep the offloads' order."""
+    pool, index = make_pool(), FakeIndex()
+    pub = Publisher(
+        pool, lambda: PageStore(LAYOUT, kv, mac_key=KEY), index, "w", arena_bytes=1 << 20
+    )
+    due, held = (page_chain(range(100 * j, 100 * j + 2 * 4), LAYOUT) for j in (1, 2))
+    t0 = time.monotonic()
+    pub.submit(Offload(list(due), None, torch.tensor([1, 2])))
+    pub.submit(Offload(list(held), None, torch.tensor([3, 4]), not_before=t0 + 0.5))
+    deadline = time.monotonic() + 5
+    while kv.calls.get("put", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert time.monotonic() - t0 < 0.5, "the due offload waited for the held one"
+    assert kv.slices["put"] == 2 and index.present == set(due)
+    pub.join()
+    assert time.monotonic() - t0 >= 0.5
+    assert kv.calls["put"] == 2 and index.present == set(due) | set(held)
+    assert [pub.results.get_nowait() for _ in range(2)] == [True, True]
+    pub.close()
+
+
 def test_an_unavailable_index_publishes_nothing_and_says_so(kv):
     pool, index = make_pool(), FakeIndex()
     index.available = False

@@ -166,10 +166,10 @@ def _batch(linker):
     return SimpleNamespace(tree_cache=SimpleNamespace(linker=SimpleNamespace(cache_linker=linker)))
 
 
-def test_a_decode_worker_declines_a_prompt_while_its_kv_arrives():
+def test_a_decode_worker_knows_when_a_prompts_kv_arrives():
     """While a decode batch takes in requests whose KV came from their prefill
     workers (``process_prebuilt`` puts them into the tree), our linker is told so
-    (it declines those offers); before and after, and when the call raises, not."""
+    (it holds those offers back); before and after, and when the call raises, not."""
     linker, seen = BanaGlobalLinker(), []
 
     def prebuilt(batch, future_map):
