@@ -65,19 +65,24 @@ ARMS = ("store-round-robin", "nostore-round-robin", "ours", "bana-cache-aware")
 STOCK = ("nostore-round-robin", "bana-cache-aware")
 
 
-def infinite_cache_hits(wl: workloads.Workload, page: int) -> tuple[int, int]:
+def infinite_cache_hits(
+    wl: workloads.Workload, page: int, since: float | None = None, until: float | None = None
+) -> tuple[int, int]:
     """(hit tokens, prompt tokens) if every page ever computed stayed visible to
     every worker: a request reuses its longest page-aligned prefix seen before,
-    but never its last token (SGLang computes at least one)."""
+    but never its last token (SGLang computes at least one). ``since``/``until``:
+    count only the requests that arrive in that window (all requests still fill
+    the cache)."""
     seen: set[tuple[int, ...]] = set()
     hit = total = 0
     for r in sorted(wl.requests, key=lambda r: r.arrival_s):
         p = list(r.prompt)
-        total += len(p)
         n = 0
         while (n + 1) * page <= len(p) - 1 and tuple(p[: (n + 1) * page]) in seen:
             n += 1
-        hit += n * page
+        if (since is None or r.arrival_s >= since) and (until is None or r.arrival_s < until):
+            total += len(p)
+            hit += n * page
         for k in range(1, len(p) // page + 1):
             seen.add(tuple(p[: k * page]))
     return hit, total
@@ -126,6 +131,9 @@ class ArmResult:
     # TTFTs of the requests that arrived in the replay's opening window, and of the rest
     start_ttft: list[float] = dataclasses.field(default_factory=list)
     after_ttft: list[float] = dataclasses.field(default_factory=list)
+    # their prefix hit rates (reported cached tokens / prompt tokens)
+    start_hit: float | None = None
+    after_hit: float | None = None
 
 
 def run_arm(
@@ -170,6 +178,7 @@ def run_arm(
         result.metrics, result.router, result.requests = deltas, rdelta, len(records)
         result.cpu_s = cpu_s
         result.start_ttft, result.after_ttft = split_ttft(records, start_s)
+        result.start_hit, result.after_hit = split_hit(records, start_s)
         result.page_nbytes, result.raw_put_mbps, result.raw_get_mbps, result.raw_error = raw
     return result
 
@@ -290,27 +299,55 @@ def split_ttft(records, start_s: float) -> tuple[list[float], list[float]]:
     return start, after
 
 
-def phase_rows(arms: Sequence[ArmResult], start_s: float) -> list[str]:
-    """TTFT of the opening window and of the rest, per arm, and against the stock arms:
-    on two shared cores the first requests of an empty cluster, all cold, queue
-    behind each other, and with a few tens of requests they decide every arm's p99."""
+def split_hit(records, start_s: float) -> tuple[float | None, float | None]:
+    """Prefix hit rates (reported cached tokens / prompt tokens) of the successful
+    requests scheduled before ``start_s`` and of those after (None: none reported)."""
+    sums = {True: [0, 0], False: [0, 0]}
+    for r in records:
+        if r.ok and r.cached_tokens is not None:
+            acc = sums[r.scheduled_s < start_s]
+            acc[0] += r.cached_tokens
+            acc[1] += r.prompt_len
+    start, after = (sums[k][0] / sums[k][1] if sums[k][1] else None for k in (True, False))
+    return start, after
+
+
+def phase_rows(
+    arms: Sequence[ArmResult],
+    start_s: float,
+    infinite: tuple[float, float] | None = None,
+) -> list[str]:
+    """TTFT and prefix hit rate of the opening window and of the rest, per arm, and
+    TTFT against the stock arms: on two shared cores the first requests of an empty
+    cluster, nearly all cold, queue behind each other, and with a few tens of requests
+    they decide every arm's p99. ``infinite``: the infinite-cache hit rates of the two
+    windows (the most prefill work any cache can save there)."""
     arms = [a for a in arms if a.start_ttft or a.after_ttft]
     if not arms or start_s <= 0:
         return []
 
-    def cells(xs: list[float]) -> str:
+    def pct(x: float | None) -> str:
+        return f"{x:.1%}" if x is not None else "-"
+
+    def cells(xs: list[float], hit: float | None) -> str:
         d = metrics.Dist.of(xs)
-        return f"{d.n} | {d.p50:.3f} | {d.p99:.3f} | {d.mean:.3f}" if d.n else "0 | - | - | -"
+        if not d.n:
+            return f"0 | {pct(hit)} | - | - | -"
+        return f"{d.n} | {pct(hit)} | {d.p50:.3f} | {d.p99:.3f} | {d.mean:.3f}"
 
     rows = [
-        f"TTFT (s) of the requests that arrived in the first {start_s:.1f} s of the replay "
-        "(from an empty cluster) and of the rest:",
+        f"TTFT (s) and prefix hit rate of the requests that arrived in the first "
+        f"{start_s:.1f} s of the replay (from an empty cluster) and of the rest:",
         "",
-        "| arm | start: n | p50 | p99 | mean | after: n | p50 | p99 | mean |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| arm | start: n | hit | p50 | p99 | mean | after: n | hit | p50 | p99 | mean |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a in arms:
-        rows.append(f"| {a.name} | {cells(a.start_ttft)} | {cells(a.after_ttft)} |")
+        rows.append(
+            f"| {a.name} | {cells(a.start_ttft, a.start_hit)} | {cells(a.after_ttft, a.after_hit)} |"
+        )
+    if infinite is not None:
+        rows.append(f"| infinite cache | | {pct(infinite[0])} | | | | | {pct(infinite[1])} | | | |")
     by = {a.name: a for a in arms}
     stock = [by[n] for n in STOCK if n in by and by[n].after_ttft]
     pairs = [(n, by[n]) for n in ("store-round-robin", "ours") if n in by and by[n].after_ttft]
@@ -336,6 +373,7 @@ def report(
     wl: workloads.Workload,
     command: str,
     start_s: float = 0.0,
+    infinite_split: tuple[float, float] | None = None,
 ) -> str:
     by = {a.name: a for a in arms}
     # the store's breakdown: of the shipped arm when it ran, else of the round-robin one
@@ -362,7 +400,7 @@ def report(
         )
     lines += ["", f"Infinite-cache hit rate of the same slice: {inf_hit:.1%}", ""]
     lines += ratio_rows(by, inf_hit)
-    lines += phase_rows(arms, start_s)
+    lines += phase_rows(arms, start_s, infinite_split)
     lines += cpu_rows(arms)
     if on:
         loaded, load_s, wait_s = (
@@ -540,7 +578,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m bench.bench_global_store " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
-    text = report(results, inf, wl, command.strip(), start_s)
+    windows = [
+        infinite_cache_hits(wl, 16, until=start_s),
+        infinite_cache_hits(wl, 16, since=start_s),
+    ]
+    split = tuple(h / t if t else 0.0 for h, t in windows) if start_s > 0 else None
+    text = report(results, inf, wl, command.strip(), start_s, split)
     pic = plot(results, inf, out)
     # the picture as each document sees it: the run's report.md beside it, RESULTS.md in docs/
     here = f"\n\n![hit rates and TTFT]({pic.name})" if pic else ""
@@ -565,6 +608,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         cpu_s=a.cpu_s,
                         start_ttft=a.start_ttft,
                         after_ttft=a.after_ttft,
+                        start_hit=a.start_hit,
+                        after_hit=a.after_hit,
                     )
                     for a in results
                 ],

@@ -97,24 +97,36 @@ def test_cpu_rows_group_parts_and_compare_with_the_first_stock_arm() -> None:
 
 
 def test_ttft_splits_at_the_opening_window_and_is_compared_after_it() -> None:
+    def rec(ok, ttft, at, cached=None, n=100):
+        return SimpleNamespace(ok=ok, ttft=ttft, scheduled_s=at, cached_tokens=cached, prompt_len=n)
+
     recs = [
-        SimpleNamespace(ok=True, ttft=5.0, scheduled_s=0.0),
-        SimpleNamespace(ok=True, ttft=7.0, scheduled_s=0.5),
-        SimpleNamespace(ok=False, ttft=None, scheduled_s=1.0),
-        SimpleNamespace(ok=True, ttft=0.2, scheduled_s=20.0),
-        SimpleNamespace(ok=True, ttft=0.4, scheduled_s=30.0),
+        rec(True, 5.0, 0.0, cached=0),
+        rec(True, 7.0, 0.5, cached=50),
+        rec(False, None, 1.0, cached=100),  # failed: in neither window
+        rec(True, 0.2, 20.0, cached=80),
+        rec(True, 0.4, 30.0, cached=None),  # no cache report: not in the hit rate
     ]
     assert gs.split_ttft(recs, 10.0) == ([5.0, 7.0], [0.2, 0.4])
+    assert gs.split_hit(recs, 10.0) == (0.25, 0.8)
+    assert gs.split_hit(recs[:3], 10.0) == (0.25, None)
     on, off = _arm("ours", 0.4, 1, 1), _arm("nostore-round-robin", 0.2, 1, 1)
     aff = _arm("bana-cache-aware", 0.3, 1, 1)
     on.start_ttft, on.after_ttft = [6.0, 8.0], [0.1, 0.3]
+    on.start_hit, on.after_hit = 0.125, 0.75
     off.start_ttft, off.after_ttft = [5.0, 7.0], [0.2, 0.6]
     aff.start_ttft, aff.after_ttft = [5.0, 9.0], [0.4, 0.4]  # a higher p50, a lower p99
-    rows = gs.phase_rows([on, off, aff], 10.0)
+    rows = gs.phase_rows([on, off, aff], 10.0, (0.15, 0.8))
     assert "first 10.0 s" in rows[0]
     ours = [r for r in rows if r.startswith("| ours |")]
-    # per arm: start n, p50, p99, mean; after n, p50, p99, mean
-    assert ours[0] == "| ours | 2 | 7.000 | 7.980 | 7.000 | 2 | 0.200 | 0.298 | 0.200 |"
+    # per arm: start n, hit, p50, p99, mean; after n, hit, p50, p99, mean
+    assert ours[0] == (
+        "| ours | 2 | 12.5% | 7.000 | 7.980 | 7.000 | 2 | 75.0% | 0.200 | 0.298 | 0.200 |"
+    )
+    assert _row(rows, "nostore-round-robin")[1] == "-"  # no hit rate measured
+    (inf,) = [r for r in rows if r.startswith("| infinite cache |")]
+    assert [c.strip() for c in inf.strip("|").split("|")][2] == "15.0%"
+    assert [c.strip() for c in inf.strip("|").split("|")][7] == "80.0%"
     # after the start, against the better stock arm figure by figure:
     # p50 0.2 / min(0.4, 0.4), p99 0.298 / min(0.596, 0.4)
     assert ours[1] == "| ours | 0.50 | 0.74 |"
@@ -134,3 +146,18 @@ def test_a_failed_raw_bandwidth_probe_is_reported_not_fatal() -> None:
     )
     assert "load bandwidth reached: 40.0 MB/s" in text
     assert "ratio" not in text.split("load bandwidth reached")[1].split("\n")[1]
+
+
+def test_the_infinite_cache_counts_a_window_with_every_earlier_page_cached() -> None:
+    """Every page computed before is hit (never a prompt's last token); a window
+    counts only its own requests' tokens, the requests before it still fill the cache."""
+
+    def req(t: float, prompt: list[int]):
+        return SimpleNamespace(arrival_s=t, prompt=prompt)
+
+    a = list(range(8))
+    wl = SimpleNamespace(requests=(req(0.0, a), req(1.0, a + [9, 9, 9, 9]), req(2.0, a)))
+    # 0 of 8, then 8 of 12, then 4 of 8 (its last page holds its last token)
+    assert gs.infinite_cache_hits(wl, 4) == (12, 28)
+    assert gs.infinite_cache_hits(wl, 4, until=1.0) == (0, 8)
+    assert gs.infinite_cache_hits(wl, 4, since=1.0) == (12, 20)
