@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import re
 import sys
@@ -194,9 +195,38 @@ def namespaced(foreign_hash: str, layout: KVLayout, salt: str | bytes | None = N
     them safe to share across models, layouts and TP ranks. Equal inputs give
     equal outputs in every process; the chain structure is preserved.
     """
-    return PageHash(
-        _h(_PAGE_TAG, namespace(layout, salt), b"foreign", foreign_hash.encode("utf-8")).hex()
-    )
+    h = _foreign_prefix(layout, salt).copy()
+    part = foreign_hash.encode("utf-8")
+    h.update(len(part).to_bytes(8, "little"))
+    h.update(part)
+    return PageHash(h.hexdigest())
+
+
+def namespaced_chain(
+    foreign_hashes: Sequence[str], layout: KVLayout, salt: str | bytes | None = None
+) -> list[PageHash]:
+    """:func:`namespaced` of every hash of a chain (a lookup's or an offload's pages,
+    on the scheduler's thread: the namespace's hashing is done once, not per page)."""
+    prefix = _foreign_prefix(layout, salt)
+    out = []
+    for foreign_hash in foreign_hashes:
+        h = prefix.copy()
+        part = foreign_hash.encode("utf-8")
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+        out.append(PageHash(h.hexdigest()))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _foreign_prefix(layout: KVLayout, salt: str | bytes | None):
+    """The hash state of :func:`namespaced` before the foreign hash: ``_h``'s first
+    three parts (tag, namespace, ``b"foreign"``), each length-prefixed; copied per page."""
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    for part in (_PAGE_TAG, namespace(layout, salt), b"foreign"):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h
 
 
 def model_identity(model_path: str) -> str:

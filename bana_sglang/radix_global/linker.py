@@ -33,11 +33,12 @@ What happens per request (``UnifiedCacheLinkerWrapper`` drives the calls):
 - After an insert into the device tree, the write-through chain offloads new
   nodes (parents first) -> :meth:`offload`: the :class:`~publisher.Publisher`
   thread publishes them in batches, at a lower priority (prefill workers
-  publish prompts; decode workers finished requests). A decode worker declines
-  the offer SGLang makes when a request's KV arrives from its prefill worker
-  (``hooks.prebuilt_hook``: that offer comes before the request's first token,
-  and the prompt is the prefill worker's to publish); the request's pages are
-  offered again when it finishes.
+  publish prompts; decode workers the prompts that arrive and what they
+  generate). A decode worker holds back the offer SGLang makes when a request's
+  KV arrives from its prefill worker (``hooks.prebuilt_hook``: that offer comes
+  before the request's first token) until the first token is out
+  (``BANA_STORE_PUBLISH_ARRIVAL_DELAY_MS``); whichever worker asks the index first
+  writes the prompt's pages.
 
 The worker's pool may be on the CPU or on a CUDA device
 (:class:`~device.Device`): on CUDA the load's copies run on a side stream after
@@ -83,7 +84,13 @@ from bana_sglang import envs
 from bana_sglang.radix_global.client import IndexClient
 from bana_sglang.radix_global.config import LINKER_NAME, LinkerConfig
 from bana_sglang.radix_global.cost import CostModel
-from bana_sglang.radix_global.keys import KVLayout, PageHash, model_identity, namespaced
+from bana_sglang.radix_global.keys import (
+    KVLayout,
+    PageHash,
+    model_identity,
+    namespaced,
+    namespaced_chain,
+)
 from bana_sglang.radix_global.layer_counter import LayerCounter, LoadCancelled, LoadGate
 from bana_sglang.radix_global.linker_metrics import StoreDurations, StoreMetrics
 from bana_sglang.radix_global.loader import Loader
@@ -264,7 +271,7 @@ class BanaGlobalLinker(UnifiedCacheLinker):
 
     # -- helpers
     def _chain(self, sglang_hashes: Sequence[str]) -> list[PageHash]:
-        return [namespaced(h, self.layout) for h in sglang_hashes]
+        return namespaced_chain(sglang_hashes, self.layout)
 
     @staticmethod
     def _kv(transfers: list[PoolTransfer]) -> PoolTransfer | None:

@@ -31,7 +31,7 @@ from bana_sglang.radix_global.client import IndexClient
 from bana_sglang.radix_global.keys import (
     KVLayout,
     model_identity,
-    namespaced,
+    namespaced_chain,
     sglang_page_hashes,
 )
 
@@ -79,7 +79,7 @@ class GlobalIndexView:
 
     def _lookup(self, ids: Sequence[int]) -> int | None:
         try:
-            chain = [namespaced(h, self.layout) for h in sglang_page_hashes(ids, self.page_size)]
+            chain = namespaced_chain(sglang_page_hashes(ids, self.page_size), self.layout)
         except ValueError:
             return None
         if not chain:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from bana_sglang.radix_global import keys
 from bana_sglang.radix_global.keys import KVLayout, is_page_hash, namespaced, page_chain
 
 L = KVLayout(
@@ -85,3 +86,22 @@ def test_layout_validation():
         KVLayout("m", "float32", 1, 1, 1, 1, tp_rank=2, tp_size=2)
     with pytest.raises(ValueError, match="page_size"):
         KVLayout("m", "float32", 0, 1, 1, 1)
+
+
+@pytest.mark.parametrize("salt", [None, "", "tenant-a", b"\x00raw"])
+def test_a_chain_is_namespaced_as_each_page_is_alone_and_as_the_hash_of_its_parts(salt):
+    """The namespace's hashing is done once per layout and salt, then copied per
+    page: the result is the same hash of the length-prefixed parts as before, and
+    a cached state is never advanced by a call."""
+    layout = KVLayout("m", "float32", page_size=16, num_kv_heads=2, head_dim=8, num_layers=2)
+    other = KVLayout("m", "float32", page_size=16, num_kv_heads=2, head_dim=8, num_layers=3)
+    foreign = [f"{i:064x}" for i in range(5)]
+    want = [
+        keys._h(keys._PAGE_TAG, keys.namespace(layout, salt), b"foreign", h.encode()).hex()
+        for h in foreign
+    ]
+    for _ in range(2):  # twice: a second call starts from the same state
+        assert keys.namespaced_chain(foreign, layout, salt) == want
+        assert [namespaced(h, layout, salt) for h in foreign] == want
+    assert keys.namespaced_chain(foreign, other, salt) != want
+    assert keys.namespaced_chain([], layout, salt) == []
