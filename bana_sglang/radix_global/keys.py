@@ -195,11 +195,7 @@ def namespaced(foreign_hash: str, layout: KVLayout, salt: str | bytes | None = N
     them safe to share across models, layouts and TP ranks. Equal inputs give
     equal outputs in every process; the chain structure is preserved.
     """
-    h = _foreign_prefix(layout, salt).copy()
-    part = foreign_hash.encode("utf-8")
-    h.update(len(part).to_bytes(8, "little"))
-    h.update(part)
-    return PageHash(h.hexdigest())
+    return namespaced_chain((foreign_hash,), layout, salt)[0]
 
 
 def namespaced_chain(
